@@ -1,0 +1,60 @@
+"""mindspeed-tp: bitwise-consistent log-probabilities for Megatron-core / MindSpeed in any layout.
+
+Four equivalent switches apply the same patches exactly once:
+``import mindspeed_tp.megatron_adaptor``, ``mindspeed_tp.enable(profile=...)``, the environment
+variable ``MINDSPEED_TP=1`` (profile from ``MINDSPEED_TP_PROFILE``), and the training-script flags
+``--true-on-policy`` / ``--true-on-policy-profile PATH``.
+"""
+import os
+import threading
+from typing import Optional, Union
+
+from .errors import ConfigError, PatchTargetError
+from .profile import Profile, load_profile
+
+__version__ = "0.1.0"
+
+_lock = threading.RLock()
+
+
+def enable(profile: Union[str, Profile, None] = None) -> Profile:
+    """Apply the numerics patches (idempotent) under ``profile`` (name, YAML path or Profile).
+
+    Enabling again with a different profile switches the profile; the patches stay applied once.
+    """
+    from . import state
+    from .backends import ensure_backend_ready
+    from .patches import registry
+
+    prof = profile if isinstance(profile, Profile) else load_profile(profile)
+    with _lock:
+        ensure_backend_ready(prof)
+        state.set_profile(prof)
+        registry().apply()
+    return prof
+
+
+def disable() -> None:
+    """Restore every original megatron-core symbol (vanilla behaviour)."""
+    from . import state
+    from .patches import registry
+
+    with _lock:
+        registry().revert()
+        state.set_profile(None)
+
+
+def is_enabled() -> bool:
+    from . import state
+
+    return state.enabled()
+
+
+def _env_requested() -> bool:
+    return os.environ.get("MINDSPEED_TP", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+if _env_requested():  # the environment switch: importing the package is enough
+    enable(os.environ.get("MINDSPEED_TP_PROFILE") or None)
+
+__all__ = ["ConfigError", "PatchTargetError", "Profile", "disable", "enable", "is_enabled", "load_profile"]

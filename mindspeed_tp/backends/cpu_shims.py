@@ -1,0 +1,111 @@
+"""CPU shims: what megatron-core needs to run without CUDA, with gloo. Not numerics.
+
+Each shim replaces a CUDA-only call with its CPU equivalent and changes no arithmetic; they are
+installed only when no accelerator is present (by ``enable()`` and by the checker, which needs them
+for vanilla runs too). See ../shared/MEGATRON_ON_CPU.md for the failures each one answers.
+"""
+import contextlib
+import functools
+
+import torch
+
+from ..patching import Patch, PatchRegistry
+
+_shims = PatchRegistry("cpu-shims")
+
+
+class _NullStream:
+    """Stands in for torch.cuda.Stream / Event: synchronisation is a no-op on one CPU stream."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return _NullStream()
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+def _torch_cuda(name, replacement, reason):
+    _shims.add(Patch(target=f"torch.cuda:{name}", replacement=replacement, reason=reason))
+
+
+_torch_cuda("current_device", lambda: "cpu", "buffers allocated on torch.cuda.current_device()")
+_torch_cuda("get_rng_state", lambda *a, **k: torch.default_generator.get_state(),
+            "CudaRNGStatesTracker.add reads the CUDA RNG state")
+# default_generator.manual_seed, not torch.manual_seed: the latter calls back into torch.cuda.
+_torch_cuda("manual_seed", lambda seed: torch.default_generator.manual_seed(int(seed)),
+            "model_parallel_cuda_manual_seed seeds the CUDA generator")
+_torch_cuda("Stream", _NullStream, "MoE dispatchers create side streams")
+_torch_cuda("Event", _NullStream, "MoE dispatchers record events")
+_torch_cuda("stream", lambda *a, **k: contextlib.nullcontext(), "torch.cuda.stream(s) context")
+_torch_cuda("current_stream", lambda *a, **k: _NullStream(), "stream synchronisation")
+_torch_cuda("synchronize", lambda *a, **k: None, "explicit device synchronisation")
+
+
+@_shims.register("megatron.core.tensor_parallel.random:_get_cuda_rng_state",
+                 "the RNG tracker forks on the CUDA generator; use the CPU one")
+def _get_rng_state(*args, **kwargs):
+    return torch.default_generator.get_state()
+
+
+@_shims.register("megatron.core.tensor_parallel.random:_set_cuda_rng_state",
+                 "the RNG tracker restores the CUDA generator; use the CPU one")
+def _set_rng_state(new_state, *args, **kwargs):
+    torch.default_generator.set_state(new_state)
+
+
+@functools.lru_cache(maxsize=None)
+def _causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+
+
+@_shims.register("megatron.core.transformer.utils:get_default_causal_mask",
+                 "the default causal mask is built on device='cuda'")
+def _get_default_causal_mask(sq: int) -> torch.Tensor:
+    return _causal_mask(sq)
+
+
+@_shims.register("megatron.core.transformer.torch_norm:WrappedTorchNorm.__new__",
+                 "torch norms assert sequence_parallel=False; a norm is per token, so build it "
+                 "without SP and tag its parameters for the SP gradient all-reduce", wraps=True)
+def _wrapped_torch_norm_new(original):
+    def __new__(cls, config, hidden_size, eps=1e-5, *args, **kwargs):
+        if not getattr(config, "sequence_parallel", False):
+            return original(cls, config, hidden_size, eps, *args, **kwargs)
+        import copy
+
+        cfg = copy.copy(config)
+        cfg.sequence_parallel = False
+        norm = original(cls, cfg, hidden_size, eps, *args, **kwargs)
+        for p in norm.parameters():
+            setattr(p, "sequence_parallel", True)
+        return norm
+
+    return __new__
+
+
+def install_cpu_shims() -> None:
+    """Install every CPU shim (idempotent)."""
+    _shims.apply()
+
+
+def remove_cpu_shims() -> None:
+    _shims.revert()
+
+
+def shim_registry() -> PatchRegistry:
+    return _shims

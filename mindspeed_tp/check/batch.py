@@ -1,0 +1,34 @@
+"""Seeded scoring batches: sequences of different lengths, right-padded."""
+from dataclasses import dataclass
+from typing import List
+
+import torch
+
+
+@dataclass
+class ScoringBatch:
+    tokens: torch.Tensor  # (b, s) long, right-padded with pad_id
+    lengths: List[int]
+
+    @property
+    def targets(self) -> torch.Tensor:
+        """Token t+1 is the target of position t (the last column's target is padding)."""
+        return torch.cat([self.tokens[:, 1:], self.tokens[:, -1:]], dim=1)
+
+    @property
+    def scored(self) -> torch.Tensor:
+        """(b, s) bool: positions whose next token is a real token of the sequence."""
+        b, s = self.tokens.shape
+        pos = torch.arange(s).unsqueeze(0)
+        return pos + 1 < torch.tensor(self.lengths).unsqueeze(1)
+
+
+def make_batch(vocab_size: int, seed: int, batch_size: int, seq_length: int, pad_id: int = 0) -> ScoringBatch:
+    gen = torch.Generator().manual_seed(seed + 7919)
+    lengths = [seq_length] + [
+        int(x) for x in torch.randint(2, seq_length + 1, (batch_size - 1,), generator=gen)
+    ]
+    tokens = torch.randint(0, vocab_size, (batch_size, seq_length), generator=gen)
+    for i, n in enumerate(lengths):
+        tokens[i, n:] = pad_id
+    return ScoringBatch(tokens=tokens, lengths=lengths)

@@ -1,0 +1,125 @@
+"""Run a GPTModel forward in one layout and return per-token logprobs on every rank.
+
+Layouts are run one after another in the same torchrun world (Megatron's parallel state is
+rebuilt for each), so the reference TP=PP=1 run and the distributed runs share processes,
+thread settings and weights generator.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import disable, enable
+from ..errors import ConfigError
+from ..models.builder import build_gpt_stage
+from ..models.layout import Layout
+from ..models.spec import ModelSpec
+from ..models.weights import load_seeded_weights
+from ..profile import Profile
+from .batch import ScoringBatch
+
+
+def init_distributed(timeout_s: float = 600.0) -> None:
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:  # plain `python -m`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29400 + os.getpid() % 1000))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _setup_parallel_state(layout: Layout, seed: int) -> None:
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    world = dist.get_world_size()
+    if world % layout.model_parallel_size:
+        raise ConfigError(
+            f"layout {layout.name} needs a world size divisible by tp*pp={layout.model_parallel_size}; "
+            f"launched with {world} processes (change --nproc or the layout)"
+        )
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp
+    )
+    model_parallel_cuda_manual_seed(seed)
+
+
+def _pipeline_forward(model, layout: Layout, batch: ScoringBatch, hidden: int, dtype):
+    """Forward through this rank's stage; activations move between stages by send/recv."""
+    from megatron.core import parallel_state
+
+    b, s = batch.tokens.shape
+    positions = torch.arange(s).unsqueeze(0).expand(b, s)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).view(1, 1, s, s)
+    if not parallel_state.is_pipeline_first_stage():
+        rows = s // layout.tp if layout.sp else s
+        received = torch.empty(rows, b, hidden, dtype=dtype)
+        dist.recv(received, src=parallel_state.get_pipeline_model_parallel_prev_rank())
+        model.set_input_tensor(received)
+    out = model(batch.tokens, positions, mask)
+    if not parallel_state.is_pipeline_last_stage():
+        dist.send(out.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
+        return None
+    return out
+
+
+def _logprobs_from_logits(logits: torch.Tensor, batch: ScoringBatch, vocab_size: int) -> torch.Tensor:
+    """Per-token logprobs through Megatron's vocab_parallel_cross_entropy (patched or vanilla).
+
+    Padded vocab columns are set to -inf first (exact, layout-independent), so both modes score
+    the true vocabulary.
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    v_local = logits.shape[-1]
+    start = parallel_state.get_tensor_model_parallel_rank() * v_local
+    cols = torch.arange(start, start + v_local)
+    logits = logits.masked_fill(cols >= vocab_size, float("-inf"))
+    return -tensor_parallel.vocab_parallel_cross_entropy(logits, batch.targets)
+
+
+def layout_logprobs(
+    spec: ModelSpec,
+    layout: Layout,
+    dtype: torch.dtype,
+    profile: Profile,
+    seed: int,
+    batch: ScoringBatch,
+    vanilla: bool,
+) -> torch.Tensor:
+    """(b, s) fp32 logprobs of ``batch`` under ``layout``, identical on every rank afterwards."""
+    from megatron.core import parallel_state
+
+    if vanilla:
+        disable()
+    else:
+        enable(profile)
+    _setup_parallel_state(layout, seed)
+    # Only one data-parallel replica computes; the others would repeat the same work.
+    computes = parallel_state.get_data_parallel_rank() == 0
+    src = None
+    result = torch.zeros(batch.tokens.shape, dtype=torch.float32)
+    if computes:
+        model = build_gpt_stage(spec, layout, dtype, profile)
+        load_seeded_weights(
+            model, spec, seed, layout.tp, parallel_state.get_tensor_model_parallel_rank()
+        )
+        with torch.no_grad():
+            out = _pipeline_forward(model, layout, batch, spec.hidden_size, dtype)
+        if out is not None:
+            result = _logprobs_from_logits(out, batch, spec.vocab_size).float()
+    # The owner of the answer: last pipeline stage, TP rank 0, DP rank 0.
+    is_src = computes and parallel_state.is_pipeline_last_stage() and (
+        parallel_state.get_tensor_model_parallel_rank() == 0
+    )
+    flags = torch.tensor([dist.get_rank() if is_src else -1])
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    src = int(flags.item())
+    dist.broadcast(result, src=src)
+    return result

@@ -1,0 +1,129 @@
+"""Cross-rank sums in canonical order: move data with the collective library, add locally.
+
+The collective library never adds (its order and dtype are its own choice). Each rank holds the
+fp32 result of its own subtree (a contiguous run of C/TP leaves); the upper log2(TP) tree levels
+are folded locally in rank order after an all-to-all of row slices. Bytes moved stay close to one
+ring all-reduce: an fp32 all-to-all, plus an all-gather of the cast result when every rank needs
+all rows.
+"""
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .kernels.tree import tree_fold
+
+
+def _group_size(group) -> int:
+    if group is None or not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group=group)
+
+
+def _all_to_all_rows(x: torch.Tensor, group) -> torch.Tensor:
+    """x: (world*r, n) -> (world, r, n) where slot i holds rank i's slice for this rank."""
+    world = _group_size(group)
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x.contiguous(), group=group)
+    return out.reshape(world, x.shape[0] // world, *x.shape[1:])
+
+
+def _all_gather_rows(x: torch.Tensor, group) -> torch.Tensor:
+    world = _group_size(group)
+    out = x.new_empty((world * x.shape[0], *x.shape[1:]))
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+def _fold_rows(partial: torch.Tensor, group, out_dtype) -> torch.Tensor:
+    """(rows, n) fp32 subtree result -> this rank's rows/world slice of the tree sum, cast."""
+    received = _all_to_all_rows(partial, group)
+    return tree_fold(received, dim=0).to(out_dtype)
+
+
+class _FoldScatter(torch.autograd.Function):
+    """Tree-ordered reduce-scatter along dim 0 (sequence parallel). Backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, partial, group, out_dtype):
+        ctx.group = group
+        ctx.in_dtype = partial.dtype
+        shape = partial.shape
+        flat = partial.reshape(shape[0], -1)
+        out = _fold_rows(flat, group, out_dtype)
+        return out.reshape(shape[0] // _group_size(group), *shape[1:])
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape = grad.shape
+        full = _all_gather_rows(grad.reshape(shape[0], -1), ctx.group)
+        return full.reshape(-1, *shape[1:]).to(ctx.in_dtype), None, None
+
+
+class _FoldAll(torch.autograd.Function):
+    """Tree-ordered all-reduce: fold a row slice per rank, then all-gather. Backward: identity
+    (every rank's output feeds a replicated computation, as for Megatron's all-reduce)."""
+
+    @staticmethod
+    def forward(ctx, partial, group, out_dtype):
+        ctx.in_dtype = partial.dtype
+        world = _group_size(group)
+        shape = partial.shape
+        flat = partial.reshape(-1, shape[-1]) if partial.dim() > 1 else partial.reshape(-1, 1)
+        rows = flat.shape[0]
+        padded = -(-rows // world) * world
+        if padded != rows:
+            flat = torch.cat([flat, flat.new_zeros(padded - rows, flat.shape[1])])
+        mine = _fold_rows(flat, group, out_dtype)
+        return _all_gather_rows(mine, group)[:rows].reshape(shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.in_dtype), None, None
+
+
+def fold_across_ranks(
+    partial: torch.Tensor, group, out_dtype: torch.dtype, scatter_dim0: bool = False
+) -> torch.Tensor:
+    """Sum each rank's fp32 subtree result over ``group`` in canonical (rank) order.
+
+    scatter_dim0=False: every rank gets the full sum (replaces all-reduce).
+    scatter_dim0=True: rank r gets slice r of dim 0 (replaces the SP reduce-scatter).
+    """
+    if _group_size(group) == 1:
+        return partial.to(out_dtype)
+    if scatter_dim0:
+        return _FoldScatter.apply(partial, group, out_dtype)
+    return _FoldAll.apply(partial, group, out_dtype)
+
+
+def gather_along_rank(x: torch.Tensor, group) -> torch.Tensor:
+    """(…) per rank -> (world, …), slot i from rank i. Not differentiable."""
+    world = _group_size(group)
+    if world == 1:
+        return x.unsqueeze(0)
+    flat = x.reshape(1, -1).contiguous()
+    out = x.new_empty((world, flat.shape[1]))
+    dist.all_gather_into_tensor(out, flat, group=group)
+    return out.reshape(world, *x.shape)
+
+
+def max_across_ranks(x: torch.Tensor, group) -> torch.Tensor:
+    """Element-wise max over ranks: exact whatever the order, so the library may do it."""
+    if _group_size(group) == 1:
+        return x
+    x = x.clone()
+    dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+    return x
+
+
+def group_rank(group) -> int:
+    return dist.get_rank(group=group) if _group_size(group) > 1 else 0
+
+
+__all__ = [
+    "fold_across_ranks",
+    "gather_along_rank",
+    "max_across_ranks",
+    "group_rank",
+]

@@ -1,0 +1,63 @@
+"""Every megatron-core version difference mindspeed-tp relies on, in one place.
+
+Supported lines: 0.12.x (what MindSpeed 2.x targets) and 0.16.x (MindSpeed core_r0.16.0). 0.12
+mappings take no process group (they use the global TP group); 0.16 threads ``tp_group`` through
+modules and mappings.
+"""
+from typing import Tuple
+
+SUPPORTED_LINES: Tuple[Tuple[int, int], ...] = ((0, 12), (0, 16))
+
+
+def megatron_version() -> str:
+    try:
+        from megatron.core.package_info import __version__
+    except ImportError:  # pragma: no cover - megatron-core absent
+        return "not installed"
+    return __version__
+
+
+def megatron_line() -> Tuple[int, int]:
+    major, minor = megatron_version().split(".")[:2]
+    return int(major), int(minor)
+
+
+def _mappings_take_group() -> bool:
+    return megatron_line() >= (0, 13)
+
+
+def tp_group_of(module=None):
+    """The tensor-parallel process group a module works in."""
+    group = getattr(module, "tp_group", None) if module is not None else None
+    if group is not None:
+        return group
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def copy_to_tensor_model_parallel_region(x, group):
+    from megatron.core.tensor_parallel import mappings
+
+    if _mappings_take_group():
+        return mappings.copy_to_tensor_model_parallel_region(x, group=group)
+    return mappings.copy_to_tensor_model_parallel_region(x)
+
+
+def scatter_to_tensor_model_parallel_region(x, group):
+    from megatron.core.tensor_parallel import mappings
+
+    if _mappings_take_group():
+        return mappings.scatter_to_tensor_model_parallel_region(x, group=group)
+    return mappings.scatter_to_tensor_model_parallel_region(x)
+
+
+def gather_from_sequence_parallel_region(x, group):
+    from megatron.core.tensor_parallel import mappings
+
+    return mappings.gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=group)
+
+
+def attention_scale(module) -> float:
+    """Softmax scale of a DotProductAttention (same attribute on both lines)."""
+    return float(module.softmax_scale)

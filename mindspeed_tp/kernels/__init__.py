@@ -1,0 +1,23 @@
+"""Kernel interface. The torch reference backend (CPU, always tested) implements every kernel;
+accelerator backends plug in behind the same names."""
+from .attention import consistent_attention
+from .linear import folded_leaf_partials, invariant_linear, invariant_matmul, leaf_partials
+from .logprob import vocab_parallel_logprob
+from .norm import layer_norm, rms_norm
+from .rope import apply_rope, rope_angles, rope_inv_freq
+from .tree import tree_fold
+
+__all__ = [
+    "apply_rope",
+    "consistent_attention",
+    "folded_leaf_partials",
+    "invariant_linear",
+    "invariant_matmul",
+    "layer_norm",
+    "leaf_partials",
+    "rms_norm",
+    "rope_angles",
+    "rope_inv_freq",
+    "tree_fold",
+    "vocab_parallel_logprob",
+]

@@ -1,0 +1,83 @@
+"""Consistent attention (torch reference backend).
+
+Per query and head: fp32 scores, keys visited in fixed blocks of ``block_size`` aligned to
+absolute key positions, online softmax in fp32, invisible keys excluded by select (never a large
+negative additive mask), one final division and one cast. A fully invisible block contributes
+exactly nothing (rescale factor exp(0) = 1, zero probabilities), so a caller that stops early at
+the last visible block -- a decode step -- gets the same bits as the training forward.
+"""
+from typing import Optional
+
+import torch
+
+from .linear import invariant_matmul
+
+
+def _pad_keys(t: torch.Tensor, length: int) -> torch.Tensor:
+    if t.shape[-2] == length:
+        return t
+    pad = t.new_zeros(*t.shape[:-2], length - t.shape[-2], t.shape[-1])
+    return torch.cat([t, pad], dim=-2)
+
+
+def consistent_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool = True,
+    q_positions: Optional[torch.Tensor] = None,
+    excluded: Optional[torch.Tensor] = None,
+    block_size: int = 128,
+    row_multiple: int = 16,
+) -> torch.Tensor:
+    """Attention for q (b, hq, sq, d) over k, v (b, hkv, sk, d); returns (b, hq, sq, d).
+
+    q_positions: absolute position of each query (default: the last ``sq`` key positions).
+    excluded: optional bool mask broadcastable to (b, 1, sq, sk); True hides a key from a query.
+    """
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    if hq % hkv:
+        raise ValueError(f"query heads {hq} not divisible by key/value heads {hkv}")
+    g = hq // hkv
+    device = q.device
+    if q_positions is None:
+        q_positions = torch.arange(sk - sq, sk, device=device)
+    nblk = -(-sk // block_size)
+    kp = _pad_keys(k, nblk * block_size).reshape(b * hkv, nblk * block_size, d)
+    vp = _pad_keys(v, nblk * block_size).reshape(b * hkv, nblk * block_size, d)
+    # Rows are (group member, query): query head h uses key/value head h // g.
+    qf = q.reshape(b * hkv, g * sq, d)
+    rows = g * sq
+    if excluded is not None:
+        excluded = excluded.to(torch.bool)
+        if excluded.shape[-1] < nblk * block_size:
+            pad = excluded.new_ones(*excluded.shape[:-1], nblk * block_size - excluded.shape[-1])
+            excluded = torch.cat([excluded, pad], dim=-1)
+
+    m = torch.full((b * hkv, rows), float("-inf"), device=device)
+    l = torch.zeros((b * hkv, rows), device=device)
+    acc = torch.zeros((b * hkv, rows, d), device=device)
+    for j in range(nblk):
+        lo, hi = j * block_size, (j + 1) * block_size
+        key_pos = torch.arange(lo, hi, device=device)
+        visible = (key_pos < sk).unsqueeze(0).expand(sq, block_size)
+        if causal:
+            visible = visible & (key_pos.unsqueeze(0) <= q_positions.unsqueeze(1))
+        visible = visible.repeat(g, 1).unsqueeze(0)  # (1, rows, B)
+        if excluded is not None:
+            ex = excluded[..., lo:hi].expand(b, 1, sq, block_size)
+            ex = ex.unsqueeze(2).expand(b, hkv, g, sq, block_size).reshape(b * hkv, rows, block_size)
+            visible = visible & ~ex
+        scores = invariant_matmul(qf, kp[:, lo:hi].transpose(-1, -2), row_multiple) * scale
+        scores = torch.where(visible, scores, float("-inf"))
+        m_new = torch.maximum(m, scores.amax(-1))
+        m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)
+        p = torch.exp(scores - m_safe.unsqueeze(-1))
+        alpha = torch.exp(m - m_safe)
+        l = l * alpha + p.sum(-1)
+        acc = acc * alpha.unsqueeze(-1) + invariant_matmul(p, vp[:, lo:hi], row_multiple)
+        m = m_new
+    out = torch.where(l.unsqueeze(-1) > 0, acc / l.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1), 0.0)
+    return out.reshape(b, hq, sq, d).to(q.dtype)

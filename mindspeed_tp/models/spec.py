@@ -1,0 +1,72 @@
+"""Model architecture configs (YAML) for the bundled models and user-given files."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Dict
+
+import yaml
+
+from ..errors import ConfigError
+
+MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "models")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A Qwen3-style decoder: RMSNorm, RoPE, SwiGLU, optional QK-norm and GQA."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    ffn_hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int = 4096
+    rotary_base: float = 10000.0
+    norm_epsilon: float = 1e-6
+    qk_layernorm: bool = True
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self):
+        for f in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                  "kv_channels", "ffn_hidden_size", "vocab_size", "max_position_embeddings"):
+            value = getattr(self, f)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"model {self.name}: {f} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ConfigError(
+                f"model {self.name}: num_attention_heads={self.num_attention_heads} is not divisible "
+                f"by num_query_groups={self.num_query_groups}"
+            )
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def bundled_models():
+    return sorted(p[:-5] for p in os.listdir(MODEL_DIR) if p.endswith(".yaml"))
+
+
+def load_model_spec(name_or_path: str) -> ModelSpec:
+    path = name_or_path
+    if not os.path.isfile(path):
+        path = os.path.join(MODEL_DIR, f"{name_or_path}.yaml")
+        if not os.path.isfile(path):
+            raise ConfigError(
+                f"--model {name_or_path!r} is neither a model config file nor a bundled model; "
+                f"bundled models: {bundled_models()}"
+            )
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"model config {path} must be a mapping")
+    data.setdefault("name", os.path.splitext(os.path.basename(path))[0])
+    known = {f.name for f in dataclasses.fields(ModelSpec)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"model config {path}: unknown field(s) {unknown}; known: {sorted(known)}")
+    return ModelSpec(**data)

@@ -1,0 +1,89 @@
+"""Seeded full-size weights, identical in every layout, sliced into this rank's shards.
+
+Every tensor is generated at its TP=1/PP=1 shape from (seed, global name) alone, then sliced by
+the same rules Megatron uses to shard it, so any two layouts hold the same logical weights.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Dict, Tuple
+
+import torch
+
+from .spec import ModelSpec
+
+# Parameter name suffix -> how Megatron shards it across TP ranks.
+_COLUMN = ("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias",
+           "linear_fc1.weight", "linear_fc1.bias")
+_ROW = ("linear_proj.weight", "linear_fc2.weight")
+_GATED = ("linear_fc1.weight", "linear_fc1.bias")
+
+
+def shard_rule(name: str) -> str:
+    if name.endswith(_GATED):
+        return "column_gated"
+    if name.endswith(_COLUMN):
+        return "column"
+    if name.endswith(_ROW):
+        return "row"
+    return "replicated"
+
+
+def global_param_name(model, local_name: str) -> str:
+    """Rename decoder.layers.<local>.* to the global layer index (PP stages number from 0)."""
+    parts = local_name.split(".")
+    if len(parts) > 2 and parts[0] == "decoder" and parts[1] == "layers":
+        layer = model.decoder.layers[int(parts[2])]
+        parts[2] = str(layer.layer_number - 1)
+    return ".".join(parts)
+
+
+def full_shape(rule: str, local_shape: Tuple[int, ...], tp: int) -> Tuple[int, ...]:
+    shape = list(local_shape)
+    if rule in ("column", "column_gated"):
+        shape[0] *= tp
+    elif rule == "row":
+        shape[1] *= tp
+    return tuple(shape)
+
+
+def _seed_for(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def seeded_full_tensor(seed: int, name: str, shape: Tuple[int, ...], spec: ModelSpec) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(_seed_for(seed, name))
+    t = torch.randn(shape, generator=gen, dtype=torch.float32)
+    if name.endswith("norm.weight"):
+        return 1.0 + 0.1 * t
+    if name.endswith("word_embeddings.weight") or name.endswith("output_layer.weight"):
+        t = t if name.endswith("word_embeddings.weight") else t / shape[1] ** 0.5
+        t[spec.vocab_size:] = 0.0  # TP-independent vocab padding rows
+        return t
+    if len(shape) == 2:
+        return t / shape[1] ** 0.5
+    return 0.02 * t
+
+
+def shard(full: torch.Tensor, rule: str, tp: int, rank: int) -> torch.Tensor:
+    if rule == "column":
+        return full.chunk(tp, dim=0)[rank]
+    if rule == "column_gated":
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]], dim=0)
+    if rule == "row":
+        return full.chunk(tp, dim=1)[rank]
+    return full
+
+
+def load_seeded_weights(model, spec: ModelSpec, seed: int, tp: int, tp_rank: int) -> Dict[str, str]:
+    """Fill every parameter of this stage with its shard of the seeded full weights."""
+    rules = {}
+    with torch.no_grad():
+        for local_name, param in model.named_parameters():
+            name = global_param_name(model, local_name)
+            rule = shard_rule(name)
+            full = seeded_full_tensor(seed, name, full_shape(rule, tuple(param.shape), tp), spec)
+            param.copy_(shard(full, rule, tp, tp_rank).to(param.dtype))
+            rules[name] = rule
+    return rules

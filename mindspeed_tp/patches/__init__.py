@@ -1,0 +1,18 @@
+"""The megatron-core patch set. ``registry()`` builds it once; enable()/disable() apply/revert it."""
+from typing import Optional
+
+from ..patching import PatchRegistry
+
+_registry: Optional[PatchRegistry] = None
+
+
+def registry() -> PatchRegistry:
+    global _registry
+    if _registry is None:
+        from . import attention, models, norms, tensor_parallel
+
+        reg = PatchRegistry("mindspeed-tp")
+        for module in (tensor_parallel, attention, norms, models):
+            module.register(reg)
+        _registry = reg
+    return _registry

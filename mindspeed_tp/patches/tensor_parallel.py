@@ -1,0 +1,125 @@
+"""Patches of megatron.core.tensor_parallel: invariant GEMMs, canonical row-parallel sums, logprob."""
+from typing import Optional
+
+import torch
+
+from .. import compat, state
+from ..collectives import _group_size, fold_across_ranks
+from ..errors import ConfigError
+from ..kernels import folded_leaf_partials, invariant_linear, vocab_parallel_logprob
+from ..patching import PatchRegistry
+
+LAYERS = "megatron.core.tensor_parallel.layers"
+
+
+def consistent_linear(
+    input,
+    weight,
+    bias,
+    gradient_accumulation_fusion=False,
+    allreduce_dgrad=False,
+    sequence_parallel=False,
+    grad_output_buffer=None,
+    wgrad_deferral_limit=None,
+    async_grad_allreduce=None,
+    tp_group=None,
+    **_ignored,
+):
+    """Drop-in for linear_with_grad_accumulation_and_async_allreduce (column-parallel GEMMs).
+
+    Same communication semantics (SP all-gather forward / reduce-scatter backward, dgrad
+    all-reduce); the GEMM itself is the batch-invariant one, fp32-accumulated and cast once.
+    Weight gradients land in ``weight.grad`` (Megatron's DDP then adds them to main_grad).
+    """
+    if grad_output_buffer is not None:
+        raise ConfigError(
+            "defer_embedding_wgrad_compute is not supported with --true-on-policy; unset it"
+        )
+    if async_grad_allreduce is not None:  # 0.12 spelling of allreduce_dgrad
+        allreduce_dgrad = allreduce_dgrad or async_grad_allreduce
+    group = tp_group if tp_group is not None else compat.tp_group_of()
+    if sequence_parallel:
+        input = compat.gather_from_sequence_parallel_region(input, group)
+    elif allreduce_dgrad:
+        input = compat.copy_to_tensor_model_parallel_region(input, group)
+    prof = state.profile()
+    out_dtype = torch.float32 if state.want_fp32_output() else input.dtype
+    return invariant_linear(input, weight, bias, out_dtype=out_dtype, row_multiple=prof.gemm_row_multiple)
+
+
+def row_parallel_forward(self, input_):
+    """RowParallelLinear.forward with the reduction over K in canonical tree order.
+
+    Each rank computes its C/TP leaves (K/C columns each) in fp32, folds them, and the ranks'
+    subtree results are folded in rank order by moving data (all-to-all), never by the
+    collective library's own sum.
+    """
+    prof = state.profile()
+    group = compat.tp_group_of(self)
+    tp = _group_size(group)
+    prof.check_tp(tp)
+    if not self.input_is_parallel:
+        input_ = compat.scatter_to_tensor_model_parallel_region(input_, group)
+    if getattr(self, "explicit_expert_comm", False):
+        raise ConfigError(
+            "expert-parallel RowParallelLinear (explicit_expert_comm) is not covered by the dense "
+            "patches; MoE models need the MoE patch set"
+        )
+    k_full = self.input_size
+    if k_full % prof.canonical_shards:
+        raise ConfigError(
+            f"input size {k_full} of {type(self).__name__} (attention heads*kv_channels or "
+            f"ffn_hidden_size) is not divisible by canonical_shards={prof.canonical_shards}; change "
+            f"the model size or the profile's canonical_shards"
+        )
+    lead = input_.shape[:-1]
+    x2d = input_.reshape(-1, input_.shape[-1])
+    leaves = prof.canonical_shards // tp
+    partial = folded_leaf_partials(x2d, self.weight, leaves, prof.gemm_row_multiple)
+    partial = partial.reshape(*lead, partial.shape[-1])
+    output_ = fold_across_ranks(partial, group, input_.dtype, scatter_dim0=bool(self.sequence_parallel))
+    if not self.skip_bias_add:
+        output = (output_ + self.bias) if self.bias is not None else output_
+        return output, None
+    return output_, self.bias
+
+
+def column_parallel_forward(original):
+    """Run the LM head (marked at GPTModel construction) with fp32 output: logits in fp32."""
+
+    def forward(self, *args, **kwargs):
+        if getattr(self, "_mindspeed_tp_logits", False):
+            with state.fp32_output():
+                return original(self, *args, **kwargs)
+        return original(self, *args, **kwargs)
+
+    return forward
+
+
+def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=0.0):
+    """-logprob through the canonical vocab tree (fp32)."""
+    if label_smoothing:
+        raise ConfigError("label_smoothing must be 0 with --true-on-policy")
+    prof = state.profile()
+    group = compat.tp_group_of()
+    return -vocab_parallel_logprob(
+        vocab_parallel_logits, target, group, prof.canonical_shards, vocab_size=None
+    )
+
+
+def register(reg: PatchRegistry) -> None:
+    reason_lin = "column-parallel GEMMs through the batch- and shard-invariant linear (fp32 accumulate, one cast)"
+    reg.register(f"{LAYERS}:linear_with_grad_accumulation_and_async_allreduce", reason_lin)(consistent_linear)
+    reg.register(f"{LAYERS}:linear_with_frozen_weight", reason_lin + " (frozen weights)")(consistent_linear)
+    reg.register(
+        f"{LAYERS}:RowParallelLinear.forward",
+        "row-parallel K reduction in canonical tree order; cross-rank sum by all-to-all + local fold "
+        "instead of all-reduce / reduce-scatter",
+    )(row_parallel_forward)
+    reg.register(
+        f"{LAYERS}:ColumnParallelLinear.forward", "LM head logits computed in fp32", wraps=True
+    )(column_parallel_forward)
+    reg.register(
+        "megatron.core.tensor_parallel.cross_entropy:vocab_parallel_cross_entropy",
+        "vocab-parallel log-softmax through the canonical vocab tree in fp32",
+    )(vocab_parallel_cross_entropy)

@@ -1,0 +1,147 @@
+"""A registry of patches: each replaced symbol with the reason, applied once, reversible.
+
+Targets are written ``"package.module:Name"`` or ``"package.module:Class.attr"``. A module-level
+function is also rebound in every loaded module that imported it by name (``from x import f``
+copies the reference), the way MindSpeed's patch manager does; a class attribute is replaced on
+the class, which every importer shares.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from .errors import PatchTargetError
+
+_MISSING = object()
+
+
+@dataclass
+class Patch:
+    target: str
+    # Either the replacement itself, or (with wraps=True) a factory original -> replacement.
+    replacement: Callable[..., Any]
+    reason: str
+    wraps: bool = False
+    # Optional patches are skipped when the target is absent (version-specific targets).
+    optional: bool = False
+    # Filled in while applied:
+    _owner: Any = field(default=None, repr=False)
+    _attr: str = field(default="", repr=False)
+    _original: Any = field(default=_MISSING, repr=False)
+    _new: Any = field(default=None, repr=False)
+    _rebound: List[Tuple[Any, str]] = field(default_factory=list, repr=False)
+
+    @property
+    def applied(self) -> bool:
+        return self._original is not _MISSING
+
+
+def resolve(target: str) -> Tuple[Any, str]:
+    """Return (owner, attribute) for a target string; raise PatchTargetError if absent."""
+    module_name, _, qualname = target.partition(":")
+    if not qualname:
+        raise ValueError(f"patch target {target!r} must look like 'module:Name'")
+    try:
+        owner = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise PatchTargetError(
+            f"patch target {target!r}: module {module_name!r} cannot be imported ({exc}); "
+            f"the installed megatron-core does not provide it"
+        ) from exc
+    parts = qualname.split(".")
+    for part in parts[:-1]:
+        owner = getattr(owner, part, _MISSING)
+        if owner is _MISSING:
+            raise PatchTargetError(f"patch target {target!r}: {part!r} not found in the installed version")
+    if parts[-1] not in vars(owner) and getattr(owner, parts[-1], _MISSING) is _MISSING:
+        raise PatchTargetError(f"patch target {target!r}: {parts[-1]!r} not found in the installed version")
+    return owner, parts[-1]
+
+
+class PatchRegistry:
+    def __init__(self, name: str):
+        self.name = name
+        self.patches: List[Patch] = []
+        self._lock = threading.RLock()
+
+    def register(self, target: str, reason: str, wraps: bool = False, optional: bool = False):
+        """Decorator: register the decorated function (or factory, with wraps=True) for target."""
+
+        def deco(fn):
+            self.add(Patch(target=target, replacement=fn, reason=reason, wraps=wraps, optional=optional))
+            return fn
+
+        return deco
+
+    def add(self, patch: Patch) -> None:
+        if any(p.target == patch.target for p in self.patches):
+            raise ValueError(f"{self.name}: target {patch.target!r} registered twice")
+        self.patches.append(patch)
+
+    @property
+    def applied(self) -> bool:
+        return any(p.applied for p in self.patches)
+
+    def apply(self) -> List[Patch]:
+        """Apply every patch not yet applied; idempotent. Returns the patches now active."""
+        with self._lock:
+            # Resolve everything first, so a missing target leaves nothing half-applied.
+            resolved = []
+            for p in self.patches:
+                if p.applied:
+                    continue
+                try:
+                    owner, attr = resolve(p.target)
+                except PatchTargetError:
+                    if p.optional:
+                        continue
+                    raise
+                resolved.append((p, owner, attr))
+            rebinds: Dict[int, Patch] = {}
+            for p, owner, attr in resolved:
+                original = vars(owner).get(attr, getattr(owner, attr))
+                current = getattr(owner, attr)
+                new = p.replacement(current) if p.wraps else p.replacement
+                if isinstance(original, staticmethod) and not isinstance(new, staticmethod):
+                    new = staticmethod(new)
+                p._owner, p._attr, p._original, p._new = owner, attr, original, new
+                setattr(owner, attr, new)
+                if isinstance(owner, type(sys)):
+                    rebinds[id(current)] = p
+            if rebinds:
+                self._rebind(rebinds)
+            return [p for p in self.patches if p.applied]
+
+    @staticmethod
+    def _rebind(rebinds: Dict[int, Patch]) -> None:
+        for module in list(sys.modules.values()):
+            namespace = getattr(module, "__dict__", None)
+            if not isinstance(namespace, dict):
+                continue
+            for name, value in list(namespace.items()):
+                p = rebinds.get(id(value))
+                if p is not None and value is not p._new and not (module is p._owner and name == p._attr):
+                    if value is p._original:
+                        namespace[name] = p._new
+                        p._rebound.append((module, name))
+
+    def revert(self) -> None:
+        """Restore every original, in reverse order of application."""
+        with self._lock:
+            for p in reversed(self.patches):
+                if not p.applied:
+                    continue
+                for module, name in p._rebound:
+                    if module.__dict__.get(name) is p._new:
+                        module.__dict__[name] = p._original
+                if vars(p._owner).get(p._attr, _MISSING) is p._new or getattr(p._owner, p._attr, None) is p._new:
+                    setattr(p._owner, p._attr, p._original)
+                p._owner, p._attr, p._original, p._new, p._rebound = None, "", _MISSING, None, []
+
+    def describe(self) -> List[Dict[str, str]]:
+        return [
+            {"target": p.target, "reason": p.reason, "applied": str(p.applied)} for p in self.patches
+        ]

@@ -1,0 +1,131 @@
+"""The numerics contract as data: one versioned profile, loaded from YAML, validated field by field.
+
+Every layout (and the single-device reference) reads the same profile, so every reduction order
+and rounding point is decided here rather than in scattered defaults.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+import yaml
+
+from .errors import ConfigError
+
+PROFILE_DIR = os.path.join(os.path.dirname(__file__), "configs", "profiles")
+CONTRACT_VERSION = 1
+REDUCTION_MODES = ("canonical_tree",)
+BACKENDS = ("auto", "torch")
+
+
+def _is_power_of_two(n: int) -> bool:
+    return isinstance(n, int) and n >= 1 and (n & (n - 1)) == 0
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Numerics contract parameters. See DESIGN.md, "The numerics contract"."""
+
+    name: str = "default"
+    contract_version: int = CONTRACT_VERSION
+    # How cross-shard sums are ordered. canonical_tree: C leaves folded by a perfect binary tree.
+    reduction: str = "canonical_tree"
+    # C: number of leaves a TP-splittable reduction dimension is cut into (power of two).
+    canonical_shards: int = 8
+    # B: keys are visited in blocks of B aligned to absolute positions 0, B, 2B, ...
+    attention_block_size: int = 128
+    # Rows of every GEMM are padded to a multiple of this so the BLAS picks one code path
+    # whatever the row count (measured: MKL changes its K order for small M without it).
+    gemm_row_multiple: int = 16
+    # Vocab padded to a multiple of vocab_pad_multiple * canonical_shards (TP-independent).
+    vocab_pad_multiple: int = 128
+    # Kernel backend: auto picks by device (torch on CPU).
+    backend: str = "auto"
+    # Precision policy. Only fp32 accumulation is part of contract v1; the fields exist so a
+    # profile states it explicitly and a future contract can change it visibly.
+    accumulate_dtype: str = "float32"
+    logits_dtype: str = "float32"
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        if self.contract_version != CONTRACT_VERSION:
+            raise ConfigError(
+                f"profile field 'contract_version' is {self.contract_version}; this mindspeed-tp "
+                f"implements contract version {CONTRACT_VERSION}"
+            )
+        if self.reduction not in REDUCTION_MODES:
+            raise ConfigError(
+                f"profile field 'reduction' must be one of {REDUCTION_MODES}, got {self.reduction!r}"
+            )
+        if not _is_power_of_two(self.canonical_shards):
+            raise ConfigError(
+                f"profile field 'canonical_shards' must be a power of two, got {self.canonical_shards!r}"
+            )
+        for name in ("attention_block_size", "gemm_row_multiple", "vocab_pad_multiple"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"profile field {name!r} must be a positive integer, got {value!r}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"profile field 'backend' must be one of {BACKENDS}, got {self.backend!r}")
+        for name in ("accumulate_dtype", "logits_dtype"):
+            if getattr(self, name) != "float32":
+                raise ConfigError(
+                    f"profile field {name!r} must be 'float32' in contract v{CONTRACT_VERSION}, "
+                    f"got {getattr(self, name)!r}"
+                )
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def digest(self) -> str:
+        """Stable hash of every field: ranks compare it to prove they run one contract."""
+        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def check_tp(self, tp: int, setting: str = "tensor_model_parallel_size") -> None:
+        if not _is_power_of_two(tp) or self.canonical_shards % tp != 0:
+            raise ConfigError(
+                f"{setting}={tp} is not supported: it must be a power of two dividing the profile's "
+                f"canonical_shards={self.canonical_shards} (change {setting}, or canonical_shards)"
+            )
+
+    def padded_vocab_size(self, vocab_size: int) -> int:
+        multiple = self.vocab_pad_multiple * self.canonical_shards
+        return -(-vocab_size // multiple) * multiple
+
+
+def profile_from_dict(data: Dict[str, Any], source: str = "<dict>") -> Profile:
+    if not isinstance(data, dict):
+        raise ConfigError(f"profile {source} must be a mapping of fields, got {type(data).__name__}")
+    known = {f.name for f in dataclasses.fields(Profile)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"profile {source}: unknown field(s) {unknown}; known fields: {sorted(known)}")
+    return Profile(**data)
+
+
+def load_profile(name_or_path: Optional[str] = None) -> Profile:
+    """Load a bundled profile by name (``default``) or a YAML file by path."""
+    if name_or_path is None or name_or_path == "":
+        name_or_path = "default"
+    if isinstance(name_or_path, Profile):
+        return name_or_path
+    path = name_or_path
+    if not os.path.exists(path):
+        bundled = os.path.join(PROFILE_DIR, f"{name_or_path}.yaml")
+        if not os.path.exists(bundled):
+            names = sorted(p[:-5] for p in os.listdir(PROFILE_DIR) if p.endswith(".yaml"))
+            raise ConfigError(
+                f"--true-on-policy-profile/--profile {name_or_path!r} is neither a file nor a bundled "
+                f"profile; bundled profiles: {names}"
+            )
+        path = bundled
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    return profile_from_dict(data, source=path)
