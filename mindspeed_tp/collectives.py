@@ -11,10 +11,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .kernels.tree import tree_fold
+from .tree import tree_fold
 
 
-def _group_size(group) -> int:
+def group_size(group) -> int:
     if group is None or not dist.is_available() or not dist.is_initialized():
         return 1
     return dist.get_world_size(group=group)
@@ -22,14 +22,14 @@ def _group_size(group) -> int:
 
 def _all_to_all_rows(x: torch.Tensor, group) -> torch.Tensor:
     """x: (world*r, n) -> (world, r, n) where slot i holds rank i's slice for this rank."""
-    world = _group_size(group)
+    world = group_size(group)
     out = torch.empty_like(x)
     dist.all_to_all_single(out, x.contiguous(), group=group)
     return out.reshape(world, x.shape[0] // world, *x.shape[1:])
 
 
 def _all_gather_rows(x: torch.Tensor, group) -> torch.Tensor:
-    world = _group_size(group)
+    world = group_size(group)
     out = x.new_empty((world * x.shape[0], *x.shape[1:]))
     dist.all_gather_into_tensor(out, x.contiguous(), group=group)
     return out
@@ -51,7 +51,7 @@ class _FoldScatter(torch.autograd.Function):
         shape = partial.shape
         flat = partial.reshape(shape[0], -1)
         out = _fold_rows(flat, group, out_dtype)
-        return out.reshape(shape[0] // _group_size(group), *shape[1:])
+        return out.reshape(shape[0] // group_size(group), *shape[1:])
 
     @staticmethod
     def backward(ctx, grad):
@@ -67,7 +67,7 @@ class _FoldAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, partial, group, out_dtype):
         ctx.in_dtype = partial.dtype
-        world = _group_size(group)
+        world = group_size(group)
         shape = partial.shape
         flat = partial.reshape(-1, shape[-1]) if partial.dim() > 1 else partial.reshape(-1, 1)
         rows = flat.shape[0]
@@ -90,7 +90,7 @@ def fold_across_ranks(
     scatter_dim0=False: every rank gets the full sum (replaces all-reduce).
     scatter_dim0=True: rank r gets slice r of dim 0 (replaces the SP reduce-scatter).
     """
-    if _group_size(group) == 1:
+    if group_size(group) == 1:
         return partial.to(out_dtype)
     if scatter_dim0:
         return _FoldScatter.apply(partial, group, out_dtype)
@@ -99,7 +99,7 @@ def fold_across_ranks(
 
 def gather_along_rank(x: torch.Tensor, group) -> torch.Tensor:
     """(…) per rank -> (world, …), slot i from rank i. Not differentiable."""
-    world = _group_size(group)
+    world = group_size(group)
     if world == 1:
         return x.unsqueeze(0)
     flat = x.reshape(1, -1).contiguous()
@@ -110,7 +110,7 @@ def gather_along_rank(x: torch.Tensor, group) -> torch.Tensor:
 
 def max_across_ranks(x: torch.Tensor, group) -> torch.Tensor:
     """Element-wise max over ranks: exact whatever the order, so the library may do it."""
-    if _group_size(group) == 1:
+    if group_size(group) == 1:
         return x
     x = x.clone()
     dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
@@ -118,11 +118,12 @@ def max_across_ranks(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def group_rank(group) -> int:
-    return dist.get_rank(group=group) if _group_size(group) > 1 else 0
+    return dist.get_rank(group=group) if group_size(group) > 1 else 0
 
 
 __all__ = [
     "fold_across_ranks",
+    "group_size",
     "gather_along_rank",
     "max_across_ranks",
     "group_rank",

@@ -5,7 +5,7 @@ from .linear import folded_leaf_partials, invariant_linear, invariant_matmul, le
 from .logprob import vocab_parallel_logprob
 from .norm import layer_norm, rms_norm
 from .rope import apply_rope, rope_angles, rope_inv_freq
-from .tree import tree_fold
+from ..tree import tree_fold
 
 __all__ = [
     "apply_rope",

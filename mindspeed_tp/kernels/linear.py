@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from .tree import tree_fold
+from ..tree import tree_fold
 
 
 def _pad_rows(x2d: torch.Tensor, multiple: int) -> torch.Tensor:

@@ -8,15 +8,15 @@ from typing import Optional
 
 import torch
 
-from ..collectives import _group_size, gather_along_rank, group_rank, max_across_ranks
+from ..collectives import group_size, gather_along_rank, group_rank, max_across_ranks
 from ..errors import ConfigError
-from .tree import tree_fold
+from ..tree import tree_fold
 
 
 class _VocabParallelLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, canonical_shards, vocab_size, temperature):
-        world = _group_size(group)
+        world = group_size(group)
         v_local = logits.shape[-1]
         if canonical_shards % world:
             raise ConfigError(

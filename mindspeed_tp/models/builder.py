@@ -56,7 +56,7 @@ def build_gpt_stage(spec: ModelSpec, layout: Layout, dtype: torch.dtype, profile
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
-        vocab_size=profile.padded_vocab_size(spec.vocab_size),
+        vocab_size=spec.padded_vocab(profile),
         max_sequence_length=spec.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),

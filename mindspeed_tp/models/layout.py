@@ -71,5 +71,6 @@ def validate_layout(layout: Layout, spec: ModelSpec, profile: Profile, seq_lengt
                 f"model {spec.name}: {what}={size} is not divisible by {setting}={divisor}; change {setting} "
                 f"or the model size"
             )
+    spec.padded_vocab(profile)
     if layout.sp and seq_length % layout.tp:
         raise ConfigError(f"--seq-length={seq_length} is not divisible by --tp={layout.tp} (needed for --sp)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import yaml
 
@@ -30,6 +30,9 @@ class ModelSpec:
     norm_epsilon: float = 1e-6
     qk_layernorm: bool = True
     tie_word_embeddings: bool = False
+    # Explicit padded vocab (Megatron's --make-vocab-size-divisible-by result); default: the
+    # profile pads TP-independently to a multiple of vocab_pad_multiple * canonical_shards.
+    padded_vocab_size: Optional[int] = None
 
     def __post_init__(self):
         for f in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
@@ -42,6 +45,17 @@ class ModelSpec:
                 f"model {self.name}: num_attention_heads={self.num_attention_heads} is not divisible "
                 f"by num_query_groups={self.num_query_groups}"
             )
+
+    def padded_vocab(self, profile) -> int:
+        if self.padded_vocab_size is None:
+            return profile.padded_vocab_size(self.vocab_size)
+        if self.padded_vocab_size < self.vocab_size or self.padded_vocab_size % profile.canonical_shards:
+            raise ConfigError(
+                f"model {self.name}: padded_vocab_size={self.padded_vocab_size} must be >= vocab_size="
+                f"{self.vocab_size} and divisible by canonical_shards={profile.canonical_shards} "
+                f"(remove padded_vocab_size to let the profile pad it)"
+            )
+        return self.padded_vocab_size
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)

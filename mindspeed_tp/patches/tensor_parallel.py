@@ -4,7 +4,7 @@ from typing import Optional
 import torch
 
 from .. import compat, state
-from ..collectives import _group_size, fold_across_ranks
+from ..collectives import group_size, fold_across_ranks
 from ..errors import ConfigError
 from ..kernels import folded_leaf_partials, invariant_linear, vocab_parallel_logprob
 from ..patching import PatchRegistry
@@ -56,7 +56,7 @@ def row_parallel_forward(self, input_):
     """
     prof = state.profile()
     group = compat.tp_group_of(self)
-    tp = _group_size(group)
+    tp = group_size(group)
     prof.check_tp(tp)
     if not self.input_is_parallel:
         input_ = compat.scatter_to_tensor_model_parallel_region(input_, group)

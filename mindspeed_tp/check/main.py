@@ -1,0 +1,227 @@
+"""The consistency checker: distributed logprobs vs a single-device run of the same weights.
+
+Launched by torchrun (``python -m mindspeed_tp.check``) or by ``mindspeed-tp check``, which starts
+torchrun itself. Exit codes: 0 every scored token bitwise equal, 1 not, 2 bad input or usage.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+import warnings
+from functools import reduce
+from typing import Dict, List, Optional
+
+import yaml
+
+from ..errors import ConfigError
+from ..models.layout import Layout, validate_layout
+from ..models.spec import ModelSpec, load_model_spec
+from ..profile import Profile, load_profile
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs")
+DEFAULTS = dict(
+    model="tiny-dense", profile="default", tp=1, pp=1, sp=False, layouts=None, dtype="bf16", seed=1234,
+    batch_size=4, seq_length=144, json=None, vanilla=False, compare_vanilla=False, reference=None,
+    save_reference=None, dump_logprobs=None, timeout=600.0,
+)
+
+
+class UsageError(ConfigError):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse exits 2 already; keep its message, raise for one path
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def build_parser(prog: str = "mindspeed-tp check") -> argparse.ArgumentParser:
+    p = _Parser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="YAML file (or bundled name, e.g. 'demo') whose keys set any flag below")
+    p.add_argument("--model", help="bundled model name (tiny-dense) or a model config YAML path")
+    p.add_argument("--profile", help="numerics profile: bundled name or YAML path (default: default)")
+    p.add_argument("--tp", type=int, help="tensor-parallel size")
+    p.add_argument("--pp", type=int, help="pipeline-parallel size")
+    p.add_argument("--sp", action="store_true", default=None, help="sequence parallel")
+    p.add_argument("--layouts", help="comma-separated layouts to check in one run, e.g. tp2,tp2-sp,tp4-sp-pp2")
+    p.add_argument("--dtype", choices=["fp32", "bf16"])
+    p.add_argument("--seed", type=int, help="seed of the weights and of the scored tokens")
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--seq-length", type=int)
+    p.add_argument("--json", help="write the report as JSON to this path")
+    p.add_argument("--vanilla", action="store_true", default=None, help="no patches: plain megatron-core")
+    p.add_argument("--compare-vanilla", action="store_true", default=None,
+                   help="also run plain megatron-core and print it next to mindspeed-tp")
+    p.add_argument("--reference", help="load the single-device reference from this safetensors file")
+    p.add_argument("--save-reference", help="save the single-device reference to this safetensors file")
+    p.add_argument("--dump-logprobs", metavar="DIR",
+                   help="save every run's raw per-token logprobs (and the scored mask) as safetensors in DIR")
+    p.add_argument("--timeout", type=float, help="seconds a collective may wait before failing (default 600)")
+    p.add_argument("--status-file", help=argparse.SUPPRESS)
+    return p
+
+
+def resolve_args(argv: Optional[List[str]]) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    merged = dict(DEFAULTS)
+    if args.config:
+        path = args.config
+        if not os.path.isfile(path):
+            path = os.path.join(CONFIG_DIR, f"{args.config}.yaml")
+        if not os.path.isfile(path):
+            raise ConfigError(f"--config {args.config!r} is neither a file nor a bundled config")
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+        unknown = sorted(set(data) - set(DEFAULTS))
+        if unknown:
+            raise ConfigError(f"--config {path}: unknown key(s) {unknown}; known: {sorted(DEFAULTS)}")
+        if isinstance(data.get("layouts"), list):
+            data["layouts"] = ",".join(data["layouts"])
+        merged.update(data)
+    for key, value in vars(args).items():
+        if value is not None and key in merged:
+            merged[key] = value
+    merged["status_file"] = args.status_file
+    ns = argparse.Namespace(**merged)
+    for name in ("batch_size", "seq_length"):
+        if int(getattr(ns, name)) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+    return ns
+
+
+def plan(ns: argparse.Namespace):
+    """Static validation of everything the run needs: model, profile, layouts."""
+    spec = load_model_spec(ns.model)
+    profile = load_profile(ns.profile)
+    if ns.layouts:
+        layouts = [Layout.parse(x) for x in str(ns.layouts).split(",") if x.strip()]
+    else:
+        layouts = [Layout(tp=int(ns.tp), pp=int(ns.pp), sp=bool(ns.sp))]
+    for layout in layouts:
+        validate_layout(layout, spec, profile, int(ns.seq_length))
+    if ns.seq_length > spec.max_position_embeddings:
+        raise ConfigError(
+            f"--seq-length={ns.seq_length} exceeds the model's max_position_embeddings={spec.max_position_embeddings}"
+        )
+    modes = [True] if ns.vanilla else ([True, False] if ns.compare_vanilla else [False])
+    return spec, profile, layouts, modes
+
+
+def required_world_size(layouts: List[Layout]) -> int:
+    return reduce(lambda a, b: a * b // math.gcd(a, b), [l.model_parallel_size for l in layouts], 1)
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def verify_same_on_all_ranks(fields: Dict[str, object]) -> None:
+    """Every rank must check the same model, profile and inputs; name what differs, and where."""
+    import torch
+    import torch.distributed as dist
+
+    from ..collectives import gather_along_rank
+
+    names = sorted(fields)
+    mine = torch.tensor([int(_digest(fields[n]), 16) & ((1 << 62) - 1) for n in names], dtype=torch.int64)
+    gathered = gather_along_rank(mine, dist.group.WORLD)
+    for i, name in enumerate(names):
+        column = gathered[:, i]
+        if not torch.all(column == column[0]):
+            bad = [r for r in range(column.numel()) if column[r] != column[0]]
+            raise ConfigError(
+                f"ranks disagree on {name}: rank(s) {bad} differ from rank 0 "
+                f"(check that every node has the same {name} files and flags)"
+            )
+
+
+def run(ns: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from ..backends import accelerator_available
+    from ..backends.cpu_shims import install_cpu_shims
+    from ..compat import megatron_version
+    from .batch import make_batch
+    from .harness import init_distributed, layout_logprobs
+    from .metrics import compare_logprobs
+    from .reference import load_reference, save_reference
+    from .report import format_table, write_json_atomic
+    from ..models.builder import DTYPES
+
+    spec, profile, layouts, modes = plan(ns)
+    # torch deprecates the collective names megatron-core calls; not ours to fix, only noise here.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    init_distributed(float(ns.timeout))
+    if not accelerator_available():
+        install_cpu_shims()
+    rank = dist.get_rank()
+    dtype = DTYPES[ns.dtype]
+    inputs = {"seed": ns.seed, "batch_size": ns.batch_size, "seq_length": ns.seq_length, "dtype": ns.dtype}
+    verify_same_on_all_ranks(
+        {"model config": spec.to_dict(), "profile": profile.to_dict(), "inputs": inputs,
+         "layouts": [l.name for l in layouts], "megatron-core version": megatron_version()}
+    )
+    batch = make_batch(spec.vocab_size, int(ns.seed), int(ns.batch_size), int(ns.seq_length))
+    meta = {"model": _digest(spec.to_dict()), "profile": profile.digest(), "inputs": _digest(inputs)}
+    loaded = load_reference(ns.reference, meta) if ns.reference else {}
+    single = Layout()
+    results, refs, dumps = [], {}, {}
+    for vanilla in modes:
+        key = "vanilla" if vanilla else "consistent"
+        if key in loaded:
+            refs[key] = loaded[key]
+        else:
+            refs[key] = layout_logprobs(spec, single, dtype, profile, int(ns.seed), batch, vanilla)
+        for layout in layouts:
+            lp = layout_logprobs(spec, layout, dtype, profile, int(ns.seed), batch, vanilla)
+            r = compare_logprobs(lp, refs[key], batch.scored)
+            r.update(
+                layout=layout.to_dict(), vanilla=vanilla, profile=profile.name, profile_digest=profile.digest(),
+                megatron_core_version=megatron_version(), model=spec.name, dtype=ns.dtype, seed=int(ns.seed),
+                reduction=profile.reduction,
+            )
+            results.append(r)
+            dumps[f"{key}/{layout.name}"] = lp
+    if ns.save_reference and rank == 0:
+        save_reference(ns.save_reference, refs, meta)
+    if ns.dump_logprobs and rank == 0:
+        dumps.update({f"{k}/reference": v for k, v in refs.items()}, scored=batch.scored)
+        save_reference(os.path.join(ns.dump_logprobs, "logprobs.safetensors"), dumps, meta)
+    judged = [r for r in results if not r["vanilla"]] or results
+    ok = all(r["bitwise_equal_fraction"] == 1.0 and r["nonfinite_values"] == 0 for r in judged)
+    if rank == 0:
+        print(f"mindspeed-tp check: model={spec.name} dtype={ns.dtype} profile={profile.name} "
+              f"megatron-core={megatron_version()} world={dist.get_world_size()}")
+        print(format_table(results))
+        print("RESULT:", "bitwise equal" if ok else "NOT bitwise equal", "to the single-device run")
+        if ns.json:
+            report = dict(results[0]) if len(results) == 1 else {}
+            report.update(results=results, all_bitwise_equal=ok)
+            write_json_atomic(ns.json, report)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    status_file = None
+    try:
+        ns = resolve_args(argv)
+        status_file = ns.status_file
+        code, message = run(ns), ""
+    except ConfigError as exc:
+        code, message = 2, str(exc)
+        print(f"mindspeed-tp check: error: {exc}", file=sys.stderr)
+    if status_file:
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or dist.get_rank() == 0 or code == 2:
+            with open(status_file + (f".{os.environ.get('RANK', '0')}"), "w") as f:
+                json.dump({"exit_code": code, "error": message}, f)
+        return 0  # the launcher reads the status file; torchrun would bury our code under its own
+    return code

@@ -1,0 +1,35 @@
+"""Reference logprobs saved to / loaded from safetensors (no pickle), with what they were made of."""
+import os
+from typing import Dict
+
+import torch
+from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+
+from ..errors import ConfigError
+
+
+def save_reference(path: str, tensors: Dict[str, torch.Tensor], meta: Dict[str, str]) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = path + ".tmp"
+    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=meta)
+    os.replace(tmp, path)
+
+
+def load_reference(path: str, expected_meta: Dict[str, str]) -> Dict[str, torch.Tensor]:
+    """Load a reference file and refuse it, naming the field, if it was made for other inputs."""
+    if not path.endswith(".safetensors"):
+        raise ConfigError(f"--reference {path!r}: reference files are safetensors (*.safetensors)")
+    try:
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata() or {}
+    except Exception as exc:  # safetensors raises its own error types
+        raise ConfigError(f"--reference {path!r} cannot be read as safetensors: {exc}") from exc
+    for key, value in expected_meta.items():
+        if meta.get(key) != value:
+            raise ConfigError(
+                f"--reference {path!r} was made with {key}={meta.get(key)!r}, this run has {key}={value!r}; "
+                f"recompute it (omit --reference) or match {key}"
+            )
+    return load_file(path)

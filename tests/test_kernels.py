@@ -1,0 +1,531 @@
+"""Torch reference kernels, single process.
+
+Bitwise claims use ``torch.equal`` on raw tensors. Tolerances appear only in semantics checks
+against a plain-torch reference, and each such place says so.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mindspeed_tp.errors import ConfigError
+from mindspeed_tp.kernels import (
+    apply_rope,
+    consistent_attention,
+    folded_leaf_partials,
+    invariant_linear,
+    layer_norm,
+    leaf_partials,
+    rms_norm,
+    rope_angles,
+    rope_inv_freq,
+    tree_fold,
+    vocab_parallel_logprob,
+)
+
+DTYPES = [torch.float32, torch.bfloat16]
+DTYPE_IDS = ["fp32", "bf16"]
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(*shape, seed, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, generator=_gen(seed)) * scale).to(dtype)
+
+
+# --------------------------------------------------------------------------- invariant_linear
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("k,n", [(129, 77), (64, 96)])
+def test_invariant_linear_batch_invariant(dtype, k, n):
+    x = _randn(64, k, seed=1, dtype=dtype)
+    w = _randn(n, k, seed=2, dtype=dtype)
+    full = invariant_linear(x, w)
+    assert full.dtype == dtype and full.shape == (64, n)
+    bad = [m for m in range(1, 65) if not torch.equal(invariant_linear(x[:m], w), full[:m])]
+    assert bad == [], f"rows differ from the M=64 result for M in {bad}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("k,n", [(129, 77), (64, 96)])
+def test_invariant_linear_batch_invariant_with_bias_and_lead_dims(dtype, k, n):
+    x = _randn(4, 16, k, seed=3, dtype=dtype)
+    w = _randn(n, k, seed=4, dtype=dtype)
+    b = _randn(n, seed=5, dtype=dtype)
+    full = invariant_linear(x, w, b)
+    assert full.shape == (4, 16, n)
+    for i in range(4):
+        for m in (1, 7, 16):
+            assert torch.equal(invariant_linear(x[i, :m], w, b), full[i, :m])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("k,n", [(129, 77), (64, 96)])
+@pytest.mark.parametrize("shards", [2, 4])
+def test_invariant_linear_shard_invariant(dtype, k, n, shards):
+    x = _randn(37, k, seed=6, dtype=dtype)
+    w = _randn(n, k, seed=7, dtype=dtype)
+    full = invariant_linear(x, w)
+    start = 0
+    # tensor_split: uneven shards when N is odd (77 -> 39+38, 20+19+19+19).
+    for ws in w.tensor_split(shards, dim=0):
+        stop = start + ws.shape[0]
+        assert torch.equal(invariant_linear(x, ws), full[:, start:stop]), (start, stop)
+        start = stop
+    assert start == n
+
+
+def test_plain_matmul_is_not_batch_invariant():
+    """Proves the row padding matters: the BLAS result of x @ w.T depends on M here."""
+    x = _randn(64, 129, seed=8)
+    w = _randn(77, 129, seed=9)
+    full = x @ w.t()
+    differing = [m for m in range(1, 65) if not torch.equal(x[:m] @ w.t(), full[:m])]
+    assert len(differing) >= 1
+    # and the invariant kernel is exact for the very same M values
+    inv_full = invariant_linear(x, w)
+    for m in differing:
+        assert torch.equal(invariant_linear(x[:m], w), inv_full[:m])
+
+
+# --------------------------------------------------------------------------- tree_fold
+
+
+def test_tree_fold_explicit_order():
+    t = _randn(4, 33, seed=10, scale=1e3) + _randn(4, 33, seed=11, scale=1e-3)
+    a, b, c, d = t
+    assert torch.equal(tree_fold(t, dim=0), (a + b) + (c + d))
+    t8 = _randn(8, 5, 7, seed=12, scale=100.0)
+    l = list(t8)
+    expected = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
+    assert torch.equal(tree_fold(t8, dim=0), expected)
+    # a non-leading dim
+    assert torch.equal(tree_fold(t8.movedim(0, 2), dim=2), expected)
+    assert torch.equal(tree_fold(t8.movedim(0, -1), dim=-1), expected)
+
+
+def test_tree_fold_differs_from_sequential_sum_somewhere():
+    # The order is observable: for some inputs ((a+b)+(c+d)) != ((a+b)+c)+d in fp32.
+    t = torch.tensor([[1.0], [1e8], [-1e8], [1.0]]).expand(4, 1).contiguous()
+    seq = ((t[0] + t[1]) + t[2]) + t[3]
+    assert not torch.equal(tree_fold(t, dim=0), seq)
+    assert torch.equal(tree_fold(t, dim=0), (t[0] + t[1]) + (t[2] + t[3]))
+
+
+def test_tree_fold_single_leaf():
+    t = _randn(1, 9, seed=13)
+    assert torch.equal(tree_fold(t, dim=0), t[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_tree_fold_decomposes_by_rank(dtype):
+    t = (_randn(8, 3, 50, seed=14, scale=1e4) * _randn(8, 3, 50, seed=15).exp()).to(dtype)
+    full = tree_fold(t, dim=0)
+    halves = tree_fold(t[:4], 0) + tree_fold(t[4:], 0)
+    assert torch.equal(full, halves)
+    quarters = [tree_fold(t[2 * i: 2 * i + 2], 0) for i in range(4)]
+    assert torch.equal(full, (quarters[0] + quarters[1]) + (quarters[2] + quarters[3]))
+    assert torch.equal(full, tree_fold(torch.stack(quarters), 0))
+    assert torch.equal(full, tree_fold(torch.stack([tree_fold(t[:4], 0), tree_fold(t[4:], 0)]), 0))
+
+
+@pytest.mark.parametrize("n", [3, 5, 6, 12])
+def test_tree_fold_rejects_non_power_of_two(n):
+    with pytest.raises(ValueError):
+        tree_fold(torch.ones(n, 4), dim=0)
+
+
+# --------------------------------------------------------------------------- leaf partials
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("m,k,n", [(5, 256, 48), (33, 512, 77)])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_leaf_partials_tp_split_is_bitwise(dtype, m, k, n, tp):
+    c = 8
+    x = _randn(m, k, seed=16, dtype=dtype)
+    w = _randn(n, k, seed=17, dtype=dtype)
+    ref_leaves = leaf_partials(x, w, c)
+    assert ref_leaves.shape == (c, m, n) and ref_leaves.dtype == torch.float32
+    ref = folded_leaf_partials(x, w, c)
+    assert torch.equal(ref, tree_fold(ref_leaves, 0))
+    xs, ws = x.chunk(tp, dim=-1), w.chunk(tp, dim=-1)
+    # each rank computes C/TP leaves of its contiguous K shard: the very same leaves
+    local_leaves = [leaf_partials(xr, wr, c // tp) for xr, wr in zip(xs, ws)]
+    assert torch.equal(torch.cat(local_leaves, 0), ref_leaves)
+    # each rank folds its subtree, the subtrees are folded across ranks in rank order
+    subtrees = [folded_leaf_partials(xr, wr, c // tp) for xr, wr in zip(xs, ws)]
+    assert torch.equal(tree_fold(torch.stack(subtrees), 0), ref)
+
+
+def test_leaf_partials_semantics():
+    # Semantics check vs a plain fp64 product (tolerance): the tree sum is x @ w.T.
+    x = _randn(9, 256, seed=18)
+    w = _randn(40, 256, seed=19)
+    out = folded_leaf_partials(x, w, 8)
+    torch.testing.assert_close(out, (x.double() @ w.double().t()).float(), rtol=1e-5, atol=1e-4)
+
+
+def test_leaf_partials_batch_invariant():
+    x = _randn(40, 128, seed=20)
+    w = _randn(24, 128, seed=21)
+    full = folded_leaf_partials(x, w, 8)
+    for m in (1, 3, 17, 39):
+        assert torch.equal(folded_leaf_partials(x[:m], w, 8), full[:m])
+
+
+def test_leaf_partials_rejects_indivisible_k():
+    with pytest.raises(ValueError):
+        leaf_partials(torch.ones(2, 100), torch.ones(3, 100), 8)
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def _ref_attention(q, k, v, scale, causal=True, q_positions=None, excluded=None):
+    """Straightforward softmax attention in fp64 (GQA by repeat_interleave); rows with no
+    visible key give 0, as the kernel defines."""
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    kk = k.double().repeat_interleave(hq // hkv, dim=1)
+    vv = v.double().repeat_interleave(hq // hkv, dim=1)
+    s = (q.double() @ kk.transpose(-1, -2)) * scale
+    if q_positions is None:
+        q_positions = torch.arange(sk - sq, sk)
+    visible = torch.ones(sq, sk, dtype=torch.bool)
+    if causal:
+        visible = torch.arange(sk)[None, :] <= q_positions[:, None]
+    visible = visible.expand(b, 1, sq, sk)
+    if excluded is not None:
+        visible = visible & ~excluded
+    s = s.masked_fill(~visible, float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return (p @ vv).float()
+
+
+B, HQ, HKV, S, D = 2, 8, 2, 300, 16
+SCALE = 1.0 / math.sqrt(D)
+
+
+def _qkv(dtype, seed=30, s=S):
+    q = _randn(B, HQ, s, D, seed=seed, dtype=dtype)
+    k = _randn(B, HKV, s, D, seed=seed + 1, dtype=dtype)
+    v = _randn(B, HKV, s, D, seed=seed + 2, dtype=dtype)
+    return q, k, v
+
+
+def _padding_mask(s=S, pad=7):
+    # batch row 1 is left-padded: its first ``pad`` keys are excluded for every query.
+    ex = torch.zeros(B, 1, s, s, dtype=torch.bool)
+    ex[1, :, :, :pad] = True
+    return ex
+
+
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "padmask"])
+def test_attention_semantics(block_size, causal, masked):
+    # Semantics check against a plain fp64 softmax attention: tolerance, not bits.
+    q, k, v = _qkv(torch.float32, s=150)
+    ex = _padding_mask(150) if masked else None
+    out = consistent_attention(q, k, v, SCALE, causal=causal, excluded=ex, block_size=block_size)
+    assert out.shape == (B, HQ, 150, D) and out.dtype == torch.float32
+    ref = _ref_attention(q, k, v, SCALE, causal=causal, excluded=ex)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    if masked and causal:
+        # queries that see only padding keys output exactly zero
+        assert torch.equal(out[1, :, :7], torch.zeros_like(out[1, :, :7]))
+
+
+def test_attention_semantics_bf16_and_query_suffix():
+    # Semantics check (tolerance) in bf16, with q_positions (queries are a suffix of the keys).
+    q, k, v = _qkv(torch.bfloat16, s=100)
+    pos = torch.arange(60, 100)
+    out = consistent_attention(q[:, :, 60:], k, v, SCALE, q_positions=pos, block_size=16)
+    assert out.dtype == torch.bfloat16
+    ref = _ref_attention(q[:, :, 60:], k, v, SCALE, q_positions=pos)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_attention_rejects_bad_gqa():
+    q = torch.zeros(1, 3, 4, 8)
+    k = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(ValueError):
+        consistent_attention(q, k, k, 1.0)
+
+
+CHUNKS = [(0, 1), (0, 37), (37, 128), (128, 129), (129, 256), (250, 300), (17, 300)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "padmask"])
+def test_attention_chunked_prefill_bitwise(dtype, block_size, masked):
+    q, k, v = _qkv(dtype)
+    ex = _padding_mask() if masked else None
+    full = consistent_attention(q, k, v, SCALE, causal=True, excluded=ex, block_size=block_size)
+    for lo, hi in CHUNKS:
+        chunk_ex = ex[:, :, lo:hi, :hi] if masked else None
+        explicit = consistent_attention(
+            q[:, :, lo:hi], k[:, :, :hi], v[:, :, :hi], SCALE, causal=True,
+            q_positions=torch.arange(lo, hi), excluded=chunk_ex, block_size=block_size,
+        )
+        assert torch.equal(explicit, full[:, :, lo:hi]), (lo, hi)
+        # default q_positions: the last sq key positions -- the same thing
+        default = consistent_attention(
+            q[:, :, lo:hi], k[:, :, :hi], v[:, :, :hi], SCALE, causal=True,
+            excluded=chunk_ex, block_size=block_size,
+        )
+        assert torch.equal(default, full[:, :, lo:hi]), (lo, hi)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_attention_decode_bitwise(dtype, block_size):
+    q, k, v = _qkv(dtype, s=160)
+    ex = _padding_mask(160)
+    full = consistent_attention(q, k, v, SCALE, causal=True, excluded=ex, block_size=block_size)
+    for pos in (0, 1, 6, 7, 15, 16, 17, 100, 127, 128, 129, 159):
+        step = consistent_attention(
+            q[:, :, pos:pos + 1], k[:, :, :pos + 1], v[:, :, :pos + 1], SCALE, causal=True,
+            q_positions=torch.tensor([pos]), excluded=ex[:, :, pos:pos + 1, :pos + 1],
+            block_size=block_size,
+        )
+        assert torch.equal(step, full[:, :, pos:pos + 1]), pos
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_attention_independent_of_heads_and_batch_computed_together(dtype, block_size):
+    q, k, v = _qkv(dtype, s=140)
+    ex = _padding_mask(140)
+    full = consistent_attention(q, k, v, SCALE, excluded=ex, block_size=block_size)
+    g = HQ // HKV
+    # one batch row alone
+    for bi in range(B):
+        one = consistent_attention(q[bi:bi + 1], k[bi:bi + 1], v[bi:bi + 1], SCALE,
+                                   excluded=ex[bi:bi + 1], block_size=block_size)
+        assert torch.equal(one, full[bi:bi + 1])
+    # one kv group (a TP rank holding one kv head and its g query heads)
+    for kv in range(HKV):
+        grp = consistent_attention(q[:, kv * g:(kv + 1) * g], k[:, kv:kv + 1], v[:, kv:kv + 1],
+                                   SCALE, excluded=ex, block_size=block_size)
+        assert torch.equal(grp, full[:, kv * g:(kv + 1) * g])
+    # a single query head of a single batch row
+    for bi, h in ((0, 0), (1, 5), (1, 7)):
+        kv = h // g
+        single = consistent_attention(q[bi:bi + 1, h:h + 1], k[bi:bi + 1, kv:kv + 1],
+                                      v[bi:bi + 1, kv:kv + 1], SCALE, excluded=ex[bi:bi + 1],
+                                      block_size=block_size)
+        assert torch.equal(single, full[bi:bi + 1, h:h + 1])
+
+
+# --------------------------------------------------------------------------- norms
+
+
+@pytest.mark.parametrize("h", [64, 77])
+def test_norms_semantics_fp32(h):
+    # Semantics check against torch.nn.functional (tolerance).
+    x = _randn(37, h, seed=40, scale=3.0) + 1.0
+    w = _randn(h, seed=41)
+    b = _randn(h, seed=42)
+    torch.testing.assert_close(rms_norm(x, w, 1e-6), F.rms_norm(x, (h,), w, 1e-6), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rms_norm(x, None, 1e-6), F.rms_norm(x, (h,), None, 1e-6), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        layer_norm(x, w, b, 1e-5), F.layer_norm(x, (h,), w, b, 1e-5), rtol=1e-5, atol=1e-5
+    )
+    torch.testing.assert_close(
+        layer_norm(x, None, None, 1e-5), F.layer_norm(x, (h,), None, None, 1e-5), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_norms_bf16_dtype_preserved():
+    x = _randn(5, 3, 64, seed=43, dtype=torch.bfloat16)
+    w = _randn(64, seed=44, dtype=torch.bfloat16)
+    b = _randn(64, seed=45, dtype=torch.bfloat16)
+    r = rms_norm(x, w, 1e-6)
+    l = layer_norm(x, w, b, 1e-5)
+    assert r.dtype == torch.bfloat16 and r.shape == x.shape
+    assert l.dtype == torch.bfloat16 and l.shape == x.shape
+    # Semantics check (tolerance): one cast of the fp32 result.
+    torch.testing.assert_close(r, rms_norm(x.float(), w.float(), 1e-6).to(torch.bfloat16), rtol=0, atol=0)
+    torch.testing.assert_close(
+        r.float(), F.rms_norm(x.float(), (64,), w.float(), 1e-6), rtol=1e-2, atol=1e-2
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("h", [64, 77, 1024])
+def test_norms_row_invariant(dtype, h):
+    x = _randn(37, h, seed=46, dtype=dtype, scale=2.0)
+    w = _randn(h, seed=47, dtype=dtype)
+    b = _randn(h, seed=48, dtype=dtype)
+    r = rms_norm(x, w, 1e-6)
+    l = layer_norm(x, w, b, 1e-5)
+    for i in range(37):
+        assert torch.equal(rms_norm(x[i:i + 1], w, 1e-6), r[i:i + 1]), i
+        assert torch.equal(rms_norm(x[i], w, 1e-6), r[i]), i
+        assert torch.equal(layer_norm(x[i:i + 1], w, b, 1e-5), l[i:i + 1]), i
+    # in a bigger / 3-D batch too
+    big = torch.cat([x, x[:5]]).reshape(6, 7, h)
+    assert torch.equal(rms_norm(big, w, 1e-6).reshape(42, h)[:37], r)
+    assert torch.equal(layer_norm(big, w, b, 1e-5).reshape(42, h)[:37], l)
+
+
+# --------------------------------------------------------------------------- rope
+
+
+def _naive_rope(t, positions, base, rot, interleaved):
+    """Per pair rotation in fp64 from math.cos/math.sin, angle = p * base**(-2i/rot)."""
+    out = t.double().clone()
+    src = t.double()
+    for si, p in enumerate(positions.tolist()):
+        for i in range(rot // 2):
+            theta = p * base ** (-2.0 * i / rot)
+            c, s = math.cos(theta), math.sin(theta)
+            a, b = (2 * i, 2 * i + 1) if interleaved else (i, i + rot // 2)
+            xa, xb = src[si, ..., a], src[si, ..., b]
+            out[si, ..., a] = xa * c - xb * s
+            out[si, ..., b] = xb * c + xa * s
+    return out
+
+
+def test_rope_angles_semantics():
+    # Semantics check (tolerance) vs fp64 angles.
+    inv = rope_inv_freq(16, 10000.0)
+    ref_inv = torch.tensor([10000.0 ** (-2.0 * i / 16) for i in range(8)], dtype=torch.float64)
+    torch.testing.assert_close(inv.double(), ref_inv, rtol=1e-6, atol=0)
+    pos = torch.arange(0, 50)
+    ang = rope_angles(pos, inv)
+    assert ang.shape == (50, 16) and ang.dtype == torch.float32
+    ref = torch.outer(pos.double(), ref_inv)
+    torch.testing.assert_close(ang.double(), torch.cat([ref, ref], -1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("rot,d", [(16, 16), (8, 16)])
+def test_apply_rope_semantics(dtype, interleaved, rot, d):
+    # Semantics check against a naive per-pair reference (tolerance).
+    s, b, h = 40, 2, 3
+    base = 10000.0
+    t = _randn(s, b, h, d, seed=50, dtype=dtype)
+    positions = torch.arange(s) + 5
+    inv = rope_inv_freq(rot, base)
+    ang = rope_angles(positions, inv)  # (s, rot), [freqs, freqs]
+    if interleaved:
+        freqs = ang[:, : rot // 2]
+        ang = torch.stack([freqs, freqs], dim=-1).reshape(s, rot)  # [f0, f0, f1, f1, ...]
+    out = apply_rope(t, ang[:, None, None, :], interleaved=interleaved)
+    assert out.dtype == dtype and out.shape == t.shape
+    ref = _naive_rope(t, positions, base, rot, interleaved)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    # the channels beyond ``rot`` pass through untouched (bits)
+    assert torch.equal(out[..., rot:], t[..., rot:])
+
+
+def test_apply_rope_position_invariant_across_chunks():
+    # a token's rotation depends only on its absolute position, not the chunk (bits)
+    t = _randn(64, 1, 2, 16, seed=51, dtype=torch.bfloat16)
+    inv = rope_inv_freq(16, 10000.0)
+    full = apply_rope(t, rope_angles(torch.arange(64), inv)[:, None, None, :])
+    part = apply_rope(t[30:41], rope_angles(torch.arange(30, 41), inv)[:, None, None, :])
+    assert torch.equal(part, full[30:41])
+
+
+# --------------------------------------------------------------------------- logprob
+
+
+def _ref_logprob(logits, target, temperature):
+    return torch.log_softmax(logits.double() / temperature, dim=-1).gather(-1, target[..., None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprob_semantics(temperature):
+    # Semantics check against torch.log_softmax (tolerance).
+    logits = _randn(3, 5, 1024, seed=60, scale=4.0)
+    target = torch.randint(0, 1024, (3, 5), generator=_gen(61))
+    out = vocab_parallel_logprob(logits, target, None, canonical_shards=8, temperature=temperature)
+    assert out.dtype == torch.float32 and out.shape == (3, 5)
+    ref = torch.log_softmax(logits.float() / temperature, -1).gather(-1, target[..., None]).squeeze(-1)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double(), _ref_logprob(logits, target, temperature), rtol=1e-5, atol=1e-5)
+
+
+def test_logprob_semantics_bf16_logits():
+    # Semantics check (tolerance): bf16 logits are upcast, the result is fp32.
+    logits = _randn(4, 512, seed=62, scale=3.0, dtype=torch.bfloat16)
+    target = torch.randint(0, 512, (4,), generator=_gen(63))
+    out = vocab_parallel_logprob(logits, target, None, canonical_shards=8)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), _ref_logprob(logits.float(), target, 1.0), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprob_padding_columns_excluded(temperature):
+    vocab, padded = 1000, 1024
+    logits = _randn(3, 5, padded, seed=64, scale=4.0)
+    target = torch.randint(0, vocab, (3, 5), generator=_gen(65))
+    padded_out = vocab_parallel_logprob(logits, target, None, 8, vocab_size=vocab, temperature=temperature)
+    truncated = vocab_parallel_logprob(
+        logits[..., :vocab].contiguous(), target, None, 8, vocab_size=None, temperature=temperature
+    )
+    # Semantics check (tolerance): different leaf widths (128 vs 125 columns) sum in another order.
+    torch.testing.assert_close(padded_out, truncated, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(padded_out.double(), _ref_logprob(logits[..., :vocab], target, temperature),
+                               rtol=1e-5, atol=1e-5)
+    # the padded columns' values do not matter at all (bits), even huge ones
+    for fill in (1e4, -1e4, 0.0, float("inf")):
+        other = logits.clone()
+        other[..., vocab:] = fill
+        assert torch.equal(
+            vocab_parallel_logprob(other, target, None, 8, vocab_size=vocab, temperature=temperature),
+            padded_out,
+        ), fill
+    # and without vocab_size they would have mattered
+    huge = logits.clone()
+    huge[..., vocab:] = 1e4
+    unmasked = vocab_parallel_logprob(huge, target, None, 8, vocab_size=None, temperature=temperature)
+    assert not torch.allclose(unmasked, padded_out)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprob_gradient(temperature):
+    logits = _randn(3, 5, 1024, seed=66, scale=4.0)
+    target = torch.randint(0, 1024, (3, 5), generator=_gen(67))
+    upstream = _randn(3, 5, seed=68)
+    x = logits.clone().requires_grad_()
+    y = logits.clone().requires_grad_()
+    (vocab_parallel_logprob(x, target, None, 8, temperature=temperature) * upstream).sum().backward()
+    ref = torch.log_softmax(y / temperature, -1).gather(-1, target[..., None]).squeeze(-1)
+    (ref * upstream).sum().backward()
+    # Semantics check against autograd of torch.log_softmax (tolerance).
+    assert x.grad.dtype == torch.float32
+    torch.testing.assert_close(x.grad, y.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_logprob_gradient_padded_and_bf16():
+    vocab, padded = 1000, 1024
+    logits = _randn(4, padded, seed=69, scale=3.0, dtype=torch.bfloat16)
+    target = torch.randint(0, vocab, (4,), generator=_gen(70))
+    x = logits.clone().requires_grad_()
+    vocab_parallel_logprob(x, target, None, 8, vocab_size=vocab).sum().backward()
+    assert x.grad.dtype == torch.bfloat16
+    assert torch.equal(x.grad[:, vocab:].float().abs(), torch.zeros(4, padded - vocab))
+    y = logits[:, :vocab].float().clone().requires_grad_()
+    torch.log_softmax(y, -1).gather(-1, target[:, None]).sum().backward()
+    # Semantics check (tolerance, bf16 gradient).
+    torch.testing.assert_close(x.grad[:, :vocab].float(), y.grad, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("width", [1001, 1020, 12])
+def test_logprob_rejects_vocab_not_divisible(width):
+    logits = torch.randn(2, width)
+    target = torch.zeros(2, dtype=torch.long)
+    with pytest.raises(ConfigError, match="canonical_shards"):
+        vocab_parallel_logprob(logits, target, None, canonical_shards=8)
