@@ -1,6 +1,21 @@
 import os
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+PTH = "mindspeed_tp-autoload.pth"
+
+
+class build_py_with_pth(build_py):
+    """Ship the .pth file that imports mindspeed_tp_autoload at interpreter start (it only
+    registers post-import hooks: MINDSPEED_TP=1 and the --true-on-policy training flags)."""
+
+    def run(self):
+        super().run()
+        self.copy_file(os.path.join(here, PTH), os.path.join(self.build_lib, PTH), preserve_mode=0)
+
+    def get_outputs(self, include_bytecode=1):
+        return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, PTH)]
 
 here = os.path.dirname(os.path.abspath(__file__))
 with open(os.path.join(here, "README.md"), encoding="utf-8") as f:
@@ -14,6 +29,8 @@ setup(
     long_description=long_description,
     long_description_content_type="text/markdown",
     packages=find_packages(include=["mindspeed_tp", "mindspeed_tp.*"]),
+    py_modules=["mindspeed_tp_autoload"],
+    cmdclass={"build_py": build_py_with_pth},
     package_data={"mindspeed_tp": ["configs/*.yaml", "configs/*/*.yaml"]},
     python_requires=">=3.9",
     # torch is the user's own (CUDA build, CPU build, or torch_npu's): any 2.x is accepted.

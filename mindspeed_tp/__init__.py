@@ -50,11 +50,9 @@ def is_enabled() -> bool:
     return state.enabled()
 
 
-def _env_requested() -> bool:
-    return os.environ.get("MINDSPEED_TP", "").strip().lower() in ("1", "true", "yes", "on")
+import mindspeed_tp_autoload as _autoload  # noqa: E402  (megatron.training flags; MINDSPEED_TP=1 hook)
 
-
-if _env_requested():  # the environment switch: importing the package is enough
+if _autoload.env_requested():  # the package was imported explicitly: enable now
     enable(os.environ.get("MINDSPEED_TP_PROFILE") or None)
 
 __all__ = ["ConfigError", "PatchTargetError", "Profile", "disable", "enable", "is_enabled", "load_profile"]

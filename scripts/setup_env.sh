@@ -7,7 +7,8 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 venv="$root/.venv-mc$version"
 torch_spec="${TORCH_SPEC:-torch==2.13.0}"
 stamp="$venv/.mindspeed-tp-stamp"
-want="$torch_spec megatron-core==$version $(sha256sum "$root/setup.py" | cut -c1-16)"
+src_hash="$(cd "$root" && cat setup.py mindspeed_tp-autoload.pth mindspeed_tp_autoload.py $(find mindspeed_tp -type f \( -name '*.py' -o -name '*.yaml' \) | sort) | sha256sum | cut -c1-16)"
+want="$torch_spec megatron-core==$version $src_hash"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
@@ -18,5 +19,6 @@ pip install "$torch_spec"
 # 0.16.x needs only numpy and packaging. Install without them, then what both really use.
 pip install --no-deps "megatron-core==$version"
 pip install numpy packaging
-pip install -e "$root[test]"
+# A regular (not editable) install: it ships the .pth autoload hook (MINDSPEED_TP=1, training flags).
+pip install --force-reinstall --no-deps "$root" && pip install "$root[test]"
 echo "$want" > "$stamp"

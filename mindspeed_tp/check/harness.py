@@ -32,7 +32,48 @@ def init_distributed(timeout_s: float = 600.0) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
 
+_current_layout: Optional[Layout] = None
+
+
+def _megatron_groups(parallel_state) -> list:
+    """Every process group Megatron's parallel state holds (its module globals)."""
+    found, seen = [], set()
+
+    def visit(value):
+        if isinstance(value, dist.ProcessGroup):
+            if id(value) not in seen and value is not dist.GroupMember.WORLD:
+                seen.add(id(value))
+                found.append(value)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                visit(v)
+        elif isinstance(value, dict):
+            for v in value.values():
+                visit(v)
+
+    for value in list(vars(parallel_state).values()):
+        visit(value)
+    return found
+
+
+def _teardown_parallel_state() -> None:
+    """destroy_model_parallel forgets Megatron's groups but c10d keeps them (each with its own
+    threads and sockets); release them so many layouts can run in one process."""
+    global _current_layout
+    from megatron.core import parallel_state
+
+    groups = _megatron_groups(parallel_state)
+    parallel_state.destroy_model_parallel()
+    for group in groups:
+        try:
+            dist.destroy_process_group(group)
+        except (ValueError, RuntimeError):  # already released, or not a member
+            pass
+    _current_layout = None
+
+
 def _setup_parallel_state(layout: Layout, seed: int) -> None:
+    global _current_layout
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -42,11 +83,15 @@ def _setup_parallel_state(layout: Layout, seed: int) -> None:
             f"layout {layout.name} needs a world size divisible by tp*pp={layout.model_parallel_size}; "
             f"launched with {world} processes (change --nproc or the layout)"
         )
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp
-    )
+    if _current_layout != layout or not parallel_state.model_parallel_is_initialized():
+        if parallel_state.model_parallel_is_initialized():
+            _teardown_parallel_state()
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=layout.tp,
+            pipeline_model_parallel_size=layout.pp,
+            create_gloo_process_groups=False,  # the default backend is gloo already
+        )
+        _current_layout = layout
     model_parallel_cuda_manual_seed(seed)
 
 

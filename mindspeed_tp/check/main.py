@@ -177,7 +177,10 @@ def run(ns: argparse.Namespace) -> int:
             refs[key] = loaded[key]
         else:
             refs[key] = layout_logprobs(spec, single, dtype, profile, int(ns.seed), batch, vanilla)
-        for layout in layouts:
+    # Layout outer, mode inner: Megatron's parallel state is built once per layout.
+    for layout in layouts:
+        for vanilla in modes:
+            key = "vanilla" if vanilla else "consistent"
             lp = layout_logprobs(spec, layout, dtype, profile, int(ns.seed), batch, vanilla)
             r = compare_logprobs(lp, refs[key], batch.scored)
             r.update(
@@ -187,6 +190,7 @@ def run(ns: argparse.Namespace) -> int:
             )
             results.append(r)
             dumps[f"{key}/{layout.name}"] = lp
+    results.sort(key=lambda r: r["vanilla"], reverse=True)  # vanilla rows first, then ours
     if ns.save_reference and rank == 0:
         save_reference(ns.save_reference, refs, meta)
     if ns.dump_logprobs and rank == 0:

@@ -1,0 +1,85 @@
+"""Interpreter-start hook of mindspeed-tp, imported by the ``mindspeed_tp-autoload.pth`` file the
+package installs into site-packages (a top-level module so that importing it loads neither torch
+nor the package). It only registers post-import hooks, so
+
+- ``MINDSPEED_TP=1`` enables the patches as soon as ``megatron.core`` has been imported, in any
+  script (verl workers, pretrain_gpt.py, ...) without code changes;
+- ``megatron.training.arguments.parse_args`` learns ``--true-on-policy`` and
+  ``--true-on-policy-profile`` whenever a training script imports it.
+"""
+import importlib.abc
+import importlib.util
+import os
+import sys
+
+_TRAINING_ARGS = "megatron.training.arguments"
+_CORE = "megatron.core"
+
+
+def env_requested() -> bool:
+    return os.environ.get("MINDSPEED_TP", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    """Runs a callback right after a named module finishes executing."""
+
+    def __init__(self):
+        self.hooks = {}
+        self._busy = set()
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in self.hooks or fullname in self._busy:
+            return None
+        self._busy.add(fullname)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._busy.discard(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        loader, callbacks = spec.loader, self.hooks.pop(fullname)
+        original_exec = loader.exec_module
+
+        def exec_module(module):
+            original_exec(module)
+            for cb in callbacks:
+                cb(module)
+
+        loader.exec_module = exec_module
+        return spec
+
+
+_finder = None
+
+
+def when_imported(name, callback) -> None:
+    """Call ``callback(module)`` now if ``name`` is imported, else right after it is."""
+    global _finder
+    if name in sys.modules:
+        callback(sys.modules[name])
+        return
+    if _finder is None:
+        _finder = _PostImportFinder()
+        sys.meta_path.insert(0, _finder)
+    _finder.hooks.setdefault(name, []).append(callback)
+
+
+def _enable_from_env(_module) -> None:
+    import mindspeed_tp
+
+    mindspeed_tp.enable(os.environ.get("MINDSPEED_TP_PROFILE") or None)
+
+
+def _register_training_flags(module) -> None:
+    from mindspeed_tp.training_args import patch_parse_args
+
+    patch_parse_args(module)
+
+
+def install() -> None:
+    when_imported(_TRAINING_ARGS, _register_training_flags)
+    if env_requested():
+        when_imported(_CORE, _enable_from_env)
+
+
+install()
