@@ -1,10 +1,39 @@
-"""Patch of GPTModel construction: mark the LM head so its logits come out in fp32."""
+"""Patch of GPTModel construction: mark the LM head for fp32 logits, and refuse models built from
+modules the patch set does not cover (instead of silently running them non-invariantly)."""
+from ..errors import ConfigError
 from ..patching import PatchRegistry
+
+# Module families whose numerics no patch here controls, with the setting that avoids them.
+_UNCOVERED = (
+    ("megatron.core.extensions.transformer_engine", "Transformer Engine modules",
+     "build the model with the local spec (--transformer-impl local)"),
+    ("apex.", "apex fused norms", "use normalization=RMSNorm (torch norm path) or uninstall apex"),
+)
+_UNCOVERED_CLASSES = {
+    "MoELayer": "MoE layers are not covered by the dense patch set yet (num_moe_experts must be unset)",
+    "MLASelfAttention": "multi-latent attention is not supported (multi_latent_attention=False)",
+}
+
+
+def validate_model_modules(model) -> None:
+    config = getattr(model, "config", None)
+    if getattr(config, "cross_entropy_loss_fusion", False):
+        raise ConfigError("cross_entropy_loss_fusion must be False with --true-on-policy (the fused kernel "
+                          "bypasses the canonical vocab reduction)")
+    for name, module in model.named_modules():
+        cls = type(module)
+        for prefix, what, fix in _UNCOVERED:
+            if cls.__module__.startswith(prefix):
+                raise ConfigError(f"{name or 'model'} is a {cls.__name__} ({what}), which mindspeed-tp does not "
+                                  f"make layout-invariant: {fix}")
+        if cls.__name__ in _UNCOVERED_CLASSES:
+            raise ConfigError(f"{name}: {_UNCOVERED_CLASSES[cls.__name__]}")
 
 
 def gpt_model_init(original):
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
+        validate_model_modules(self)
         head = getattr(self, "output_layer", None)
         if head is not None:
             head._mindspeed_tp_logits = True
@@ -15,6 +44,7 @@ def gpt_model_init(original):
 def register(reg: PatchRegistry) -> None:
     reg.register(
         "megatron.core.models.gpt.gpt_model:GPTModel.__init__",
-        "marks output_layer so the LM head GEMM returns fp32 logits",
+        "marks output_layer so the LM head GEMM returns fp32 logits; rejects modules no patch covers "
+        "(Transformer Engine, apex norms, MoE until its patch set, MLA)",
         wraps=True,
     )(gpt_model_init)

@@ -1,0 +1,44 @@
+"""GPTModel construction under the patches refuses what no patch covers, naming the setting."""
+from conftest import explain, run_python
+
+CODE = """
+import torch, torch.nn.functional as F, torch.distributed as dist
+import mindspeed_tp
+from mindspeed_tp.check.harness import init_distributed
+init_distributed()
+mindspeed_tp.enable()
+from megatron.core import parallel_state
+parallel_state.initialize_model_parallel()
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.transformer_config import TransformerConfig
+cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+                        normalization="RMSNorm", add_bias_linear=False, use_cpu_initialization=True,
+                        perform_initialization=False, {extra})
+try:
+    GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(num_experts={experts}, normalization="RMSNorm"),
+             vocab_size=1024, max_sequence_length=64, position_embedding_type="rope")
+    print("BUILT")
+except mindspeed_tp.ConfigError as exc:
+    print("REFUSED", exc)
+"""
+
+
+def _run(extra="", experts="None"):
+    proc = run_python(CODE.format(extra=extra, experts=experts))
+    assert proc.returncode == 0, explain(proc)
+    return proc.stdout
+
+
+def test_dense_local_spec_builds():
+    assert "BUILT" in _run()
+
+
+def test_moe_model_is_refused_until_covered():
+    out = _run(extra="num_moe_experts=4, moe_router_topk=2", experts="4")
+    assert "REFUSED" in out and "num_moe_experts" in out
+
+
+def test_fused_cross_entropy_is_refused():
+    out = _run(extra="cross_entropy_loss_fusion=True")
+    assert "REFUSED" in out and "cross_entropy_loss_fusion" in out

@@ -1,0 +1,77 @@
+"""Worker (torchrun, world 2): tiny-dense GPTModel at TP=2 with SP, fp32, training mode.
+Saves each rank's parameter gradients for vanilla and patched runs, and the loss over a few
+Adam steps with the patches on."""
+import sys
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+import mindspeed_tp
+from mindspeed_tp.backends.cpu_shims import install_cpu_shims
+from mindspeed_tp.check.batch import make_batch
+from mindspeed_tp.check.harness import _logprobs_from_logits, _pipeline_forward, _setup_parallel_state, init_distributed
+from mindspeed_tp.models.builder import build_gpt_stage
+from mindspeed_tp.models.layout import Layout
+from mindspeed_tp.models.spec import load_model_spec
+from mindspeed_tp.models.weights import load_seeded_weights
+from mindspeed_tp.profile import load_profile
+
+out_prefix = sys.argv[1]
+init_distributed()
+install_cpu_shims()
+from megatron.core import parallel_state  # noqa: E402
+
+spec, profile, layout = load_model_spec("tiny-dense"), load_profile(), Layout(tp=2, sp=True)
+batch = make_batch(spec.vocab_size, 3, 4, 64)
+scored = batch.scored.float()
+
+
+def loss_of(model):
+    logits = _pipeline_forward(model, layout, batch, spec.hidden_size, torch.float32)
+    logprobs = _logprobs_from_logits(logits, batch, spec.vocab_size)
+    return -(logprobs * scored).sum() / scored.sum()
+
+
+def finalize_grads(model):
+    # What Megatron's finalize_model_grads does for SP-replicated params (norms): sum over TP.
+    group = parallel_state.get_tensor_model_parallel_group()
+    for p in model.parameters():
+        if getattr(p, "sequence_parallel", False) and p.grad is not None:
+            dist.all_reduce(p.grad, group=group)
+
+
+def fresh_model():
+    _setup_parallel_state(layout, 0)
+    model = build_gpt_stage(spec, layout, torch.float32, profile)
+    load_seeded_weights(model, spec, 0, layout.tp, parallel_state.get_tensor_model_parallel_rank())
+    model.train()
+    return model
+
+
+tensors = {}
+for mode in ("vanilla", "consistent"):
+    mindspeed_tp.disable() if mode == "vanilla" else mindspeed_tp.enable(profile)
+    model = fresh_model()
+    loss = loss_of(model)
+    loss.backward()
+    finalize_grads(model)
+    tensors[f"{mode}/loss"] = loss.detach().reshape(1)
+    for name, p in model.named_parameters():
+        tensors[f"{mode}/grad/{name}"] = p.grad.detach().clone()
+
+mindspeed_tp.enable(profile)
+model = fresh_model()
+opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+losses = []
+for _ in range(6):
+    opt.zero_grad()
+    loss = loss_of(model)
+    loss.backward()
+    finalize_grads(model)
+    opt.step()
+    losses.append(loss.detach())
+tensors["consistent/train_losses"] = torch.stack(losses)
+save_file({k: v.contiguous() for k, v in tensors.items()}, f"{out_prefix}.rank{dist.get_rank()}.safetensors")
+dist.barrier()
+dist.destroy_process_group()
