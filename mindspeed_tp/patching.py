@@ -31,6 +31,7 @@ class Patch:
     _owner: Any = field(default=None, repr=False)
     _attr: str = field(default="", repr=False)
     _original: Any = field(default=_MISSING, repr=False)
+    _owned: bool = field(default=True, repr=False)  # attr defined on the owner itself (not inherited)
     _new: Any = field(default=None, repr=False)
     _rebound: List[Tuple[Any, str]] = field(default_factory=list, repr=False)
 
@@ -108,6 +109,7 @@ class PatchRegistry:
                 if isinstance(original, staticmethod) and not isinstance(new, staticmethod):
                     new = staticmethod(new)
                 p._owner, p._attr, p._original, p._new = owner, attr, original, new
+                p._owned = attr in vars(owner)
                 setattr(owner, attr, new)
                 if isinstance(owner, type(sys)):
                     rebinds[id(current)] = p
@@ -129,16 +131,26 @@ class PatchRegistry:
                         p._rebound.append((module, name))
 
     def revert(self) -> None:
-        """Restore every original, in reverse order of application."""
+        """Restore every original, in reverse order of application, also in modules that
+        imported a patched function by name after apply()."""
         with self._lock:
-            for p in reversed(self.patches):
-                if not p.applied:
-                    continue
-                for module, name in p._rebound:
-                    if module.__dict__.get(name) is p._new:
-                        module.__dict__[name] = p._original
+            active = [p for p in reversed(self.patches) if p.applied]
+            by_new = {id(p._new): p for p in active if isinstance(p._owner, type(sys))}
+            if by_new:
+                for module in list(sys.modules.values()):
+                    namespace = getattr(module, "__dict__", None)
+                    if not isinstance(namespace, dict):
+                        continue
+                    for name, value in list(namespace.items()):
+                        p = by_new.get(id(value))
+                        if p is not None and value is p._new and not (module is p._owner and name == p._attr):
+                            namespace[name] = p._original
+            for p in active:
                 if vars(p._owner).get(p._attr, _MISSING) is p._new or getattr(p._owner, p._attr, None) is p._new:
-                    setattr(p._owner, p._attr, p._original)
+                    if p._owned:
+                        setattr(p._owner, p._attr, p._original)
+                    else:
+                        delattr(p._owner, p._attr)  # it was inherited: uncover the base's again
                 p._owner, p._attr, p._original, p._new, p._rebound = None, "", _MISSING, None, []
 
     def describe(self) -> List[Dict[str, str]]:

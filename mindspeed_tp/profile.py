@@ -23,7 +23,7 @@ BACKENDS = ("auto", "torch")
 
 
 def _is_power_of_two(n: int) -> bool:
-    return isinstance(n, int) and n >= 1 and (n & (n - 1)) == 0
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 1 and (n & (n - 1)) == 0
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class Profile:
             )
         for name in ("attention_block_size", "gemm_row_multiple", "vocab_pad_multiple"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"profile field {name!r} must be a positive integer, got {value!r}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"profile field 'backend' must be one of {BACKENDS}, got {self.backend!r}")

@@ -10,7 +10,7 @@ import torch
 def tree_fold(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
     """Sum ``t`` over ``dim`` (a power-of-two length) as ((l0+l1)+(l2+l3))+... ."""
     n = t.shape[dim]
-    if n & (n - 1):
+    if n < 1 or n & (n - 1):
         raise ValueError(f"tree_fold needs a power-of-two number of leaves, got {n}")
     t = t.movedim(dim, 0)
     while t.shape[0] > 1:

@@ -133,7 +133,7 @@ def test_tree_fold_decomposes_by_rank(dtype):
     assert torch.equal(full, tree_fold(torch.stack([tree_fold(t[:4], 0), tree_fold(t[4:], 0)]), 0))
 
 
-@pytest.mark.parametrize("n", [3, 5, 6, 12])
+@pytest.mark.parametrize("n", [0, 3, 5, 6, 12])
 def test_tree_fold_rejects_non_power_of_two(n):
     with pytest.raises(ValueError):
         tree_fold(torch.ones(n, 4), dim=0)

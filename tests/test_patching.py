@@ -264,3 +264,34 @@ def test_enable_disable_real_megatron():
             mindspeed_tp.enable(prior_profile)
         elif not shims_were_applied:
             cpu_shims.remove_cpu_shims()
+
+
+def test_revert_restores_modules_imported_while_applied(mods):
+    """A module imported while patched binds the patched function by name; revert must restore
+    it too, or a 'vanilla' run after disable() would silently keep the patch."""
+    reg = PatchRegistry("t")
+    reg.register(f"{mods.a.__name__}:f", "test")(_replacement_f)
+    reg.apply()
+    late = types.ModuleType(f"late_{uuid.uuid4().hex}")
+    late.f = mods.a.f  # `from a import f` after apply()
+    sys.modules[late.__name__] = late
+    try:
+        assert late.f is _replacement_f
+        reg.revert()
+        assert late.f is mods.f and mods.a.f is mods.f and mods.b.f is mods.f
+    finally:
+        sys.modules.pop(late.__name__, None)
+
+
+def test_revert_of_an_inherited_attribute_uncovers_the_base(mods):
+    class Sub(mods.C):
+        pass
+
+    mods.a.Sub = Sub
+    reg = PatchRegistry("t")
+    reg.register(f"{mods.a.__name__}:Sub.method", "test")(lambda self: "new-method")
+    reg.apply()
+    assert Sub().method() == "new-method" and mods.C().method() == "orig-method"
+    reg.revert()
+    assert "method" not in vars(Sub)
+    assert Sub.method is mods.C.method

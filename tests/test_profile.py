@@ -172,3 +172,9 @@ def test_digest_changes_with_any_field(change):
 def test_digest_of_yaml_matches_equivalent_dict(tmp_path):
     path = _write(tmp_path, {"canonical_shards": 4, "backend": "torch"})
     assert load_profile(path).digest() == Profile(canonical_shards=4, backend="torch").digest()
+
+
+@pytest.mark.parametrize("field", ["canonical_shards", "gemm_row_multiple", "attention_block_size"])
+def test_booleans_are_not_integers(field):
+    with pytest.raises(ConfigError, match=field):
+        Profile(**{field: True})

@@ -1,0 +1,37 @@
+"""The checker's entry points: raw torchrun, reference files, JSON written by rank 0."""
+import json
+import os
+import subprocess
+import sys
+
+from conftest import ROOT, _env, explain, run_cli
+
+
+def test_python_m_check_under_torchrun(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "mindspeed_tp.check", "--tp", "2", "--sp", "--dtype", "bf16", "--json", str(tmp_path / "r.json")]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, explain(proc)
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["bitwise_equal_fraction"] == 1.0 and report["vanilla"] is False
+    assert report["layout"] == {"tp": 2, "pp": 1, "sp": True, "name": "tp2-sp"}
+
+
+def test_reference_file_round_trip_and_mismatch(tmp_path):
+    ref = str(tmp_path / "ref.safetensors")
+    proc = run_cli("check", "--tp", "2", "--dtype", "bf16", "--seq-length", "64", "--save-reference", ref)
+    assert proc.returncode == 0, explain(proc)
+    assert os.path.exists(ref)
+    proc = run_cli("check", "--tp", "2", "--pp", "2", "--dtype", "bf16", "--seq-length", "64", "--reference", ref)
+    assert proc.returncode == 0, explain(proc)
+    proc = run_cli("check", "--tp", "2", "--dtype", "bf16", "--seq-length", "64", "--seed", "99", "--reference", ref)
+    assert proc.returncode == 2, explain(proc)
+    assert "inputs" in proc.stderr
+
+
+def test_reference_must_be_safetensors(tmp_path):
+    bad = tmp_path / "ref.pt"
+    bad.write_bytes(b"not a safetensors file")
+    proc = run_cli("check", "--reference", str(bad))
+    assert proc.returncode == 2, explain(proc)
+    assert "safetensors" in proc.stderr
