@@ -44,7 +44,7 @@ def main():
         mindspeed_tp.disable() if mode == "vanilla" else mindspeed_tp.enable(profile)
         _setup_parallel_state(layout, 0)
         model = build_gpt_stage(spec, layout, dtype, profile)
-        load_seeded_weights(model, spec, 0, layout.tp, parallel_state.get_tensor_model_parallel_rank())
+        load_seeded_weights(model, spec, 0, layout)
         for i in range(args.repeats + 1):
             dist.barrier()
             t0 = time.perf_counter()

@@ -82,6 +82,30 @@ class _FoldAll(torch.autograd.Function):
         return grad.to(ctx.in_dtype), None, None
 
 
+class _AllToAllRows(torch.autograd.Function):
+    """Equal-split all-to-all along dim 0; its own inverse, so backward is the same exchange."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = torch.empty_like(grad)
+        dist.all_to_all_single(out, grad.contiguous(), group=ctx.group)
+        return out, None
+
+
+def all_to_all_rows(x: torch.Tensor, group) -> torch.Tensor:
+    """Slice i of dim 0 goes to rank i; slot i of the result came from rank i (differentiable)."""
+    if group_size(group) == 1:
+        return x
+    return _AllToAllRows.apply(x, group)
+
+
 def fold_across_ranks(
     partial: torch.Tensor, group, out_dtype: torch.dtype, scatter_dim0: bool = False
 ) -> torch.Tensor:
@@ -122,6 +146,7 @@ def group_rank(group) -> int:
 
 
 __all__ = [
+    "all_to_all_rows",
     "fold_across_ranks",
     "group_size",
     "gather_along_rank",

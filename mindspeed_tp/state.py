@@ -38,3 +38,16 @@ def fp32_output():
 
 def want_fp32_output() -> bool:
     return getattr(_local, "fp32_output", False)
+
+
+_routing = None
+
+
+def routing_recorder():
+    """When set (a dict), MoE layers store their chosen experts per token under their layer number."""
+    return _routing
+
+
+def set_routing_recorder(recorder) -> None:
+    global _routing
+    _routing = recorder

@@ -98,13 +98,59 @@ def _wrapped_torch_norm_new(original):
     return __new__
 
 
+@_shims.register("megatron.core.transformer.moe.moe_utils:maybe_move_tensor_to_cpu",
+                 "only CUDA tensors become host lists/arrays; gloo's all_to_all needs plain split sizes")
+def _maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.cpu().numpy()
+    return tensor
+
+
+@_shims.register("megatron.core.tensor_parallel.mappings:_gather_along_first_dim",
+                 "gloo's all_gather needs equal sizes: pad uneven splits to the largest and slice",
+                 wraps=True)
+def _gather_along_first_dim(original):
+    def gather(input_, group=None, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None:
+            return original(input_, group, None, use_global_buffer)
+        import torch.distributed as dist
+
+        sizes = [int(n) for n in output_split_sizes]
+        world = len(sizes)
+        largest = max(sizes)
+        padded = input_.new_zeros((largest, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        out = input_.new_empty((world * largest, *input_.shape[1:]))
+        dist.all_gather_into_tensor(out, padded.contiguous(), group=group)
+        parts = out.reshape(world, largest, *input_.shape[1:])
+        return torch.cat([parts[i, : sizes[i]] for i in range(world)], dim=0)
+
+    return gather
+
+
+# Names megatron-core 0.16 reads without defining them when Transformer Engine is absent.
+_MISSING_NAMES = (("megatron.core.transformer.moe.moe_utils", "te_general_gemm"),)
+_defined: list = []
+
+
 def install_cpu_shims() -> None:
     """Install every CPU shim (idempotent)."""
+    import importlib
+
     _shims.apply()
+    for module_name, name in _MISSING_NAMES:
+        module = importlib.import_module(module_name)
+        if not hasattr(module, name):
+            setattr(module, name, None)
+            _defined.append((module, name))
 
 
 def remove_cpu_shims() -> None:
     _shims.revert()
+    while _defined:
+        module, name = _defined.pop()
+        if getattr(module, name, "x") is None:
+            delattr(module, name)
 
 
 def shim_registry() -> PatchRegistry:

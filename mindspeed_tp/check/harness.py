@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from .. import disable, enable
+from .. import disable, enable, state
 from ..errors import ConfigError
 from ..models.builder import build_gpt_stage
 from ..models.layout import Layout
@@ -78,10 +78,10 @@ def _setup_parallel_state(layout: Layout, seed: int) -> None:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     world = dist.get_world_size()
-    if world % layout.model_parallel_size:
+    if world % layout.required_world_size:
         raise ConfigError(
-            f"layout {layout.name} needs a world size divisible by tp*pp={layout.model_parallel_size}; "
-            f"launched with {world} processes (change --nproc or the layout)"
+            f"layout {layout.name} needs a world size divisible by {layout.required_world_size} (tp*pp and "
+            f"etp*ep*pp); launched with {world} processes (change --nproc or the layout)"
         )
     if _current_layout != layout or not parallel_state.model_parallel_is_initialized():
         if parallel_state.model_parallel_is_initialized():
@@ -89,6 +89,8 @@ def _setup_parallel_state(layout: Layout, seed: int) -> None:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=layout.tp,
             pipeline_model_parallel_size=layout.pp,
+            expert_model_parallel_size=layout.ep,
+            expert_tensor_parallel_size=layout.etp,
             create_gloo_process_groups=False,  # the default backend is gloo already
         )
         _current_layout = layout
@@ -129,6 +131,47 @@ def _logprobs_from_logits(logits: torch.Tensor, batch: ScoringBatch, vocab_size:
     return -tensor_parallel.vocab_parallel_cross_entropy(logits, batch.targets)
 
 
+class _RoutingCapture:
+    """Collects each MoE layer's chosen experts per local token: from the patched MoE forward
+    (consistent mode) or from the TopKRouter's output (vanilla)."""
+
+    def __init__(self, model, vanilla: bool):
+        self.maps = {}
+        self.handles = []
+        if vanilla:
+            from megatron.core.transformer.moe.router import TopKRouter
+
+            for module in model.modules():
+                if isinstance(module, TopKRouter):
+                    self.handles.append(module.register_forward_hook(self._hook))
+        else:
+            state.set_routing_recorder(self.maps)
+
+    def _hook(self, module, args, output):
+        self.maps[module.layer_number] = output[1].reshape(-1, output[1].shape[-1]).bool()
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+        state.set_routing_recorder(None)
+
+
+def _full_routing(maps, layout: Layout, spec: ModelSpec, tokens: int) -> torch.Tensor:
+    """(num_layers, s*b, E) uint8 on every rank: layer l's expert set per token (zeros if dense)."""
+    from megatron.core import parallel_state
+
+    full = torch.zeros(spec.num_layers, tokens, spec.num_experts, dtype=torch.uint8)
+    group = parallel_state.get_tensor_model_parallel_group()
+    for layer_number, chosen in sorted(maps.items()):
+        if layout.sp and layout.tp > 1:
+            parts = [torch.empty_like(chosen, dtype=torch.uint8) for _ in range(layout.tp)]
+            dist.all_gather(parts, chosen.to(torch.uint8), group=group)
+            chosen = torch.cat(parts)
+        full[layer_number - 1] = chosen.to(torch.uint8)
+    dist.all_reduce(full, op=dist.ReduceOp.MAX)  # replicas hold equal maps; absent layers are 0
+    return full
+
+
 def layout_logprobs(
     spec: ModelSpec,
     layout: Layout,
@@ -137,8 +180,10 @@ def layout_logprobs(
     seed: int,
     batch: ScoringBatch,
     vanilla: bool,
-) -> torch.Tensor:
-    """(b, s) fp32 logprobs of ``batch`` under ``layout``, identical on every rank afterwards."""
+    dispatcher: str = "alltoall",
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(b, s) fp32 logprobs of ``batch`` under ``layout``, identical on every rank afterwards, and
+    for MoE models the routing decisions (num_layers, s*b, E) (None for dense models)."""
     from megatron.core import parallel_state
 
     if vanilla:
@@ -146,25 +191,31 @@ def layout_logprobs(
     else:
         enable(profile)
     _setup_parallel_state(layout, seed)
-    # Only one data-parallel replica computes; the others would repeat the same work.
-    computes = parallel_state.get_data_parallel_rank() == 0
-    src = None
+    # A dense model needs one data-parallel replica; MoE experts span replicas, so all compute.
+    computes = spec.is_moe or parallel_state.get_data_parallel_rank() == 0
     result = torch.zeros(batch.tokens.shape, dtype=torch.float32)
+    maps = {}
     if computes:
-        model = build_gpt_stage(spec, layout, dtype, profile)
-        load_seeded_weights(
-            model, spec, seed, layout.tp, parallel_state.get_tensor_model_parallel_rank()
-        )
-        with torch.no_grad():
-            out = _pipeline_forward(model, layout, batch, spec.hidden_size, dtype)
+        model = build_gpt_stage(spec, layout, dtype, profile, dispatcher)
+        load_seeded_weights(model, spec, seed, layout)
+        capture = _RoutingCapture(model, vanilla) if spec.is_moe else None
+        try:
+            with torch.no_grad():
+                out = _pipeline_forward(model, layout, batch, spec.hidden_size, dtype)
+        finally:
+            if capture is not None:
+                capture.close()
+                maps = capture.maps
         if out is not None:
             result = _logprobs_from_logits(out, batch, spec.vocab_size).float()
     # The owner of the answer: last pipeline stage, TP rank 0, DP rank 0.
-    is_src = computes and parallel_state.is_pipeline_last_stage() and (
-        parallel_state.get_tensor_model_parallel_rank() == 0
+    is_src = (
+        parallel_state.get_data_parallel_rank() == 0
+        and parallel_state.is_pipeline_last_stage()
+        and parallel_state.get_tensor_model_parallel_rank() == 0
     )
     flags = torch.tensor([dist.get_rank() if is_src else -1])
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    src = int(flags.item())
-    dist.broadcast(result, src=src)
-    return result
+    dist.broadcast(result, src=int(flags.item()))
+    routing = _full_routing(maps, layout, spec, batch.tokens.numel()) if spec.is_moe else None
+    return result, routing

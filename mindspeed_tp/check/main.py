@@ -24,7 +24,7 @@ from ..profile import Profile, load_profile
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs")
 DEFAULTS = dict(
-    model="tiny-dense", profile="default", tp=1, pp=1, sp=False, layouts=None, dtype="bf16", seed=1234,
+    model="tiny-dense", profile="default", tp=1, pp=1, sp=False, ep=1, etp=1, dispatcher="alltoall", layouts=None, dtype="bf16", seed=1234,
     batch_size=4, seq_length=144, json=None, vanilla=False, compare_vanilla=False, reference=None,
     save_reference=None, dump_logprobs=None, timeout=600.0,
 )
@@ -47,7 +47,10 @@ def build_parser(prog: str = "mindspeed-tp check") -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, help="tensor-parallel size")
     p.add_argument("--pp", type=int, help="pipeline-parallel size")
     p.add_argument("--sp", action="store_true", default=None, help="sequence parallel")
-    p.add_argument("--layouts", help="comma-separated layouts to check in one run, e.g. tp2,tp2-sp,tp4-sp-pp2")
+    p.add_argument("--ep", type=int, help="expert-parallel size (MoE models)")
+    p.add_argument("--etp", type=int, help="expert tensor-parallel size (MoE models; default 1)")
+    p.add_argument("--dispatcher", choices=["alltoall", "allgather"], help="MoE token dispatcher (default alltoall)")
+    p.add_argument("--layouts", help="comma-separated layouts to check in one run, e.g. tp2,tp2-sp,tp4-sp-pp2,tp2-sp-ep2-etp2")
     p.add_argument("--dtype", choices=["fp32", "bf16"])
     p.add_argument("--seed", type=int, help="seed of the weights and of the scored tokens")
     p.add_argument("--batch-size", type=int)
@@ -100,7 +103,7 @@ def plan(ns: argparse.Namespace):
     if ns.layouts:
         layouts = [Layout.parse(x) for x in str(ns.layouts).split(",") if x.strip()]
     else:
-        layouts = [Layout(tp=int(ns.tp), pp=int(ns.pp), sp=bool(ns.sp))]
+        layouts = [Layout(tp=int(ns.tp), pp=int(ns.pp), sp=bool(ns.sp), ep=int(ns.ep), etp=int(ns.etp))]
     for layout in layouts:
         validate_layout(layout, spec, profile, int(ns.seq_length))
     if ns.seq_length > spec.max_position_embeddings:
@@ -112,7 +115,7 @@ def plan(ns: argparse.Namespace):
 
 
 def required_world_size(layouts: List[Layout]) -> int:
-    return reduce(lambda a, b: a * b // math.gcd(a, b), [l.model_parallel_size for l in layouts], 1)
+    return reduce(lambda a, b: a * b // math.gcd(a, b), [l.required_world_size for l in layouts], 1)
 
 
 def _digest(obj) -> str:
@@ -137,6 +140,17 @@ def verify_same_on_all_ranks(fields: Dict[str, object]) -> None:
                 f"ranks disagree on {name}: rank(s) {bad} differ from rank 0 "
                 f"(check that every node has the same {name} files and flags)"
             )
+
+
+def routing_mismatch(routing, reference, batch) -> float:
+    """Fraction of scored tokens whose chosen expert set differs from the reference in any layer."""
+    if routing is None or reference is None:
+        return float("nan")
+    b, s = batch.tokens.shape
+    differs = (routing != reference).any(dim=-1).any(dim=0)  # (s*b,), Megatron order t = s*B + b
+    differs = differs.reshape(s, b).t()
+    scored = batch.scored
+    return float(differs[scored].double().mean()) if scored.any() else 0.0
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -170,19 +184,23 @@ def run(ns: argparse.Namespace) -> int:
     meta = {"model": _digest(spec.to_dict()), "profile": profile.digest(), "inputs": _digest(inputs)}
     loaded = load_reference(ns.reference, meta) if ns.reference else {}
     single = Layout()
-    results, refs, dumps = [], {}, {}
+    results, refs, dumps, ref_routing = [], {}, {}, {}
     for vanilla in modes:
         key = "vanilla" if vanilla else "consistent"
         if key in loaded:
             refs[key] = loaded[key]
         else:
-            refs[key] = layout_logprobs(spec, single, dtype, profile, int(ns.seed), batch, vanilla)
+            refs[key], ref_routing[key] = layout_logprobs(
+                spec, single, dtype, profile, int(ns.seed), batch, vanilla, ns.dispatcher)
     # Layout outer, mode inner: Megatron's parallel state is built once per layout.
     for layout in layouts:
         for vanilla in modes:
             key = "vanilla" if vanilla else "consistent"
-            lp = layout_logprobs(spec, layout, dtype, profile, int(ns.seed), batch, vanilla)
+            lp, routing = layout_logprobs(spec, layout, dtype, profile, int(ns.seed), batch, vanilla, ns.dispatcher)
             r = compare_logprobs(lp, refs[key], batch.scored)
+            if spec.is_moe:
+                r["routing_mismatch_fraction"] = routing_mismatch(routing, ref_routing.get(key), batch)
+                r["dispatcher"] = ns.dispatcher
             r.update(
                 layout=layout.to_dict(), vanilla=vanilla, profile=profile.name, profile_digest=profile.digest(),
                 megatron_core_version=megatron_version(), model=spec.name, dtype=ns.dtype, seed=int(ns.seed),

@@ -13,15 +13,18 @@ def _fmt(x: float) -> str:
 
 
 def format_table(results: List[Dict]) -> str:
-    head = f"{'layout':<14}{'mode':<14}{'max|dlogp|':>12}{'mean|dlogp|':>13}{'bitwise':>9}{'max|dp|':>11}{'pearson':>10}{'tokens':>8}"
+    moe = any("routing_mismatch_fraction" in r for r in results)
+    head = f"{'layout':<22}{'mode':<14}{'max|dlogp|':>12}{'mean|dlogp|':>13}{'bitwise':>9}{'max|dp|':>11}{'pearson':>10}{'tokens':>8}" + (f"{'routing!=':>10}" if moe else "")
     lines = [head, "-" * len(head)]
     for r in results:
         mode = "vanilla" if r["vanilla"] else "mindspeed-tp"
         flag = "" if r["nonfinite_values"] == 0 else f"  ({r['nonfinite_values']} NaN/inf!)"
         lines.append(
-            f"{r['layout']['name']:<14}{mode:<14}{_fmt(r['max_abs_logdiff']):>12}"
+            f"{r['layout']['name']:<22}{mode:<14}{_fmt(r['max_abs_logdiff']):>12}"
             f"{_fmt(r['mean_abs_logdiff']):>13}{r['bitwise_equal_fraction'] * 100:>8.1f}%"
-            f"{_fmt(r['max_abs_probdiff']):>11}{r['pearson']:>10.6f}{r['tokens']:>8}{flag}"
+            f"{_fmt(r['max_abs_probdiff']):>11}{r['pearson']:>10.6f}{r['tokens']:>8}"
+            + (f"{r.get('routing_mismatch_fraction', 0) * 100:>9.1f}%" if moe else "")
+            + flag
         )
     return "\n".join(lines)
 

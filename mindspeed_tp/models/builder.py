@@ -11,10 +11,36 @@ from .spec import ModelSpec
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype):
+def _moe_kwargs(spec: ModelSpec, layout: Layout, dispatcher: str) -> dict:
+    if not spec.is_moe:
+        return {}
+    kw = dict(
+        num_moe_experts=spec.num_experts,
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size or spec.ffn_hidden_size,
+        moe_router_topk=spec.moe_router_topk,
+        moe_router_score_function=spec.moe_router_score_function,
+        moe_router_pre_softmax=spec.moe_router_pre_softmax,
+        moe_router_enable_expert_bias=spec.moe_router_enable_expert_bias,
+        moe_router_topk_scaling_factor=spec.moe_router_topk_scaling_factor,
+        moe_shared_expert_intermediate_size=spec.moe_shared_expert_intermediate_size,
+        moe_router_load_balancing_type="aux_loss" if spec.moe_aux_loss_coeff else "none",
+        moe_aux_loss_coeff=spec.moe_aux_loss_coeff,
+        moe_router_dtype="fp32",
+        moe_token_dispatcher_type=dispatcher,
+        moe_grouped_gemm=False,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+    )
+    if spec.first_k_dense:
+        kw["moe_layer_freq"] = [0] * spec.first_k_dense + [1] * (spec.num_layers - spec.first_k_dense)
+    return kw
+
+
+def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype, dispatcher: str = "alltoall"):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
+        **_moe_kwargs(spec, layout, dispatcher),
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_attention_heads,
@@ -45,14 +71,21 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype):
     )
 
 
-def build_gpt_stage(spec: ModelSpec, layout: Layout, dtype: torch.dtype, profile: Profile):
+def build_gpt_stage(
+    spec: ModelSpec, layout: Layout, dtype: torch.dtype, profile: Profile, dispatcher: str = "alltoall"
+):
     """The GPTModel chunk this rank holds (pre/post-process by pipeline stage), in eval mode."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
-    config = transformer_config(spec, layout, dtype)
-    layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")
+    config = transformer_config(spec, layout, dtype, dispatcher)
+    if spec.is_moe and spec.first_k_dense:
+        layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    else:
+        layer_spec = get_gpt_layer_local_spec(
+            num_experts=spec.num_experts, qk_layernorm=spec.qk_layernorm, normalization="RMSNorm"
+        )
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,

@@ -1,6 +1,7 @@
 """Parallel layouts (TP/SP/PP) and the checks that make a layout keep the contract."""
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -8,7 +9,7 @@ from ..errors import ConfigError
 from ..profile import Profile
 from .spec import ModelSpec
 
-_TOKEN = re.compile(r"^(tp|pp)(\d+)$|^sp$")
+_TOKEN = re.compile(r"^(tp|pp|ep|etp)(\d+)$|^sp$")
 
 
 @dataclass(frozen=True)
@@ -16,16 +17,28 @@ class Layout:
     tp: int = 1
     pp: int = 1
     sp: bool = False
+    ep: int = 1
+    etp: int = 1
 
     @property
     def model_parallel_size(self) -> int:
         return self.tp * self.pp
 
     @property
+    def required_world_size(self) -> int:
+        """Megatron needs tp*pp and etp*ep*pp to divide the world size."""
+        a, b = self.tp * self.pp, self.etp * self.ep * self.pp
+        return a * b // math.gcd(a, b)
+
+    @property
     def name(self) -> str:
         parts = [f"tp{self.tp}"]
         if self.sp:
             parts.append("sp")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
+        if self.etp > 1:
+            parts.append(f"etp{self.etp}")
         if self.pp > 1:
             parts.append(f"pp{self.pp}")
         return "-".join(parts)
@@ -33,27 +46,29 @@ class Layout:
     @classmethod
     def parse(cls, text: str) -> "Layout":
         """Parse 'tp2-sp-pp2' style names."""
-        tp, pp, sp = 1, 1, False
+        sizes = {"tp": 1, "pp": 1, "ep": 1, "etp": 1}
+        sp = False
         for token in text.strip().lower().split("-"):
             m = _TOKEN.match(token)
             if not m:
-                raise ConfigError(f"--layouts entry {text!r}: cannot read {token!r} (expected tpN, ppN or sp)")
+                raise ConfigError(
+                    f"--layouts entry {text!r}: cannot read {token!r} (expected tpN, ppN, epN, etpN or sp)"
+                )
             if token == "sp":
                 sp = True
-            elif m.group(1) == "tp":
-                tp = int(m.group(2))
             else:
-                pp = int(m.group(2))
-        return cls(tp=tp, pp=pp, sp=sp)
+                sizes[m.group(1)] = int(m.group(2))
+        return cls(sp=sp, **sizes)
 
     def to_dict(self):
-        return {"tp": self.tp, "pp": self.pp, "sp": self.sp, "name": self.name}
+        return {"tp": self.tp, "pp": self.pp, "sp": self.sp, "ep": self.ep, "etp": self.etp, "name": self.name}
 
 
 def validate_layout(layout: Layout, spec: ModelSpec, profile: Profile, seq_length: int) -> None:
     """Reject a layout that cannot be bitwise consistent, naming the setting to change."""
-    if layout.tp < 1 or layout.pp < 1:
-        raise ConfigError(f"--tp and --pp must be >= 1, got tp={layout.tp} pp={layout.pp}")
+    for flag, value in (("--tp", layout.tp), ("--pp", layout.pp), ("--ep", layout.ep), ("--etp", layout.etp)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {value}")
     profile.check_tp(layout.tp, setting="--tp (tensor_model_parallel_size)")
     if layout.sp and layout.tp == 1:
         raise ConfigError("--sp (sequence parallel) needs --tp > 1")
@@ -72,5 +87,27 @@ def validate_layout(layout: Layout, spec: ModelSpec, profile: Profile, seq_lengt
                 f"or the model size"
             )
     spec.padded_vocab(profile)
+    if spec.is_moe:
+        if spec.num_experts % layout.ep:
+            raise ConfigError(
+                f"--ep={layout.ep} does not divide num_experts={spec.num_experts} of model {spec.name}; change --ep"
+            )
+        profile.check_tp(layout.etp, setting="--etp (expert_tensor_parallel_size)")
+        ffn = spec.moe_ffn_hidden_size or spec.ffn_hidden_size
+        if ffn % profile.canonical_shards:
+            raise ConfigError(
+                f"model {spec.name}: moe_ffn_hidden_size={ffn} is not divisible by canonical_shards="
+                f"{profile.canonical_shards}; change the model size or canonical_shards"
+            )
+        if spec.moe_shared_expert_intermediate_size and spec.moe_shared_expert_intermediate_size % profile.canonical_shards:
+            raise ConfigError(
+                f"model {spec.name}: moe_shared_expert_intermediate_size is not divisible by canonical_shards="
+                f"{profile.canonical_shards}"
+            )
+        if layout.tp > 1 and layout.ep > 1 and not layout.sp:
+            raise ConfigError("--sp is required when --tp > 1 and --ep > 1 (megatron-core requires sequence "
+                              "parallelism with expert parallelism)")
+    elif layout.ep > 1 or layout.etp > 1:
+        raise ConfigError(f"--ep/--etp need a MoE model; {spec.name} is dense")
     if layout.sp and seq_length % layout.tp:
         raise ConfigError(f"--seq-length={seq_length} is not divisible by --tp={layout.tp} (needed for --sp)")

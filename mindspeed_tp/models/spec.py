@@ -33,6 +33,17 @@ class ModelSpec:
     # Explicit padded vocab (Megatron's --make-vocab-size-divisible-by result); default: the
     # profile pads TP-independently to a multiple of vocab_pad_multiple * canonical_shards.
     padded_vocab_size: Optional[int] = None
+    # MoE (unset num_experts: dense). Names follow Megatron's TransformerConfig.
+    num_experts: Optional[int] = None
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_router_score_function: str = "softmax"   # softmax (Qwen3-MoE) | sigmoid (DeepSeek)
+    moe_router_pre_softmax: bool = False         # False: normalised top-k (norm_topk_prob=True)
+    moe_router_enable_expert_bias: bool = False
+    moe_router_topk_scaling_factor: Optional[float] = None
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    first_k_dense: int = 0                        # leading dense layers (DeepSeek first_k_dense_replace)
+    moe_aux_loss_coeff: float = 0.0
 
     def __post_init__(self):
         for f in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
@@ -40,11 +51,25 @@ class ModelSpec:
             value = getattr(self, f)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"model {self.name}: {f} must be a positive integer, got {value!r}")
+        if self.num_experts is not None:
+            if self.num_experts < 1 or self.moe_router_topk < 1 or self.moe_router_topk > self.num_experts:
+                raise ConfigError(f"model {self.name}: need 1 <= moe_router_topk <= num_experts")
+            if self.moe_router_score_function not in ("softmax", "sigmoid"):
+                raise ConfigError(
+                    f"model {self.name}: moe_router_score_function={self.moe_router_score_function!r} is not "
+                    f"supported (router type); use softmax or sigmoid"
+                )
+            if not 0 <= self.first_k_dense < self.num_layers:
+                raise ConfigError(f"model {self.name}: first_k_dense must be in [0, num_layers)")
         if self.num_attention_heads % self.num_query_groups:
             raise ConfigError(
                 f"model {self.name}: num_attention_heads={self.num_attention_heads} is not divisible "
                 f"by num_query_groups={self.num_query_groups}"
             )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
 
     def padded_vocab(self, profile) -> int:
         if self.padded_vocab_size is None:

@@ -29,12 +29,18 @@ def shard_rule(name: str) -> str:
     return "replicated"
 
 
-def global_param_name(model, local_name: str) -> str:
-    """Rename decoder.layers.<local>.* to the global layer index (PP stages number from 0)."""
+def global_param_name(model, local_name: str, ep_rank: int = 0) -> str:
+    """Global name: decoder.layers.<local>.* renumbered to the global layer index (PP stages
+    number from 0), and experts.local_experts.<j> to the global expert index (EP ranks hold
+    contiguous runs of experts)."""
     parts = local_name.split(".")
     if len(parts) > 2 and parts[0] == "decoder" and parts[1] == "layers":
         layer = model.decoder.layers[int(parts[2])]
         parts[2] = str(layer.layer_number - 1)
+        if "local_experts" in parts:
+            i = parts.index("local_experts")
+            num_local = len(layer.mlp.experts.local_experts)
+            parts[i + 1] = str(ep_rank * num_local + int(parts[i + 1]))
     return ".".join(parts)
 
 
@@ -76,14 +82,26 @@ def shard(full: torch.Tensor, rule: str, tp: int, rank: int) -> torch.Tensor:
     return full
 
 
-def load_seeded_weights(model, spec: ModelSpec, seed: int, tp: int, tp_rank: int) -> Dict[str, str]:
-    """Fill every parameter of this stage with its shard of the seeded full weights."""
+def load_seeded_weights(model, spec: ModelSpec, seed: int, layout) -> Dict[str, str]:
+    """Fill every parameter of this stage (and the routers' expert biases) with its shard of the
+    seeded full weights. Expert weights are split over expert-TP, the rest over TP."""
+    from megatron.core import parallel_state as ps
+
+    tp, tp_rank = layout.tp, ps.get_tensor_model_parallel_rank()
+    ep_rank = ps.get_expert_model_parallel_rank() if spec.is_moe else 0
+    etp_rank = ps.get_expert_tensor_parallel_rank() if spec.is_moe else 0
     rules = {}
     with torch.no_grad():
         for local_name, param in model.named_parameters():
-            name = global_param_name(model, local_name)
+            name = global_param_name(model, local_name, ep_rank)
             rule = shard_rule(name)
-            full = seeded_full_tensor(seed, name, full_shape(rule, tuple(param.shape), tp), spec)
-            param.copy_(shard(full, rule, tp, tp_rank).to(param.dtype))
+            size, rank = (layout.etp, etp_rank) if ".local_experts." in name else (tp, tp_rank)
+            full = seeded_full_tensor(seed, name, full_shape(rule, tuple(param.shape), size), spec)
+            param.copy_(shard(full, rule, size, rank).to(param.dtype))
             rules[name] = rule
+        for local_name, buf in model.named_buffers():
+            if local_name.endswith("router.expert_bias"):
+                name = global_param_name(model, local_name, ep_rank)
+                gen = torch.Generator().manual_seed(_seed_for(seed, name))
+                buf.copy_(0.05 * torch.randn(buf.shape, generator=gen))
     return rules

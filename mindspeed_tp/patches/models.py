@@ -10,7 +10,7 @@ _UNCOVERED = (
     ("apex.", "apex fused norms", "use normalization=RMSNorm (torch norm path) or uninstall apex"),
 )
 _UNCOVERED_CLASSES = {
-    "MoELayer": "MoE layers are not covered by the dense patch set yet (num_moe_experts must be unset)",
+    "GroupedMLP": "grouped-GEMM experts are not covered (moe_grouped_gemm=False)",
     "MLASelfAttention": "multi-latent attention is not supported (multi_latent_attention=False)",
 }
 

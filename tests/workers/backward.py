@@ -44,7 +44,7 @@ def finalize_grads(model):
 def fresh_model():
     _setup_parallel_state(layout, 0)
     model = build_gpt_stage(spec, layout, torch.float32, profile)
-    load_seeded_weights(model, spec, 0, layout.tp, parallel_state.get_tensor_model_parallel_rank())
+    load_seeded_weights(model, spec, 0, layout)
     model.train()
     return model
 

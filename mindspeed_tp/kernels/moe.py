@@ -1,0 +1,68 @@
+"""MoE routing and combine (torch reference backend), row-local and layout-independent.
+
+Router scores in fp32; top-k in descending score order with ties broken by the lower expert id;
+normalisation and the weighted combine summed over the k slots in slot order, in fp32.
+"""
+from typing import Optional, Tuple
+
+import torch
+
+
+def _slot_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim (the k slots) left to right: ((s0 + s1) + s2) + ..."""
+    total = x[..., 0]
+    for j in range(1, x.shape[-1]):
+        total = total + x[..., j]
+    return total
+
+
+def topk_lowest_id_on_ties(scores: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Top-k along the last dim, descending; equal scores keep ascending expert id."""
+    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k]
+
+
+def route(
+    logits: torch.Tensor,
+    topk: int,
+    score_function: str = "softmax",
+    pre_softmax: bool = False,
+    expert_bias: Optional[torch.Tensor] = None,
+    scaling_factor: Optional[float] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Top-k experts and their weights per token.
+
+    logits: (T, E), any float dtype (computed in fp32). Returns (indices (T, k) long in slot
+    order, probs (T, k) fp32). Semantics follow Megatron's router: softmax with pre_softmax=False
+    normalises over the k chosen logits; sigmoid selects on score + expert_bias and normalises the
+    unbiased scores of the chosen experts when k > 1.
+    """
+    logits = logits.float()
+    if score_function == "softmax":
+        if pre_softmax:
+            scores = torch.softmax(logits, dim=-1)
+            probs, idx = topk_lowest_id_on_ties(scores, topk)
+        else:
+            chosen, idx = topk_lowest_id_on_ties(logits, topk)
+            e = torch.exp(chosen - chosen[..., :1])  # slot 0 holds the max
+            probs = e / _slot_sum(e).unsqueeze(-1)
+    elif score_function == "sigmoid":
+        scores = torch.sigmoid(logits)
+        select = scores if expert_bias is None else scores + expert_bias.float()
+        _, idx = topk_lowest_id_on_ties(select, topk)
+        probs = scores.gather(-1, idx)
+        if topk > 1:
+            probs = probs / (_slot_sum(probs).unsqueeze(-1) + 1e-20)
+    else:
+        raise ValueError(f"unsupported router score function {score_function!r}")
+    if scaling_factor:
+        probs = probs * scaling_factor
+    return idx, probs
+
+
+def combine_slots(expert_out: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """sum_j probs[t, j] * expert_out[t, j] in fp32, slot order. expert_out: (T, k, H)."""
+    acc = probs[:, 0:1].float() * expert_out[:, 0].float()
+    for j in range(1, expert_out.shape[1]):
+        acc = acc + probs[:, j : j + 1].float() * expert_out[:, j].float()
+    return acc

@@ -1,0 +1,181 @@
+"""Patch of megatron.core MoELayer: routing, dispatch, experts and combine in one fixed order.
+
+The layer's own router weights, experts and shared experts are used; what changes is the
+arithmetic and the data movement around them:
+- router logits by the batch-invariant GEMM in fp32, top-k with ties to the lower expert id;
+- tokens (rows) all-gathered over the expert tensor-and-model-parallel group; each rank runs its
+  local experts on the rows routed to them, by the batch-invariant GEMM, with expert-TP fc2
+  partials folded in canonical tree order across the expert-TP group;
+- expert outputs move back to the token's rank by an all-to-all of rows (owner selected, never
+  summed), and a token's k outputs are summed in fp32 in slot order, cast once, then the shared
+  expert's output is added.
+The dispatcher type (allgather or alltoall) therefore no longer changes any value.
+"""
+import torch
+
+from .. import compat, state
+from ..collectives import all_to_all_rows, fold_across_ranks, gather_along_rank, group_size
+from ..errors import ConfigError
+from ..kernels import folded_leaf_partials, invariant_linear
+from ..kernels.moe import combine_slots, route
+from ..patching import PatchRegistry
+
+_REJECT = (
+    ("moe_expert_capacity_factor", lambda v: v is not None,
+     "capacity factor / token dropping is decided on local token counts and cannot be layout-invariant; "
+     "unset moe_expert_capacity_factor (dropless)"),
+    ("moe_pad_expert_input_to_capacity", bool, "unset moe_pad_expert_input_to_capacity (dropless only)"),
+    ("moe_input_jitter_eps", lambda v: v not in (None, 0, 0.0), "moe_input_jitter_eps adds noise to routing; unset it"),
+    ("moe_router_topk_limited_devices", bool, "device-limited routing depends on the EP size; unset it"),
+    ("moe_router_num_groups", bool, "group-limited routing is not supported; unset moe_router_num_groups"),
+    ("moe_router_group_topk", bool, "group-limited routing is not supported; unset moe_router_group_topk"),
+    ("moe_grouped_gemm", bool, "grouped GEMM experts are not covered; set moe_grouped_gemm=False (SequentialMLP)"),
+    ("moe_permute_fusion", bool, "fused permutation is not covered; set moe_permute_fusion=False"),
+    ("moe_router_fusion", bool, "fused routing is not covered; set moe_router_fusion=False"),
+    ("moe_shared_expert_overlap", bool, "set moe_shared_expert_overlap=False"),
+    ("moe_apply_probs_on_input", bool, "set moe_apply_probs_on_input=False"),
+    ("moe_shared_expert_gate", bool, "the shared-expert gate is not covered; set moe_shared_expert_gate=False"),
+    ("moe_enable_deepep", bool, "DeepEP dispatch is not covered; use the allgather or alltoall dispatcher"),
+    ("moe_latent_size", lambda v: v is not None, "latent MoE projections are not covered; unset moe_latent_size"),
+    ("moe_router_force_load_balancing", bool, "forced load balancing makes routing random; unset it"),
+    ("moe_enable_routing_replay", bool, "routing replay is not supported; unset it"),
+)
+
+
+def check_moe_config(config) -> None:
+    """Reject every MoE setting whose result depends on the layout, naming it."""
+    for name, bad, why in _REJECT:
+        value = getattr(config, name, None)
+        if value is not None and bad(value):
+            raise ConfigError(f"{name}={value!r} is not supported with --true-on-policy: {why}")
+    score = getattr(config, "moe_router_score_function", "softmax")
+    if score not in ("softmax", "sigmoid"):
+        raise ConfigError(f"moe_router_score_function={score!r} is not supported; use softmax or sigmoid")
+    if getattr(config, "moe_router_load_balancing_type", "aux_loss") == "sinkhorn":
+        raise ConfigError("moe_router_load_balancing_type='sinkhorn' is not supported; use aux_loss, seq_aux_loss or none")
+    dispatcher = getattr(config, "moe_token_dispatcher_type", "allgather")
+    if dispatcher not in ("allgather", "alltoall"):
+        raise ConfigError(f"moe_token_dispatcher_type={dispatcher!r} is not supported; use allgather or alltoall")
+    if getattr(config, "add_bias_linear", False):
+        raise ConfigError("add_bias_linear=True is not supported for MoE layers with --true-on-policy")
+    prof = state.profile()
+    etp = getattr(config, "expert_tensor_parallel_size", None) or config.tensor_model_parallel_size
+    prof.check_tp(etp, setting="expert_tensor_parallel_size (--etp)")
+    ffn = config.moe_ffn_hidden_size or config.ffn_hidden_size
+    if ffn % prof.canonical_shards:
+        raise ConfigError(
+            f"moe_ffn_hidden_size={ffn} is not divisible by canonical_shards={prof.canonical_shards}; "
+            f"change the expert size or the profile"
+        )
+
+
+def _groups():
+    from megatron.core import parallel_state as ps
+
+    return (
+        ps.get_expert_tensor_and_model_parallel_group(),
+        ps.get_expert_tensor_parallel_group(),
+        ps.get_expert_model_parallel_rank(),
+    )
+
+
+def _owner_table(tp_ep, ep_rank: int, num_ep: int, device) -> torch.Tensor:
+    """For each EP rank, the first rank (position) in the tp_ep group that holds its experts."""
+    ranks = gather_along_rank(torch.tensor([ep_rank], device=device), tp_ep).reshape(-1)
+    owner = torch.full((num_ep,), -1, dtype=torch.long, device=device)
+    for position in reversed(range(ranks.numel())):
+        owner[ranks[position]] = position
+    return owner
+
+
+def _expert_forward(expert, x: torch.Tensor, etp_group, config, prof) -> torch.Tensor:
+    """One expert MLP on its rows: fc1 shard, activation, fc2 leaves folded across expert TP."""
+    a = invariant_linear(x, expert.linear_fc1.weight, row_multiple=prof.gemm_row_multiple)
+    if config.gated_linear_unit:
+        gate, up = torch.chunk(a, 2, dim=-1)
+        a = config.activation_func(gate) * up
+    else:
+        a = config.activation_func(a)
+    leaves = prof.canonical_shards // group_size(etp_group)
+    partial = folded_leaf_partials(a, expert.linear_fc2.weight, leaves, prof.gemm_row_multiple)
+    return fold_across_ranks(partial, etp_group, x.dtype)
+
+
+def _record_routing(layer, idx: torch.Tensor, num_experts: int) -> None:
+    recorder = state.routing_recorder()
+    if recorder is not None:
+        chosen = torch.zeros(idx.shape[0], num_experts, dtype=torch.bool, device=idx.device)
+        chosen.scatter_(1, idx, True)
+        recorder[getattr(layer, "layer_number", id(layer))] = chosen
+
+
+def moe_forward(self, hidden_states, *args, **kwargs):
+    prof = state.profile()
+    config = self.config
+    shape, dtype = hidden_states.shape, hidden_states.dtype
+    h = hidden_states.reshape(-1, shape[-1])
+    router = self.router
+    num_experts = config.num_moe_experts
+    expert_bias = getattr(router, "expert_bias", None) if getattr(router, "enable_expert_bias", False) else None
+    logits = invariant_linear(h, router.weight, out_dtype=torch.float32, row_multiple=prof.gemm_row_multiple)
+    idx, probs = route(
+        logits, config.moe_router_topk, getattr(config, "moe_router_score_function", "softmax"),
+        bool(getattr(config, "moe_router_pre_softmax", False)), expert_bias,
+        getattr(config, "moe_router_topk_scaling_factor", None),
+    )
+    _record_routing(self, idx, num_experts)
+    if expert_bias is not None and torch.is_grad_enabled():
+        with torch.no_grad():  # the bias update statistics Megatron keeps
+            router.local_tokens_per_expert += torch.bincount(idx.reshape(-1), minlength=num_experts).to(
+                router.local_tokens_per_expert.dtype)
+
+    tp_ep, etp_group, ep_rank = _groups()
+    world = group_size(tp_ep)
+    n_local, k = idx.shape
+    if world > 1:
+        h_all = compat.gather_from_sequence_parallel_region(h, tp_ep)
+        idx_all = gather_along_rank(idx, tp_ep).reshape(-1, k)
+    else:
+        h_all, idx_all = h, idx
+    experts = self.experts.local_experts
+    num_local = len(experts)
+    slots = torch.zeros(h_all.shape[0], k, shape[-1], dtype=dtype, device=h.device)
+    for j, expert in enumerate(experts):
+        rows, slot = torch.nonzero(idx_all == ep_rank * num_local + j, as_tuple=True)
+        if rows.numel() == 0:  # the same on every expert-TP rank: they share idx_all
+            continue
+        y = _expert_forward(expert, h_all.index_select(0, rows), etp_group, config, prof)
+        slots = slots.index_put((rows, slot), y)
+    if world > 1:
+        received = all_to_all_rows(slots, tp_ep).reshape(world, n_local, k, shape[-1])
+        owner = _owner_table(tp_ep, ep_rank, num_experts // num_local, h.device)[idx // num_local]
+        tokens = torch.arange(n_local, device=h.device).unsqueeze(1).expand(n_local, k)
+        mine = received[owner, tokens, torch.arange(k, device=h.device).expand(n_local, k)]
+    else:
+        mine = slots
+    output = combine_slots(mine, probs).to(dtype).reshape(shape)
+    shared = getattr(self, "shared_experts", None)
+    if shared is not None and getattr(self, "use_shared_expert", True):
+        output = output + shared(hidden_states)
+    return output, None
+
+
+def moe_layer_init(original):
+    def __init__(self, config, *args, **kwargs):
+        check_moe_config(config)
+        original(self, config, *args, **kwargs)
+
+    return __init__
+
+
+def register(reg: PatchRegistry) -> None:
+    target = "megatron.core.transformer.moe.moe_layer:MoELayer"
+    reg.register(
+        f"{target}.forward",
+        "MoE in one fixed order: fp32 router, lowest-id tie-break, rows gathered/returned by data movement, "
+        "batch-invariant experts, expert-TP fc2 by the canonical tree, fp32 slot-order combine",
+    )(moe_forward)
+    reg.register(
+        f"{target}.__init__", "rejects capacity factors and other layout-dependent MoE settings at build time",
+        wraps=True,
+    )(moe_layer_init)
