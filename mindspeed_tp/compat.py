@@ -61,3 +61,16 @@ def gather_from_sequence_parallel_region(x, group):
 def attention_scale(module) -> float:
     """Softmax scale of a DotProductAttention (same attribute on both lines)."""
     return float(module.softmax_scale)
+
+
+def vanilla_layout_problem(spec, layout):
+    """Why vanilla megatron-core cannot run ``layout`` at all (None if it can).
+
+    megatron-core 0.12's expert fc2 reduces over the attention-TP group when expert-TP and EP
+    are both 1 but TP > 1 (double-counting; fixed in 0.13). mindspeed-tp's MoE path does not use
+    that reduction, so only the vanilla comparison is affected.
+    """
+    if spec.is_moe and megatron_line() < (0, 13) and layout.tp > 1 and layout.ep == 1 and layout.etp == 1:
+        return ("megatron-core 0.12 reduces the expert fc2 over the attention TP group when ep=etp=1 "
+                "and tp>1 (an upstream bug fixed in 0.13); vanilla cannot run this layout")
+    return None

@@ -34,9 +34,18 @@ def test_dense_local_spec_builds():
     assert "BUILT" in _run()
 
 
-def test_moe_model_is_refused_until_covered():
-    out = _run(extra="num_moe_experts=4, moe_router_topk=2", experts="4")
-    assert "REFUSED" in out and "num_moe_experts" in out
+def test_moe_model_builds():
+    assert "BUILT" in _run(extra="num_moe_experts=4, moe_router_topk=2", experts="4")
+
+
+def test_moe_capacity_factor_is_refused():
+    out = _run(extra="num_moe_experts=4, moe_router_topk=2, moe_expert_capacity_factor=1.0", experts="4")
+    assert "REFUSED" in out and "moe_expert_capacity_factor" in out
+
+
+def test_moe_grouped_gemm_is_refused():
+    out = _run(extra="num_moe_experts=4, moe_router_topk=2, moe_grouped_gemm=True", experts="4")
+    assert "REFUSED" in out and "moe_grouped_gemm" in out
 
 
 def test_fused_cross_entropy_is_refused():

@@ -159,7 +159,7 @@ def run(ns: argparse.Namespace) -> int:
 
     from ..backends import accelerator_available
     from ..backends.cpu_shims import install_cpu_shims
-    from ..compat import megatron_version
+    from ..compat import megatron_version, vanilla_layout_problem
     from .batch import make_batch
     from .harness import init_distributed, layout_logprobs
     from .metrics import compare_logprobs
@@ -196,6 +196,13 @@ def run(ns: argparse.Namespace) -> int:
     for layout in layouts:
         for vanilla in modes:
             key = "vanilla" if vanilla else "consistent"
+            problem = vanilla_layout_problem(spec, layout) if vanilla else None
+            if problem:
+                if not ns.compare_vanilla:
+                    raise ConfigError(f"--vanilla with layout {layout.name}: {problem}")
+                results.append(dict(layout=layout.to_dict(), vanilla=True, unsupported=problem,
+                                    megatron_core_version=megatron_version(), model=spec.name, dtype=ns.dtype))
+                continue
             lp, routing = layout_logprobs(spec, layout, dtype, profile, int(ns.seed), batch, vanilla, ns.dispatcher)
             r = compare_logprobs(lp, refs[key], batch.scored)
             if spec.is_moe:
@@ -208,13 +215,17 @@ def run(ns: argparse.Namespace) -> int:
             )
             results.append(r)
             dumps[f"{key}/{layout.name}"] = lp
+            if routing is not None:
+                dumps[f"{key}/routing/{layout.name}"] = routing
     results.sort(key=lambda r: r["vanilla"], reverse=True)  # vanilla rows first, then ours
     if ns.save_reference and rank == 0:
         save_reference(ns.save_reference, refs, meta)
     if ns.dump_logprobs and rank == 0:
         dumps.update({f"{k}/reference": v for k, v in refs.items()}, scored=batch.scored)
+        dumps.update({f"{k}/routing/reference": v for k, v in ref_routing.items() if v is not None})
         save_reference(os.path.join(ns.dump_logprobs, "logprobs.safetensors"), dumps, meta)
     judged = [r for r in results if not r["vanilla"]] or results
+    judged = [r for r in judged if "unsupported" not in r]
     ok = all(r["bitwise_equal_fraction"] == 1.0 and r["nonfinite_values"] == 0 for r in judged)
     if rank == 0:
         print(f"mindspeed-tp check: model={spec.name} dtype={ns.dtype} profile={profile.name} "

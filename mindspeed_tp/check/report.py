@@ -18,6 +18,9 @@ def format_table(results: List[Dict]) -> str:
     lines = [head, "-" * len(head)]
     for r in results:
         mode = "vanilla" if r["vanilla"] else "mindspeed-tp"
+        if "unsupported" in r:
+            lines.append(f"{r['layout']['name']:<22}{mode:<14}n/a: {r['unsupported']}")
+            continue
         flag = "" if r["nonfinite_values"] == 0 else f"  ({r['nonfinite_values']} NaN/inf!)"
         lines.append(
             f"{r['layout']['name']:<22}{mode:<14}{_fmt(r['max_abs_logdiff']):>12}"

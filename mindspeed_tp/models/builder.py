@@ -25,6 +25,7 @@ def _moe_kwargs(spec: ModelSpec, layout: Layout, dispatcher: str) -> dict:
         moe_shared_expert_intermediate_size=spec.moe_shared_expert_intermediate_size,
         moe_router_load_balancing_type="aux_loss" if spec.moe_aux_loss_coeff else "none",
         moe_aux_loss_coeff=spec.moe_aux_loss_coeff,
+        moe_expert_capacity_factor=spec.moe_expert_capacity_factor,
         moe_router_dtype="fp32",
         moe_token_dispatcher_type=dispatcher,
         moe_grouped_gemm=False,

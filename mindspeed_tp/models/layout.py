@@ -88,6 +88,11 @@ def validate_layout(layout: Layout, spec: ModelSpec, profile: Profile, seq_lengt
             )
     spec.padded_vocab(profile)
     if spec.is_moe:
+        if spec.moe_expert_capacity_factor is not None:
+            raise ConfigError(
+                f"model {spec.name}: moe_expert_capacity_factor={spec.moe_expert_capacity_factor} (token dropping) "
+                f"is decided on local token counts and cannot be layout-invariant; unset it (dropless)"
+            )
         if spec.num_experts % layout.ep:
             raise ConfigError(
                 f"--ep={layout.ep} does not divide num_experts={spec.num_experts} of model {spec.name}; change --ep"

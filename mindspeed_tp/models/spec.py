@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import yaml
 
@@ -44,6 +44,11 @@ class ModelSpec:
     moe_shared_expert_intermediate_size: Optional[int] = None
     first_k_dense: int = 0                        # leading dense layers (DeepSeek first_k_dense_replace)
     moe_aux_loss_coeff: float = 0.0
+    # Passed to Megatron as is; anything but None (dropless) is refused with --true-on-policy.
+    moe_expert_capacity_factor: Optional[float] = None
+    # Tests of the top-k tie-break: router rows [a, b] made identical, so experts a and b score
+    # exactly equal for every token.
+    tied_router_rows: Optional[List[List[int]]] = None
 
     def __post_init__(self):
         for f in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",

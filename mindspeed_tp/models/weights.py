@@ -66,6 +66,11 @@ def seeded_full_tensor(seed: int, name: str, shape: Tuple[int, ...], spec: Model
         t = t if name.endswith("word_embeddings.weight") else t / shape[1] ** 0.5
         t[spec.vocab_size:] = 0.0  # TP-independent vocab padding rows
         return t
+    if name.endswith("router.weight"):
+        t = t / shape[1] ** 0.5
+        for a, b in spec.tied_router_rows or ():
+            t[b] = t[a]
+        return t
     if len(shape) == 2:
         return t / shape[1] ** 0.5
     return 0.02 * t

@@ -45,6 +45,6 @@ def register(reg: PatchRegistry) -> None:
     reg.register(
         "megatron.core.models.gpt.gpt_model:GPTModel.__init__",
         "marks output_layer so the LM head GEMM returns fp32 logits; rejects modules no patch covers "
-        "(Transformer Engine, apex norms, MoE until its patch set, MLA)",
+        "(Transformer Engine, apex norms, grouped-GEMM experts, MLA)",
         wraps=True,
     )(gpt_model_init)
