@@ -1,5 +1,5 @@
-"""Backward still works under the patches: gradients match vanilla megatron-core (fp32, TP=2, SP)
-within fp32 round-off, and Adam steps on a fixed batch lower the loss."""
+"""Backward still works under the patches: gradients match vanilla megatron-core (fp32; dense at
+TP=2 with SP, MoE at TP=2/EP=2 with SP) within fp32 round-off, and Adam steps lower the loss."""
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -7,10 +7,12 @@ from safetensors.torch import load_file
 from conftest import explain, run_torchrun
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+@pytest.fixture(scope="module", params=[("tiny-dense", "tp2-sp"), ("tiny-moe-shared", "tp2-sp-ep2")],
+                ids=["dense-tp2-sp", "moe-tp2-sp-ep2"])
+def ranks(request, tmp_path_factory):
+    model, layout = request.param
     prefix = tmp_path_factory.mktemp("backward") / "grads"
-    proc = run_torchrun("backward.py", 2, str(prefix))
+    proc = run_torchrun("backward.py", 2, str(prefix), model, layout)
     assert proc.returncode == 0, explain(proc)
     return [load_file(f"{prefix}.rank{r}.safetensors") for r in range(2)]
 

@@ -1,4 +1,4 @@
-"""Worker (torchrun, world 2): tiny-dense GPTModel at TP=2 with SP, fp32, training mode.
+"""Worker (torchrun): a bundled GPTModel (default tiny-dense at TP=2 with SP), fp32, training mode.
 Saves each rank's parameter gradients for vanilla and patched runs, and the loss over a few
 Adam steps with the patches on."""
 import sys
@@ -18,11 +18,13 @@ from mindspeed_tp.models.weights import load_seeded_weights
 from mindspeed_tp.profile import load_profile
 
 out_prefix = sys.argv[1]
+model_name = sys.argv[2] if len(sys.argv) > 2 else "tiny-dense"
+layout_name = sys.argv[3] if len(sys.argv) > 3 else "tp2-sp"
 init_distributed()
 install_cpu_shims()
 from megatron.core import parallel_state  # noqa: E402
 
-spec, profile, layout = load_model_spec("tiny-dense"), load_profile(), Layout(tp=2, sp=True)
+spec, profile, layout = load_model_spec(model_name), load_profile(), Layout.parse(layout_name)
 batch = make_batch(spec.vocab_size, 3, 4, 64)
 scored = batch.scored.float()
 
