@@ -38,6 +38,9 @@ class Profile:
     canonical_shards: int = 8
     # B: keys are visited in blocks of B aligned to absolute positions 0, B, 2B, ...
     attention_block_size: int = 128
+    # S: optional fixed split-KV size (multiple of B, aligned to absolute positions), merged in
+    # split order; training, prefill and decode all use it, so they still agree bitwise.
+    attention_split_size: Optional[int] = None
     # Rows of every GEMM are padded to a multiple of this so the BLAS picks one code path
     # whatever the row count (measured: MKL changes its K order for small M without it).
     gemm_row_multiple: int = 16
@@ -71,6 +74,13 @@ class Profile:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"profile field {name!r} must be a positive integer, got {value!r}")
+        s = self.attention_split_size
+        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < self.attention_block_size
+                              or s % self.attention_block_size):
+            raise ConfigError(
+                f"profile field 'attention_split_size' must be empty or a multiple of attention_block_size="
+                f"{self.attention_block_size}, got {s!r}"
+            )
         if self.backend not in BACKENDS:
             raise ConfigError(f"profile field 'backend' must be one of {BACKENDS}, got {self.backend!r}")
         for name in ("accumulate_dtype", "logits_dtype"):

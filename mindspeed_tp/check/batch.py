@@ -1,6 +1,6 @@
 """Seeded scoring batches: sequences of different lengths, right-padded."""
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -9,6 +9,9 @@ import torch
 class ScoringBatch:
     tokens: torch.Tensor  # (b, s) long, right-padded with pad_id
     lengths: List[int]
+    # Positions to score; default: every position whose next token is real. Rollouts score only
+    # the positions that predict response tokens.
+    score_mask: Optional[torch.Tensor] = None
 
     @property
     def targets(self) -> torch.Tensor:
@@ -18,6 +21,8 @@ class ScoringBatch:
     @property
     def scored(self) -> torch.Tensor:
         """(b, s) bool: positions whose next token is a real token of the sequence."""
+        if self.score_mask is not None:
+            return self.score_mask
         b, s = self.tokens.shape
         pos = torch.arange(s).unsqueeze(0)
         return pos + 1 < torch.tensor(self.lengths).unsqueeze(1)

@@ -116,7 +116,9 @@ def _pipeline_forward(model, layout: Layout, batch: ScoringBatch, hidden: int, d
     return out
 
 
-def _logprobs_from_logits(logits: torch.Tensor, batch: ScoringBatch, vocab_size: int) -> torch.Tensor:
+def _logprobs_from_logits(
+    logits: torch.Tensor, batch: ScoringBatch, vocab_size: int, temperature: float = 1.0
+) -> torch.Tensor:
     """Per-token logprobs through Megatron's vocab_parallel_cross_entropy (patched or vanilla).
 
     Padded vocab columns are set to -inf first (exact, layout-independent), so both modes score
@@ -128,6 +130,8 @@ def _logprobs_from_logits(logits: torch.Tensor, batch: ScoringBatch, vocab_size:
     start = parallel_state.get_tensor_model_parallel_rank() * v_local
     cols = torch.arange(start, start + v_local)
     logits = logits.masked_fill(cols >= vocab_size, float("-inf"))
+    if temperature != 1.0:  # as rollout engines do: logprob of softmax(logits / T), in fp32
+        logits = logits.float() / temperature
     return -tensor_parallel.vocab_parallel_cross_entropy(logits, batch.targets)
 
 
@@ -181,6 +185,7 @@ def layout_logprobs(
     batch: ScoringBatch,
     vanilla: bool,
     dispatcher: str = "alltoall",
+    temperature: float = 1.0,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(b, s) fp32 logprobs of ``batch`` under ``layout``, identical on every rank afterwards, and
     for MoE models the routing decisions (num_layers, s*b, E) (None for dense models)."""
@@ -207,7 +212,7 @@ def layout_logprobs(
                 capture.close()
                 maps = capture.maps
         if out is not None:
-            result = _logprobs_from_logits(out, batch, spec.vocab_size).float()
+            result = _logprobs_from_logits(out, batch, spec.vocab_size, temperature).float()
     # The owner of the answer: last pipeline stage, TP rank 0, DP rank 0.
     is_src = (
         parallel_state.get_data_parallel_rank() == 0

@@ -26,7 +26,7 @@ CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs")
 DEFAULTS = dict(
     model="tiny-dense", profile="default", tp=1, pp=1, sp=False, ep=1, etp=1, dispatcher="alltoall", layouts=None, dtype="bf16", seed=1234,
     batch_size=4, seq_length=144, json=None, vanilla=False, compare_vanilla=False, reference=None,
-    save_reference=None, dump_logprobs=None, timeout=600.0,
+    save_reference=None, dump_logprobs=None, timeout=600.0, rollout=0, temperature=0.0, max_new_tokens=16,
 )
 
 
@@ -63,6 +63,13 @@ def build_parser(prog: str = "mindspeed-tp check") -> argparse.ArgumentParser:
     p.add_argument("--save-reference", help="save the single-device reference to this safetensors file")
     p.add_argument("--dump-logprobs", metavar="DIR",
                    help="save every run's raw per-token logprobs (and the scored mask) as safetensors in DIR")
+    p.add_argument("--rollout", type=int, metavar="N",
+                   help="generate N responses with the reference rollout engine (paged KV, chunked prefill, decode, "
+                        "continuous batching) and compare the training forward's logprobs of the response tokens "
+                        "with the engine's")
+    p.add_argument("--temperature", type=float, help="rollout sampling temperature (0: greedy); training scores "
+                                                     "with the same temperature")
+    p.add_argument("--max-new-tokens", type=int, help="rollout response length (default 16)")
     p.add_argument("--timeout", type=float, help="seconds a collective may wait before failing (default 600)")
     p.add_argument("--status-file", help=argparse.SUPPRESS)
     return p
@@ -90,9 +97,11 @@ def resolve_args(argv: Optional[List[str]]) -> argparse.Namespace:
             merged[key] = value
     merged["status_file"] = args.status_file
     ns = argparse.Namespace(**merged)
-    for name in ("batch_size", "seq_length"):
+    for name in ("batch_size", "seq_length", "max_new_tokens"):
         if int(getattr(ns, name)) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+    if int(ns.rollout) < 0 or float(ns.temperature) < 0:
+        raise ConfigError("--rollout and --temperature must be >= 0")
     return ns
 
 
@@ -161,6 +170,7 @@ def run(ns: argparse.Namespace) -> int:
     from ..backends.cpu_shims import install_cpu_shims
     from ..compat import megatron_version, vanilla_layout_problem
     from .batch import make_batch
+    from .rollout import make_rollouts
     from .harness import init_distributed, layout_logprobs
     from .metrics import compare_logprobs
     from .reference import load_reference, save_reference
@@ -180,14 +190,26 @@ def run(ns: argparse.Namespace) -> int:
         {"model config": spec.to_dict(), "profile": profile.to_dict(), "inputs": inputs,
          "layouts": [l.name for l in layouts], "megatron-core version": megatron_version()}
     )
-    batch = make_batch(spec.vocab_size, int(ns.seed), int(ns.batch_size), int(ns.seq_length))
+    rollout = int(ns.rollout) > 0
+    temperature = float(ns.temperature) if rollout and float(ns.temperature) > 0 else 1.0
+    if rollout:
+        multiple = required_world_size(layouts) * 8  # any SP split of the scored length divides evenly
+        batch, engine_lp = make_rollouts(spec, profile, dtype, int(ns.seed), int(ns.rollout), int(ns.max_new_tokens),
+                                         float(ns.temperature), int(ns.seq_length) // 2, multiple)
+        if batch.tokens.shape[1] > spec.max_position_embeddings:
+            raise ConfigError("--seq-length/--max-new-tokens exceed the model's max_position_embeddings")
+    else:
+        batch = make_batch(spec.vocab_size, int(ns.seed), int(ns.batch_size), int(ns.seq_length))
+    inputs.update(rollout=int(ns.rollout), temperature=float(ns.temperature), max_new_tokens=int(ns.max_new_tokens))
     meta = {"model": _digest(spec.to_dict()), "profile": profile.digest(), "inputs": _digest(inputs)}
     loaded = load_reference(ns.reference, meta) if ns.reference else {}
     single = Layout()
     results, refs, dumps, ref_routing = [], {}, {}, {}
     for vanilla in modes:
         key = "vanilla" if vanilla else "consistent"
-        if key in loaded:
+        if rollout:
+            refs[key], ref_routing[key] = engine_lp, None
+        elif key in loaded:
             refs[key] = loaded[key]
         else:
             refs[key], ref_routing[key] = layout_logprobs(
@@ -203,7 +225,8 @@ def run(ns: argparse.Namespace) -> int:
                 results.append(dict(layout=layout.to_dict(), vanilla=True, unsupported=problem,
                                     megatron_core_version=megatron_version(), model=spec.name, dtype=ns.dtype))
                 continue
-            lp, routing = layout_logprobs(spec, layout, dtype, profile, int(ns.seed), batch, vanilla, ns.dispatcher)
+            lp, routing = layout_logprobs(spec, layout, dtype, profile, int(ns.seed), batch, vanilla, ns.dispatcher,
+                                          temperature)
             r = compare_logprobs(lp, refs[key], batch.scored)
             if spec.is_moe:
                 r["routing_mismatch_fraction"] = routing_mismatch(routing, ref_routing.get(key), batch)
@@ -211,8 +234,11 @@ def run(ns: argparse.Namespace) -> int:
             r.update(
                 layout=layout.to_dict(), vanilla=vanilla, profile=profile.name, profile_digest=profile.digest(),
                 megatron_core_version=megatron_version(), model=spec.name, dtype=ns.dtype, seed=int(ns.seed),
-                reduction=profile.reduction,
+                reduction=profile.reduction, reference="rollout engine" if rollout else "single device (tp1)",
             )
+            if rollout:
+                r.update(rollout=int(ns.rollout), temperature=float(ns.temperature),
+                         max_new_tokens=int(ns.max_new_tokens))
             results.append(r)
             dumps[f"{key}/{layout.name}"] = lp
             if routing is not None:
@@ -231,7 +257,8 @@ def run(ns: argparse.Namespace) -> int:
         print(f"mindspeed-tp check: model={spec.name} dtype={ns.dtype} profile={profile.name} "
               f"megatron-core={megatron_version()} world={dist.get_world_size()}")
         print(format_table(results))
-        print("RESULT:", "bitwise equal" if ok else "NOT bitwise equal", "to the single-device run")
+        against = "the rollout engine's logprobs" if rollout else "the single-device run"
+        print("RESULT:", "bitwise equal" if ok else "NOT bitwise equal", "to", against)
         if ns.json:
             report = dict(results[0]) if len(results) == 1 else {}
             report.update(results=results, all_bitwise_equal=ok)

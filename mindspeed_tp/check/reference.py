@@ -13,7 +13,7 @@ def save_reference(path: str, tensors: Dict[str, torch.Tensor], meta: Dict[str, 
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = path + ".tmp"
-    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=meta)
+    save_file({k: v.detach().clone().contiguous() for k, v in tensors.items()}, tmp, metadata=meta)
     os.replace(tmp, path)
 
 

@@ -12,6 +12,10 @@ def _fmt(x: float) -> str:
     return "0" if x == 0 else f"{x:.2e}"
 
 
+def _fmt_fraction(x: float) -> str:
+    return f"{'n/a':>10}" if isinstance(x, float) and math.isnan(x) else f"{x * 100:>9.1f}%"
+
+
 def format_table(results: List[Dict]) -> str:
     moe = any("routing_mismatch_fraction" in r for r in results)
     head = f"{'layout':<22}{'mode':<14}{'max|dlogp|':>12}{'mean|dlogp|':>13}{'bitwise':>9}{'max|dp|':>11}{'pearson':>10}{'tokens':>8}" + (f"{'routing!=':>10}" if moe else "")
@@ -26,7 +30,7 @@ def format_table(results: List[Dict]) -> str:
             f"{r['layout']['name']:<22}{mode:<14}{_fmt(r['max_abs_logdiff']):>12}"
             f"{_fmt(r['mean_abs_logdiff']):>13}{r['bitwise_equal_fraction'] * 100:>8.1f}%"
             f"{_fmt(r['max_abs_probdiff']):>11}{r['pearson']:>10.6f}{r['tokens']:>8}"
-            + (f"{r.get('routing_mismatch_fraction', 0) * 100:>9.1f}%" if moe else "")
+            + (_fmt_fraction(r.get("routing_mismatch_fraction", float("nan"))) if moe else "")
             + flag
         )
     return "\n".join(lines)

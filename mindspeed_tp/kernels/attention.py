@@ -20,6 +20,15 @@ def _pad_keys(t: torch.Tensor, length: int) -> torch.Tensor:
     return torch.cat([t, pad], dim=-2)
 
 
+def _merge(a, b):
+    """Merge two online-softmax states (m, l, acc) over disjoint key sets, a before b."""
+    (m1, l1, acc1), (m2, l2, acc2) = a, b
+    m = torch.maximum(m1, m2)
+    m_safe = torch.where(m == float("-inf"), 0.0, m)
+    s1, s2 = torch.exp(m1 - m_safe), torch.exp(m2 - m_safe)
+    return m, l1 * s1 + l2 * s2, acc1 * s1.unsqueeze(-1) + acc2 * s2.unsqueeze(-1)
+
+
 def consistent_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -30,11 +39,15 @@ def consistent_attention(
     excluded: Optional[torch.Tensor] = None,
     block_size: int = 128,
     row_multiple: int = 16,
+    split_size: Optional[int] = None,
 ) -> torch.Tensor:
     """Attention for q (b, hq, sq, d) over k, v (b, hkv, sk, d); returns (b, hq, sq, d).
 
     q_positions: absolute position of each query (default: the last ``sq`` key positions).
     excluded: optional bool mask broadcastable to (b, 1, sq, sk); True hides a key from a query.
+    split_size: if set (a multiple of block_size), keys are processed in fixed splits aligned to
+    absolute positions, each with its own online softmax, merged in split order (what split-KV
+    decode kernels do); every mode must then use the same split size.
     """
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
@@ -56,10 +69,21 @@ def consistent_attention(
             pad = excluded.new_ones(*excluded.shape[:-1], nblk * block_size - excluded.shape[-1])
             excluded = torch.cat([excluded, pad], dim=-1)
 
-    m = torch.full((b * hkv, rows), float("-inf"), device=device)
-    l = torch.zeros((b * hkv, rows), device=device)
-    acc = torch.zeros((b * hkv, rows, d), device=device)
+    if split_size is not None and (split_size < block_size or split_size % block_size):
+        raise ValueError(f"split_size={split_size} must be a positive multiple of block_size={block_size}")
+    per_split = nblk if split_size is None else split_size // block_size
+
+    def fresh():
+        return (torch.full((b * hkv, rows), float("-inf"), device=device),
+                torch.zeros((b * hkv, rows), device=device),
+                torch.zeros((b * hkv, rows, d), device=device))
+
+    m, l, acc = fresh()
+    total = None
     for j in range(nblk):
+        if j and j % per_split == 0:  # close a split: merge it into the running total, in order
+            total = (m, l, acc) if total is None else _merge(total, (m, l, acc))
+            m, l, acc = fresh()
         lo, hi = j * block_size, (j + 1) * block_size
         key_pos = torch.arange(lo, hi, device=device)
         visible = (key_pos < sk).unsqueeze(0).expand(sq, block_size)
@@ -79,5 +103,7 @@ def consistent_attention(
         l = l * alpha + p.sum(-1)
         acc = acc * alpha.unsqueeze(-1) + invariant_matmul(p, vp[:, lo:hi], row_multiple)
         m = m_new
+    if total is not None:
+        m, l, acc = _merge(total, (m, l, acc))
     out = torch.where(l.unsqueeze(-1) > 0, acc / l.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1), 0.0)
     return out.reshape(b, hq, sq, d).to(q.dtype)

@@ -107,6 +107,58 @@ def load_seeded_weights(model, spec: ModelSpec, seed: int, layout) -> Dict[str, 
         for local_name, buf in model.named_buffers():
             if local_name.endswith("router.expert_bias"):
                 name = global_param_name(model, local_name, ep_rank)
-                gen = torch.Generator().manual_seed(_seed_for(seed, name))
-                buf.copy_(0.05 * torch.randn(buf.shape, generator=gen))
+                buf.copy_(seeded_expert_bias(seed, name, tuple(buf.shape)))
     return rules
+
+
+def full_weight_shapes(spec: ModelSpec, padded_vocab: int) -> Dict[str, Tuple[int, ...]]:
+    """Megatron's TP=1/PP=1/EP=1 parameter names and shapes for ``spec`` (what the seeded weights
+    are generated at), plus the routers' expert-bias buffers. Checked against a real GPTModel in
+    tests/test_reference_engine.py."""
+    h, hd = spec.hidden_size, spec.kv_channels
+    qkv = (spec.num_attention_heads + 2 * spec.num_query_groups) * hd
+    shapes = {"embedding.word_embeddings.weight": (padded_vocab, h)}
+    for i in range(spec.num_layers):
+        p = f"decoder.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "self_attention.linear_qkv.weight"] = (qkv, h)
+        if spec.qk_layernorm:
+            shapes[p + "self_attention.q_layernorm.weight"] = (hd,)
+            shapes[p + "self_attention.k_layernorm.weight"] = (hd,)
+        shapes[p + "self_attention.linear_proj.weight"] = (h, spec.num_attention_heads * hd)
+        shapes[p + "pre_mlp_layernorm.weight"] = (h,)
+        if spec.is_moe and i >= spec.first_k_dense:
+            f = spec.moe_ffn_hidden_size or spec.ffn_hidden_size
+            shapes[p + "mlp.router.weight"] = (spec.num_experts, h)
+            if spec.moe_router_enable_expert_bias:
+                shapes[p + "mlp.router.expert_bias"] = (spec.num_experts,)
+            for e in range(spec.num_experts):
+                shapes[p + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = (2 * f, h)
+                shapes[p + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = (h, f)
+            if spec.moe_shared_expert_intermediate_size:
+                fs = spec.moe_shared_expert_intermediate_size
+                shapes[p + "mlp.shared_experts.linear_fc1.weight"] = (2 * fs, h)
+                shapes[p + "mlp.shared_experts.linear_fc2.weight"] = (h, fs)
+        else:
+            shapes[p + "mlp.linear_fc1.weight"] = (2 * spec.ffn_hidden_size, h)
+            shapes[p + "mlp.linear_fc2.weight"] = (h, spec.ffn_hidden_size)
+    shapes["decoder.final_layernorm.weight"] = (h,)
+    if not spec.tie_word_embeddings:
+        shapes["output_layer.weight"] = (padded_vocab, h)
+    return shapes
+
+
+def seeded_expert_bias(seed: int, name: str, shape: Tuple[int, ...]) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(_seed_for(seed, name))
+    return 0.05 * torch.randn(shape, generator=gen)
+
+
+def seeded_full_weights(spec: ModelSpec, padded_vocab: int, seed: int, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
+    """Every full tensor as a TP=1 Megatron model in ``dtype`` holds it after load_seeded_weights."""
+    out = {}
+    for name, shape in full_weight_shapes(spec, padded_vocab).items():
+        if name.endswith("router.expert_bias"):
+            out[name] = seeded_expert_bias(seed, name, shape).to(dtype)
+        else:
+            out[name] = seeded_full_tensor(seed, name, shape, spec).to(dtype)
+    return out

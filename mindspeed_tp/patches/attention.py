@@ -58,6 +58,7 @@ def attention_forward(
         excluded=attention_mask,
         block_size=prof.attention_block_size,
         row_multiple=prof.gemm_row_multiple,
+        split_size=prof.attention_split_size,
     )
     return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
 

@@ -1,0 +1,156 @@
+"""A rollout-engine stand-in: paged KV cache, chunked prefill, one-token decode, continuous
+batching, greedy or temperature sampling from per-request seeded generators.
+
+It runs ``ReferenceModel`` and so the same numerics contract as the patched training forward: a
+request's tokens and logprobs depend on nothing but the request (not on the other requests in
+the batch, their number, order, or when they joined).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+
+from .model import ReferenceModel
+
+
+@dataclass
+class Request:
+    prompt: List[int]
+    max_new_tokens: int
+    request_id: int = 0
+    temperature: float = 0.0  # 0: greedy
+    arrival_step: int = 0     # continuous batching: the step at which the request joins
+    # filled by the engine
+    output: List[int] = field(default_factory=list)
+    logprobs: List[float] = field(default_factory=list)
+    logprob_tensor: Optional[torch.Tensor] = None
+
+    @property
+    def done(self) -> bool:
+        return len(self.output) >= self.max_new_tokens
+
+
+class PagedKVCache:
+    """Per-layer pools of fixed-size pages; each request owns a list of pages."""
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, groups: int, head_dim: int, dtype):
+        self.page_size = page_size
+        self.k = torch.zeros(num_layers, num_pages, page_size, groups, head_dim, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.free = list(range(num_pages))
+        self.tables: Dict[int, List[int]] = {}
+        self.lengths: Dict[int, int] = {}
+
+    def reserve(self, rid: int, length: int) -> None:
+        table = self.tables.setdefault(rid, [])
+        while len(table) * self.page_size < length:
+            if not self.free:
+                raise RuntimeError("KV cache is full: raise num_pages")
+            table.append(self.free.pop())
+
+    def write(self, layer: int, rid: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        table = self.tables[rid]
+        for i in range(k.shape[0]):
+            page, offset = divmod(start + i, self.page_size)
+            self.k[layer, table[page], offset] = k[i]
+            self.v[layer, table[page], offset] = v[i]
+
+    def read(self, layer: int, rid: int, length: int):
+        table = torch.tensor(self.tables[rid])
+        k = self.k[layer, table].reshape(-1, *self.k.shape[-2:])[:length]
+        v = self.v[layer, table].reshape(-1, *self.v.shape[-2:])[:length]
+        return k, v
+
+    def release(self, rid: int) -> None:
+        self.free.extend(self.tables.pop(rid, []))
+
+
+def _request_generator(seed: int, request_id: int) -> torch.Generator:
+    digest = hashlib.sha256(f"{seed}:{request_id}".encode()).digest()[:8]
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
+
+
+class ReferenceEngine:
+    def __init__(self, model: ReferenceModel, page_size: int = 16, num_pages: int = 4096, max_running: int = 8,
+                 prefill_chunk: int = 64, seed: int = 0):
+        spec = model.spec
+        self.model, self.max_running, self.prefill_chunk, self.seed = model, max_running, prefill_chunk, seed
+        self.cache = PagedKVCache(spec.num_layers, num_pages, page_size, spec.num_query_groups, spec.kv_channels,
+                                  model.dtype)
+
+    def _sample(self, logits: torch.Tensor, req: Request, gen: torch.Generator):
+        m = self.model
+        if req.temperature == 0:
+            masked = logits.masked_fill(torch.arange(logits.shape[-1]) >= m.spec.vocab_size, float("-inf"))
+            token = int(torch.argmax(masked))  # first maximum: lowest id on ties
+            temperature = 1.0
+        else:
+            temperature = req.temperature
+            full = logits.masked_fill(torch.arange(logits.shape[-1]) >= m.spec.vocab_size, float("-inf"))
+            probs = torch.softmax(full / temperature, dim=-1)
+            token = int(torch.multinomial(probs, 1, generator=gen))
+        lp = m.logprob(logits.unsqueeze(0), torch.tensor([token]), temperature)[0]
+        return token, lp
+
+    def generate(self, requests: List[Request]) -> List[Request]:
+        """Run all requests to completion with continuous batching; fills output/logprobs."""
+        waiting = sorted(requests, key=lambda r: (r.arrival_step, r.request_id))
+        running: List[Request] = []
+        progress: Dict[int, int] = {}
+        gens = {r.request_id: _request_generator(self.seed, r.request_id) for r in requests}
+        lps: Dict[int, List[torch.Tensor]] = {r.request_id: [] for r in requests}
+        step = 0
+        while waiting or running:
+            while waiting and len(running) < self.max_running and waiting[0].arrival_step <= step:
+                req = waiting.pop(0)
+                running.append(req)
+                progress[req.request_id] = 0
+            if not running:
+                step += 1
+                continue
+            tokens, positions, segments, owners = [], [], [], []
+            for req in running:
+                done = progress[req.request_id]
+                seq = req.prompt + req.output
+                if done < len(req.prompt):
+                    new = seq[done : min(len(req.prompt), done + self.prefill_chunk)]
+                else:
+                    new = seq[done:]
+                start = len(tokens)
+                tokens += new
+                positions += list(range(done, done + len(new)))
+                segments.append((start, len(tokens)))
+                owners.append((req, done))
+                self.cache.reserve(req.request_id, done + len(new))
+
+            def writer(layer, seg, k, v):
+                req, done = owners[seg]
+                self.cache.write(layer, req.request_id, done, k, v)
+
+            def reader(layer, seg):
+                req, done = owners[seg]
+                stop = segments[seg][1] - segments[seg][0]
+                return self.cache.read(layer, req.request_id, done + stop)
+
+            logits = self.model.forward(torch.tensor(tokens), torch.tensor(positions), segments, writer, reader)
+            still = []
+            for seg, (req, done) in enumerate(owners):
+                start, stop = segments[seg]
+                progress[req.request_id] = done + (stop - start)
+                if progress[req.request_id] >= len(req.prompt):  # prompt consumed: sample a token
+                    token, lp = self._sample(logits[stop - 1], req, gens[req.request_id])
+                    req.output.append(token)
+                    lps[req.request_id].append(lp)
+                if req.done:
+                    self.cache.release(req.request_id)
+                else:
+                    still.append(req)
+            running = still
+            step += 1
+        for req in requests:
+            req.logprob_tensor = torch.stack(lps[req.request_id]) if lps[req.request_id] else torch.zeros(0)
+            req.logprobs = req.logprob_tensor.tolist()
+        return requests

@@ -1,0 +1,132 @@
+"""Single-device model of the bundled architectures, built from the same kernels, profile and
+weights as the patched Megatron forward, computing any set of token rows of any requests.
+
+Every op is either row-local or a row-invariant GEMM, and attention runs per request over its own
+keys, so a token's result does not depend on which other tokens share the step: this is what lets
+a rollout engine's prefill/decode logprobs equal the training forward's bit for bit.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, List
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels import (
+    apply_rope, consistent_attention, folded_leaf_partials, invariant_linear, rms_norm, rope_angles, rope_inv_freq,
+    vocab_parallel_logprob,
+)
+from ..kernels.moe import combine_slots, route
+from ..models.spec import ModelSpec
+from ..models.weights import seeded_full_weights
+from ..profile import Profile
+
+
+class ReferenceModel:
+    def __init__(self, spec: ModelSpec, profile: Profile, weights: Dict[str, torch.Tensor], dtype: torch.dtype):
+        self.spec, self.profile, self.w, self.dtype = spec, profile, weights, dtype
+        self.padded_vocab = spec.padded_vocab(profile)
+        self.inv_freq = rope_inv_freq(spec.kv_channels, int(spec.rotary_base))
+        self.activation: Callable = F.silu
+
+    @classmethod
+    def seeded(cls, spec: ModelSpec, profile: Profile, seed: int, dtype: torch.dtype) -> "ReferenceModel":
+        return cls(spec, profile, seeded_full_weights(spec, spec.padded_vocab(profile), seed, dtype), dtype)
+
+    # -- building blocks, each mirroring one patched Megatron module --------------------------
+    def _linear(self, x, name, out_dtype=None):
+        return invariant_linear(x, self.w[name], out_dtype=out_dtype, row_multiple=self.profile.gemm_row_multiple)
+
+    def _row_parallel(self, x, name):
+        """RowParallelLinear at TP=1 under the patches: C leaves folded, cast once."""
+        p = self.profile
+        return folded_leaf_partials(x, self.w[name], p.canonical_shards, p.gemm_row_multiple).to(x.dtype)
+
+    def _norm(self, x, name):
+        return rms_norm(x, self.w[name], self.spec.norm_epsilon)
+
+    def _mlp(self, x, prefix):
+        a = self._linear(x, prefix + "linear_fc1.weight")
+        gate, up = torch.chunk(a, 2, dim=-1)
+        return self._row_parallel(self.activation(gate) * up, prefix + "linear_fc2.weight")
+
+    def _moe(self, x, prefix):
+        spec = self.spec
+        logits = self._linear(x, prefix + "router.weight", out_dtype=torch.float32)
+        bias = self.w.get(prefix + "router.expert_bias")
+        idx, probs = route(logits, spec.moe_router_topk, spec.moe_router_score_function, spec.moe_router_pre_softmax,
+                           bias, spec.moe_router_topk_scaling_factor)
+        slots = torch.zeros(x.shape[0], idx.shape[1], x.shape[1], dtype=x.dtype)
+        for e in torch.unique(idx).tolist():
+            rows, slot = torch.nonzero(idx == e, as_tuple=True)
+            y = self._mlp(x.index_select(0, rows), prefix + f"experts.local_experts.{e}.")
+            slots[rows, slot] = y
+        out = combine_slots(slots, probs).to(x.dtype)
+        if spec.moe_shared_expert_intermediate_size:
+            out = out + self._mlp(x, prefix + "shared_experts.")
+        return out, idx
+
+    def _attention(self, x, layer: int, positions, kv_writer, kv_reader, segments):
+        spec, prof = self.spec, self.profile
+        p = f"decoder.layers.{layer}.self_attention."
+        nq, ng, hd = spec.num_attention_heads, spec.num_query_groups, spec.kv_channels
+        g = nq // ng
+        qkv = self._linear(x, p + "linear_qkv.weight").view(-1, ng, (g + 2) * hd)
+        q = qkv[..., : g * hd].reshape(-1, nq, hd)
+        k = qkv[..., g * hd : (g + 1) * hd]
+        v = qkv[..., (g + 1) * hd :]
+        if spec.qk_layernorm:
+            q, k = self._norm(q, p + "q_layernorm.weight"), self._norm(k, p + "k_layernorm.weight")
+        angles = rope_angles(positions, self.inv_freq).unsqueeze(1)
+        q, k = apply_rope(q, angles), apply_rope(k, angles)
+        outputs = []
+        for seg, (start, stop) in enumerate(segments):
+            kv_writer(layer, seg, k[start:stop], v[start:stop])
+            keys, values = kv_reader(layer, seg)  # (sk, ng, hd): all of this request's keys so far
+            ctx = consistent_attention(
+                q[start:stop].permute(1, 0, 2).unsqueeze(0),
+                keys.permute(1, 0, 2).unsqueeze(0),
+                values.permute(1, 0, 2).unsqueeze(0),
+                scale=1.0 / math.sqrt(hd),  # as DotProductAttention computes it
+                causal=True,
+                q_positions=positions[start:stop],
+                block_size=prof.attention_block_size,
+                row_multiple=prof.gemm_row_multiple,
+                split_size=prof.attention_split_size,
+            )
+            outputs.append(ctx[0].permute(1, 0, 2).reshape(stop - start, nq * hd))
+        return self._row_parallel(torch.cat(outputs), p + "linear_proj.weight")
+
+    def forward(self, tokens, positions, segments: List, kv_writer, kv_reader, routing=None) -> torch.Tensor:
+        """fp32 logits (rows, padded vocab) for token rows grouped into per-request segments.
+
+        segments: [(start, stop)] row ranges, one per request; kv_writer(layer, seg, k, v) appends
+        the segment's keys/values to its request's cache, kv_reader(layer, seg) returns all of them.
+        routing: optional dict filled with each MoE layer's chosen experts per row.
+        """
+        spec = self.spec
+        x = self.w["embedding.word_embeddings.weight"][tokens]
+        for layer in range(spec.num_layers):
+            p = f"decoder.layers.{layer}."
+            x = x + self._attention(self._norm(x, p + "input_layernorm.weight"), layer, positions,
+                                    kv_writer, kv_reader, segments)
+            h = self._norm(x, p + "pre_mlp_layernorm.weight")
+            if spec.is_moe and layer >= spec.first_k_dense:
+                out, idx = self._moe(h, p + "mlp.")
+                if routing is not None:
+                    routing[layer] = idx
+            else:
+                out = self._mlp(h, p + "mlp.")
+            x = x + out
+        x = self._norm(x, "decoder.final_layernorm.weight")
+        head = "embedding.word_embeddings.weight" if spec.tie_word_embeddings else "output_layer.weight"
+        return self._linear(x, head, out_dtype=torch.float32)
+
+    def logprob(self, logits: torch.Tensor, target: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """Exactly the training side's scoring: padded columns to -inf, canonical vocab tree."""
+        cols = torch.arange(logits.shape[-1])
+        logits = logits.masked_fill(cols >= self.spec.vocab_size, float("-inf"))
+        if temperature != 1.0:
+            logits = logits / temperature
+        return vocab_parallel_logprob(logits, target, None, self.profile.canonical_shards)
