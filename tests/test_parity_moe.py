@@ -56,7 +56,8 @@ def test_vanilla_is_not_bitwise_equal_in_bf16(matrix):
         if layout in unsupported:
             continue  # reported as n/a with the upstream reason; nothing to compare
         assert not torch.equal(t[f"vanilla/{layout}"][scored], t["vanilla/reference"][scored]), layout
-    assert any(r["routing_mismatch_fraction"] > 0 for r in report["results"] if r["vanilla"])
+    assert any(r["routing_mismatch_fraction"] > 0 for r in report["results"] if r["vanilla"] and r["layout"]["name"]
+               not in unsupported)
 
 
 def test_exact_router_ties_pick_the_lower_expert_id_in_every_layout(tmp_path):
