@@ -33,7 +33,6 @@ class Patch:
     _original: Any = field(default=_MISSING, repr=False)
     _owned: bool = field(default=True, repr=False)  # attr defined on the owner itself (not inherited)
     _new: Any = field(default=None, repr=False)
-    _rebound: List[Tuple[Any, str]] = field(default_factory=list, repr=False)
 
     @property
     def applied(self) -> bool:
@@ -60,6 +59,21 @@ def resolve(target: str) -> Tuple[Any, str]:
     if parts[-1] not in vars(owner) and getattr(owner, parts[-1], _MISSING) is _MISSING:
         raise PatchTargetError(f"patch target {target!r}: {parts[-1]!r} not found in the installed version")
     return owner, parts[-1]
+
+
+def _swap_in_modules(swaps: Dict[int, Tuple[Any, Any, "Patch"]]) -> None:
+    """In every loaded module, rebind each name bound to ``old`` to ``new`` (swaps: id(old) ->
+    (old, new, patch)); the patch target itself is left to the caller."""
+    if not swaps:
+        return
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for name, value in list(namespace.items()):
+            swap = swaps.get(id(value))
+            if swap is not None and value is swap[0] and not (module is swap[2]._owner and name == swap[2]._attr):
+                namespace[name] = swap[1]
 
 
 class PatchRegistry:
@@ -101,7 +115,7 @@ class PatchRegistry:
                         continue
                     raise
                 resolved.append((p, owner, attr))
-            rebinds: Dict[int, Patch] = {}
+            swaps: Dict[int, Tuple[Any, Any, Patch]] = {}
             for p, owner, attr in resolved:
                 original = vars(owner).get(attr, getattr(owner, attr))
                 current = getattr(owner, attr)
@@ -112,46 +126,23 @@ class PatchRegistry:
                 p._owned = attr in vars(owner)
                 setattr(owner, attr, new)
                 if isinstance(owner, type(sys)):
-                    rebinds[id(current)] = p
-            if rebinds:
-                self._rebind(rebinds)
+                    swaps[id(current)] = (current, new, p)
+            _swap_in_modules(swaps)
             return [p for p in self.patches if p.applied]
-
-    @staticmethod
-    def _rebind(rebinds: Dict[int, Patch]) -> None:
-        for module in list(sys.modules.values()):
-            namespace = getattr(module, "__dict__", None)
-            if not isinstance(namespace, dict):
-                continue
-            for name, value in list(namespace.items()):
-                p = rebinds.get(id(value))
-                if p is not None and value is not p._new and not (module is p._owner and name == p._attr):
-                    if value is p._original:
-                        namespace[name] = p._new
-                        p._rebound.append((module, name))
 
     def revert(self) -> None:
         """Restore every original, in reverse order of application, also in modules that
         imported a patched function by name after apply()."""
         with self._lock:
             active = [p for p in reversed(self.patches) if p.applied]
-            by_new = {id(p._new): p for p in active if isinstance(p._owner, type(sys))}
-            if by_new:
-                for module in list(sys.modules.values()):
-                    namespace = getattr(module, "__dict__", None)
-                    if not isinstance(namespace, dict):
-                        continue
-                    for name, value in list(namespace.items()):
-                        p = by_new.get(id(value))
-                        if p is not None and value is p._new and not (module is p._owner and name == p._attr):
-                            namespace[name] = p._original
+            _swap_in_modules({id(p._new): (p._new, p._original, p) for p in active if isinstance(p._owner, type(sys))})
             for p in active:
                 if vars(p._owner).get(p._attr, _MISSING) is p._new or getattr(p._owner, p._attr, None) is p._new:
                     if p._owned:
                         setattr(p._owner, p._attr, p._original)
                     else:
                         delattr(p._owner, p._attr)  # it was inherited: uncover the base's again
-                p._owner, p._attr, p._original, p._new, p._rebound = None, "", _MISSING, None, []
+                p._owner, p._attr, p._original, p._new = None, "", _MISSING, None
 
     def describe(self) -> List[Dict[str, str]]:
         return [
