@@ -14,7 +14,7 @@ def test_python_m_check_under_torchrun(tmp_path):
     assert proc.returncode == 0, explain(proc)
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["bitwise_equal_fraction"] == 1.0 and report["vanilla"] is False
-    assert report["layout"] == {"tp": 2, "pp": 1, "sp": True, "name": "tp2-sp"}
+    assert report["layout"] == {"tp": 2, "pp": 1, "sp": True, "ep": 1, "etp": 1, "name": "tp2-sp"}
 
 
 def test_reference_file_round_trip_and_mismatch(tmp_path):

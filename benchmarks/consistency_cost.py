@@ -1,0 +1,169 @@
+"""Cost of consistency: mindspeed-tp vs vanilla megatron-core, same layout, same run.
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/consistency_cost.py --json reports/cost.json
+
+For each case (model, layout, sequence length) and mode it measures, interleaving the modes
+against drift: the logprob forward time and the forward+backward step time (medians), the bytes
+each rank sends through collectives per forward and per step (ring estimates, counted by wrapping
+torch.distributed), and the peak resident memory a step adds. It prints the ratios
+consistent/vanilla and writes everything as JSON. Speed is reported here, never asserted in tests.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import comm_counter  # noqa: E402
+
+import mindspeed_tp  # noqa: E402
+from mindspeed_tp.backends.cpu_shims import install_cpu_shims  # noqa: E402
+from mindspeed_tp.check.batch import make_batch  # noqa: E402
+from mindspeed_tp.check.harness import (  # noqa: E402
+    _logprobs_from_logits, _pipeline_forward, _setup_parallel_state, _teardown_parallel_state, init_distributed,
+)
+from mindspeed_tp.check.report import write_json_atomic  # noqa: E402
+from mindspeed_tp.models.builder import DTYPES, build_gpt_stage  # noqa: E402
+from mindspeed_tp.models.layout import Layout  # noqa: E402
+from mindspeed_tp.models.spec import load_model_spec  # noqa: E402
+from mindspeed_tp.models.weights import load_seeded_weights  # noqa: E402
+from mindspeed_tp.profile import load_profile  # noqa: E402
+
+MAIN_CASES = [("tiny-dense", "tp2-sp", 512), ("tiny-moe", "tp1-ep2", 512), ("tiny-moe", "tp2-sp-ep2", 512),
+              ("bench-dense-1024", "tp2-sp", 1024)]
+SCALING_CASES = [("tiny-dense", "tp2-sp", 128), ("tiny-dense", "tp2-sp", 1024), ("bench-dense-1024", "tp2-sp", 256),
+                 ("bench-dense-1024", "tp2-sp", 2048)]
+
+
+def _peak_rss_kb() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    return 0
+
+
+def _rss_kb() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def _reset_peak() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def measure(spec, layout, dtype, profile, batch, mode, repeats, with_step):
+    mindspeed_tp.disable() if mode == "vanilla" else mindspeed_tp.enable(profile)
+    _setup_parallel_state(layout, 0)
+    model = build_gpt_stage(spec, layout, dtype, profile)
+    load_seeded_weights(model, spec, 0, layout)
+    scored = batch.scored.float()
+    out = {"forward_s": [], "step_s": []}
+
+    def forward():
+        logits = _pipeline_forward(model, layout, batch, spec.hidden_size, dtype)
+        return _logprobs_from_logits(logits, batch, spec.vocab_size)
+
+    for i in range(repeats + 1):
+        dist.barrier()
+        comm_counter.reset()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            forward()
+        dist.barrier()
+        if i:
+            out["forward_s"].append(time.perf_counter() - t0)
+        out["forward_bytes"] = comm_counter.total()
+    if with_step:
+        model.train()
+        for i in range(max(2, repeats // 2) + 1):
+            model.zero_grad(set_to_none=True)
+            dist.barrier()
+            _reset_peak()
+            before = _rss_kb()
+            comm_counter.reset()
+            t0 = time.perf_counter()
+            loss = -(forward() * scored).sum() / scored.sum()
+            loss.backward()
+            dist.barrier()
+            if i:
+                out["step_s"].append(time.perf_counter() - t0)
+            out["step_bytes"] = comm_counter.total()
+            out["step_peak_kb"] = _peak_rss_kb() - before
+    del model
+    return out
+
+
+def run_case(model_name, layout_name, seq, dtype, profile, repeats, with_step):
+    spec, layout = load_model_spec(model_name), Layout.parse(layout_name)
+    batch = make_batch(spec.vocab_size, 0, 2, seq)
+    runs = {"vanilla": [], "consistent": []}
+    for mode in ("vanilla", "consistent", "vanilla", "consistent"):
+        runs[mode].append(measure(spec, layout, dtype, profile, batch, mode, repeats, with_step))
+    row = {"model": model_name, "layout": layout_name, "seq_length": seq, "tokens": batch.tokens.numel()}
+    for mode, rs in runs.items():
+        row[mode] = {
+            "forward_s": statistics.median(sum((r["forward_s"] for r in rs), [])),
+            "forward_bytes": rs[-1]["forward_bytes"],
+        }
+        if with_step:
+            row[mode].update(step_s=statistics.median(sum((r["step_s"] for r in rs), [])),
+                             step_bytes=rs[-1]["step_bytes"], step_peak_kb=max(r["step_peak_kb"] for r in rs))
+    v, c = row["vanilla"], row["consistent"]
+
+    def ratio(key):
+        return c[key] / v[key] if v.get(key) else float("nan")
+
+    row["ratios"] = {k: ratio(k) for k in v}
+    _teardown_parallel_state()
+    return row
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", default="reports/consistency_cost.json")
+    p.add_argument("--quick", action="store_true", help="tiny models only (smoke run)")
+    args = p.parse_args()
+    init_distributed()
+    install_cpu_shims()
+    comm_counter.counter.apply()
+    profile, dtype = load_profile(), DTYPES[args.dtype]
+    main_cases = MAIN_CASES[:3] if args.quick else MAIN_CASES
+    scaling_cases = [] if args.quick else SCALING_CASES
+    rows = [run_case(m, l, s, dtype, profile, args.repeats, True) for m, l, s in main_cases]
+    scaling = [run_case(m, l, s, dtype, profile, args.repeats, False) for m, l, s in scaling_cases]
+    if dist.get_rank() == 0:
+        print(f"consistent/vanilla ratios (median of repeats), dtype={args.dtype}, world={dist.get_world_size()}")
+        print(f"{'model':<18}{'layout':<12}{'seq':>6}{'fwd':>8}{'step':>8}{'bytes/fwd':>11}{'bytes/step':>11}{'peak mem':>10}"
+              f"{'fwd ms (van)':>14}")
+        for r in rows:
+            q = r["ratios"]
+            print(f"{r['model']:<18}{r['layout']:<12}{r['seq_length']:>6}{q['forward_s']:>8.2f}{q['step_s']:>8.2f}"
+                  f"{q['forward_bytes']:>11.2f}{q['step_bytes']:>11.2f}{q['step_peak_kb']:>10.2f}"
+                  f"{r['vanilla']['forward_s'] * 1e3:>14.1f}")
+        if scaling:
+            print("\nscaling of the forward ratio with model size and sequence length")
+            for r in scaling:
+                print(f"{r['model']:<18}{r['layout']:<12}{r['seq_length']:>6}{r['ratios']['forward_s']:>8.2f}"
+                      f"{r['vanilla']['forward_s'] * 1e3:>10.1f} ms vanilla")
+        write_json_atomic(args.json, {"dtype": args.dtype, "world": dist.get_world_size(), "cases": rows,
+                                      "scaling": scaling})
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
