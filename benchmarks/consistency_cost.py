@@ -35,9 +35,9 @@ from mindspeed_tp.models.weights import load_seeded_weights  # noqa: E402
 from mindspeed_tp.profile import load_profile  # noqa: E402
 
 MAIN_CASES = [("tiny-dense", "tp2-sp", 512), ("tiny-moe", "tp1-ep2", 512), ("tiny-moe", "tp2-sp-ep2", 512),
-              ("bench-dense-1024", "tp2-sp", 1024)]
+              ("bench-dense-1024", "tp2-sp", 512)]
 SCALING_CASES = [("tiny-dense", "tp2-sp", 128), ("tiny-dense", "tp2-sp", 1024), ("bench-dense-1024", "tp2-sp", 256),
-                 ("bench-dense-1024", "tp2-sp", 2048)]
+                 ("bench-dense-1024", "tp2-sp", 1024)]
 
 
 def _peak_rss_kb() -> int:

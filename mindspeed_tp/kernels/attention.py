@@ -57,16 +57,35 @@ def consistent_attention(
     device = q.device
     if q_positions is None:
         q_positions = torch.arange(sk - sq, sk, device=device)
+    if causal and sq > block_size and bool((q_positions[1:] >= q_positions[:-1]).all()):
+        # Tile the queries by key block: a query never visits blocks past its own position, so
+        # each tile stops early. Per-row results are unchanged (row-invariant GEMMs, and an
+        # invisible block contributes exactly nothing), the work for a causal pass halves.
+        tiles = torch.div(q_positions, block_size, rounding_mode="floor")
+        outs, start = [], 0
+        for tile in torch.unique_consecutive(tiles).tolist():
+            stop = start + int((tiles == tile).sum())
+            ex = excluded
+            if ex is not None and ex.shape[-2] == sq:  # per-query masks follow their rows
+                ex = ex[..., start:stop, :]
+            outs.append(consistent_attention(q[:, :, start:stop], k, v, scale, causal, q_positions[start:stop], ex,
+                                             block_size, row_multiple, split_size))
+            start = stop
+        return torch.cat(outs, dim=2)
     nblk = -(-sk // block_size)
-    kp = _pad_keys(k, nblk * block_size).reshape(b * hkv, nblk * block_size, d)
-    vp = _pad_keys(v, nblk * block_size).reshape(b * hkv, nblk * block_size, d)
+    if causal:  # blocks past the last query's position hold no visible key
+        nblk = min(nblk, int(q_positions.max()) // block_size + 1)
+    span = nblk * block_size
+    kp = _pad_keys(k[:, :, :span], span).reshape(b * hkv, span, d)
+    vp = _pad_keys(v[:, :, :span], span).reshape(b * hkv, span, d)
     # Rows are (group member, query): query head h uses key/value head h // g.
     qf = q.reshape(b * hkv, g * sq, d)
     rows = g * sq
     if excluded is not None:
         excluded = excluded.to(torch.bool)
-        if excluded.shape[-1] < nblk * block_size:
-            pad = excluded.new_ones(*excluded.shape[:-1], nblk * block_size - excluded.shape[-1])
+        excluded = excluded[..., :span]
+        if excluded.shape[-1] < span:
+            pad = excluded.new_ones(*excluded.shape[:-1], span - excluded.shape[-1])
             excluded = torch.cat([excluded, pad], dim=-1)
 
     if split_size is not None and (split_size < block_size or split_size % block_size):
