@@ -185,7 +185,9 @@ def run(ns: argparse.Namespace) -> int:
         install_cpu_shims()
     rank = dist.get_rank()
     dtype = DTYPES[ns.dtype]
-    inputs = {"seed": ns.seed, "batch_size": ns.batch_size, "seq_length": ns.seq_length, "dtype": ns.dtype}
+    inputs = {"seed": ns.seed, "batch_size": ns.batch_size, "seq_length": ns.seq_length, "dtype": ns.dtype,
+              "rollout": int(ns.rollout), "temperature": float(ns.temperature),
+              "max_new_tokens": int(ns.max_new_tokens)}
     verify_same_on_all_ranks(
         {"model config": spec.to_dict(), "profile": profile.to_dict(), "inputs": inputs,
          "layouts": [l.name for l in layouts], "megatron-core version": megatron_version()}
@@ -200,7 +202,6 @@ def run(ns: argparse.Namespace) -> int:
             raise ConfigError("--seq-length/--max-new-tokens exceed the model's max_position_embeddings")
     else:
         batch = make_batch(spec.vocab_size, int(ns.seed), int(ns.batch_size), int(ns.seq_length))
-    inputs.update(rollout=int(ns.rollout), temperature=float(ns.temperature), max_new_tokens=int(ns.max_new_tokens))
     meta = {"model": _digest(spec.to_dict()), "profile": profile.digest(), "inputs": _digest(inputs)}
     loaded = load_reference(ns.reference, meta) if ns.reference else {}
     single = Layout()
