@@ -529,3 +529,21 @@ def test_logprob_rejects_vocab_not_divisible(width):
     target = torch.zeros(2, dtype=torch.long)
     with pytest.raises(ConfigError, match="canonical_shards"):
         vocab_parallel_logprob(logits, target, None, canonical_shards=8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_invariant_linear_does_not_depend_on_the_thread_count(dtype):
+    """Training ranks (torchrun: one thread each) and a single-process rollout may run with other
+    thread counts; the GEMM's K order must not follow them."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(77, 640, generator=g).to(dtype)
+    w = torch.randn(1024, 640, generator=g).to(dtype)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = invariant_linear(x, w)
+        torch.set_num_threads(2)
+        two = invariant_linear(x, w)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
