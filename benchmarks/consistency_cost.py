@@ -40,18 +40,11 @@ SCALING_CASES = [("tiny-dense", "tp2-sp", 128), ("tiny-dense", "tp2-sp", 1024), 
                  ("bench-dense-1024", "tp2-sp", 1024)]
 
 
-def _peak_rss_kb() -> int:
+def _status_kb(field: str) -> int:
+    """A memory figure of this process from /proc/self/status (VmRSS: now, VmHWM: peak)."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    return 0
-
-
-def _rss_kb() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1])
     return 0
 
@@ -92,7 +85,7 @@ def measure(spec, layout, dtype, profile, batch, mode, repeats, with_step):
             model.zero_grad(set_to_none=True)
             dist.barrier()
             _reset_peak()
-            before = _rss_kb()
+            before = _status_kb("VmRSS")
             comm_counter.reset()
             t0 = time.perf_counter()
             loss = -(forward() * scored).sum() / scored.sum()
@@ -101,7 +94,7 @@ def measure(spec, layout, dtype, profile, batch, mode, repeats, with_step):
             if i:
                 out["step_s"].append(time.perf_counter() - t0)
             out["step_bytes"] = comm_counter.total()
-            out["step_peak_kb"] = _peak_rss_kb() - before
+            out["step_peak_kb"] = _status_kb("VmHWM") - before
     del model
     return out
 
