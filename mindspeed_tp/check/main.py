@@ -269,6 +269,18 @@ def run(ns: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _shutdown_distributed() -> None:
+    """Leave the process group cleanly on an error path: every rank raises the same ConfigError
+    at the same point, and a process exiting with a live gloo group can abort its peers."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     status_file = None
     try:
@@ -278,6 +290,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ConfigError as exc:
         code, message = 2, str(exc)
         print(f"mindspeed-tp check: error: {exc}", file=sys.stderr)
+        _shutdown_distributed()
     if status_file:
         import torch.distributed as dist
 
