@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from .. import disable, enable, state
 from ..errors import ConfigError
+from ..kernels import mask_padded_vocab
 from ..models.builder import build_gpt_stage
 from ..models.layout import Layout
 from ..models.spec import ModelSpec
@@ -126,10 +127,8 @@ def _logprobs_from_logits(
     """
     from megatron.core import parallel_state, tensor_parallel
 
-    v_local = logits.shape[-1]
-    start = parallel_state.get_tensor_model_parallel_rank() * v_local
-    cols = torch.arange(start, start + v_local)
-    logits = logits.masked_fill(cols >= vocab_size, float("-inf"))
+    start = parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1]
+    logits = mask_padded_vocab(logits, vocab_size, start)
     if temperature != 1.0:  # as rollout engines do: logprob of softmax(logits / T), in fp32
         logits = logits.float() / temperature
     return -tensor_parallel.vocab_parallel_cross_entropy(logits, batch.targets)

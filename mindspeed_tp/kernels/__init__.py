@@ -2,7 +2,7 @@
 accelerator backends plug in behind the same names."""
 from .attention import consistent_attention
 from .linear import folded_leaf_partials, invariant_linear, invariant_matmul, leaf_partials
-from .logprob import vocab_parallel_logprob
+from .logprob import mask_padded_vocab, vocab_parallel_logprob
 from .norm import layer_norm, rms_norm
 from .rope import apply_rope, rope_angles, rope_inv_freq
 from ..tree import tree_fold
@@ -14,6 +14,7 @@ __all__ = [
     "invariant_linear",
     "invariant_matmul",
     "layer_norm",
+    "mask_padded_vocab",
     "leaf_partials",
     "rms_norm",
     "rope_angles",

@@ -13,6 +13,16 @@ from ..errors import ConfigError
 from ..tree import tree_fold
 
 
+def mask_padded_vocab(logits: torch.Tensor, vocab_size: int, vocab_start: int = 0) -> torch.Tensor:
+    """Set the columns of TP-independent vocab padding (ids >= vocab_size) to -inf: exact, so
+    padding never changes a logprob. ``vocab_start``: the global id of this shard's first column."""
+    v_local = logits.shape[-1]
+    if vocab_start + v_local <= vocab_size:
+        return logits
+    cols = torch.arange(vocab_start, vocab_start + v_local, device=logits.device)
+    return logits.masked_fill(cols >= vocab_size, float("-inf"))
+
+
 class _VocabParallelLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, canonical_shards, vocab_size, temperature):
@@ -32,9 +42,8 @@ class _VocabParallelLogprob(torch.autograd.Function):
         lf = logits.float()
         if temperature != 1.0:
             lf = lf / temperature
-        if vocab_size is not None and vocab_start + v_local > vocab_size:
-            cols = torch.arange(vocab_start, vocab_start + v_local, device=lf.device)
-            lf = lf.masked_fill(cols >= vocab_size, float("-inf"))
+        if vocab_size is not None:
+            lf = mask_padded_vocab(lf, vocab_size, vocab_start)
         lmax = max_across_ranks(lf.amax(-1), group)
         e = torch.exp(lf - lmax.unsqueeze(-1))
         local = tree_fold(e.reshape(*e.shape[:-1], leaves, v_local // leaves).sum(-1), dim=-1)

@@ -13,6 +13,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from ..kernels import mask_padded_vocab
 from .model import ReferenceModel
 
 
@@ -83,14 +84,13 @@ class ReferenceEngine:
 
     def _sample(self, logits: torch.Tensor, req: Request, gen: torch.Generator):
         m = self.model
+        masked = mask_padded_vocab(logits, m.spec.vocab_size)
         if req.temperature == 0:
-            masked = logits.masked_fill(torch.arange(logits.shape[-1]) >= m.spec.vocab_size, float("-inf"))
             token = int(torch.argmax(masked))  # first maximum: lowest id on ties
             temperature = 1.0
         else:
             temperature = req.temperature
-            full = logits.masked_fill(torch.arange(logits.shape[-1]) >= m.spec.vocab_size, float("-inf"))
-            probs = torch.softmax(full / temperature, dim=-1)
+            probs = torch.softmax(masked / temperature, dim=-1)
             token = int(torch.multinomial(probs, 1, generator=gen))
         lp = m.logprob(logits.unsqueeze(0), torch.tensor([token]), temperature)[0]
         return token, lp

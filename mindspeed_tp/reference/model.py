@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import (
-    apply_rope, consistent_attention, folded_leaf_partials, invariant_linear, rms_norm, rope_angles, rope_inv_freq,
+    apply_rope, consistent_attention, mask_padded_vocab, folded_leaf_partials, invariant_linear, rms_norm, rope_angles, rope_inv_freq,
     vocab_parallel_logprob,
 )
 from ..kernels.moe import combine_slots, route
@@ -125,8 +125,7 @@ class ReferenceModel:
 
     def logprob(self, logits: torch.Tensor, target: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """Exactly the training side's scoring: padded columns to -inf, canonical vocab tree."""
-        cols = torch.arange(logits.shape[-1])
-        logits = logits.masked_fill(cols >= self.spec.vocab_size, float("-inf"))
+        logits = mask_padded_vocab(logits, self.spec.vocab_size)
         if temperature != 1.0:
             logits = logits / temperature
         return vocab_parallel_logprob(logits, target, None, self.profile.canonical_shards)
