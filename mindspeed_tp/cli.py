@@ -38,7 +38,7 @@ def _check(argv: List[str]) -> int:
         return 0
     try:
         ns = resolve_args(rest)
-        _, _, layouts, _ = plan(ns)
+        layouts = plan(ns).layouts
         world = required_world_size(layouts)
         if nproc is not None:
             if not str(nproc).isdigit() or int(nproc) < 1 or int(nproc) % world:

@@ -54,6 +54,9 @@ _torch_cuda("Event", _NullStream, "MoE dispatchers record events")
 _torch_cuda("stream", lambda *a, **k: contextlib.nullcontext(), "torch.cuda.stream(s) context")
 _torch_cuda("current_stream", lambda *a, **k: _NullStream(), "stream synchronisation")
 _torch_cuda("synchronize", lambda *a, **k: None, "explicit device synchronisation")
+_shims.add(Patch(target="torch:Tensor.cuda", replacement=lambda self, *a, **k: self,
+                 reason="tied embeddings with PP > 1: LanguageModule moves the shared weight to CUDA "
+                        "before all-reducing it between the first and last stage"))
 
 
 @_shims.register("megatron.core.tensor_parallel.random:_get_cuda_rng_state",

@@ -19,7 +19,7 @@ from ..kernels import mask_padded_vocab
 from ..models.builder import build_gpt_stage
 from ..models.layout import Layout
 from ..models.spec import ModelSpec
-from ..models.weights import load_seeded_weights
+from ..models.weights import SeededWeights, load_weights
 from ..profile import Profile
 from .batch import ScoringBatch
 
@@ -185,9 +185,12 @@ def layout_logprobs(
     vanilla: bool,
     dispatcher: str = "alltoall",
     temperature: float = 1.0,
+    weights=None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(b, s) fp32 logprobs of ``batch`` under ``layout``, identical on every rank afterwards, and
-    for MoE models the routing decisions (num_layers, s*b, E) (None for dense models)."""
+    for MoE models the routing decisions (num_layers, s*b, E) (None for dense models).
+
+    weights: where the parameters come from (default: the seeded weights of ``seed``)."""
     from megatron.core import parallel_state
 
     if vanilla:
@@ -201,7 +204,7 @@ def layout_logprobs(
     maps = {}
     if computes:
         model = build_gpt_stage(spec, layout, dtype, profile, dispatcher)
-        load_seeded_weights(model, spec, seed, layout)
+        load_weights(model, spec, layout, weights or SeededWeights(spec, seed))
         capture = _RoutingCapture(model, vanilla) if spec.is_moe else None
         try:
             with torch.no_grad():

@@ -13,7 +13,7 @@ import os
 import sys
 import warnings
 from functools import reduce
-from typing import Dict, List, Optional
+from typing import Dict, List, NamedTuple, Optional
 
 import yaml
 
@@ -24,7 +24,7 @@ from ..profile import Profile, load_profile
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs")
 DEFAULTS = dict(
-    model="tiny-dense", profile="default", tp=1, pp=1, sp=False, ep=1, etp=1, dispatcher="alltoall", layouts=None, dtype="bf16", seed=1234,
+    model=None, hf_checkpoint=None, prompts=None, profile="default", tp=1, pp=1, sp=False, ep=1, etp=1, dispatcher="alltoall", layouts=None, dtype="bf16", seed=1234,
     batch_size=4, seq_length=144, json=None, vanilla=False, compare_vanilla=False, reference=None,
     save_reference=None, dump_logprobs=None, timeout=600.0, rollout=0, temperature=0.0, max_new_tokens=16,
 )
@@ -42,7 +42,13 @@ class _Parser(argparse.ArgumentParser):
 def build_parser(prog: str = "mindspeed-tp check") -> argparse.ArgumentParser:
     p = _Parser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML file (or bundled name, e.g. 'demo') whose keys set any flag below")
-    p.add_argument("--model", help="bundled model name (tiny-dense) or a model config YAML path")
+    p.add_argument("--model", help="bundled model name (default tiny-dense) or a model config YAML path")
+    p.add_argument("--hf-checkpoint", metavar="DIR",
+                   help="Hugging Face Qwen3 / Qwen3-MoE checkpoint directory (config.json + safetensors): the model "
+                        "and its weights, instead of --model and seeded weights")
+    p.add_argument("--prompts", metavar="FILE",
+                   help="JSONL prompts, one per line: [token ids], {\"input_ids\": [...]} or {\"text\": ...} (text "
+                        "needs a tokenizer in --hf-checkpoint); scored as given, or used as rollout prompts")
     p.add_argument("--profile", help="numerics profile: bundled name or YAML path (default: default)")
     p.add_argument("--tp", type=int, help="tensor-parallel size")
     p.add_argument("--pp", type=int, help="pipeline-parallel size")
@@ -105,14 +111,42 @@ def resolve_args(argv: Optional[List[str]]) -> argparse.Namespace:
     return ns
 
 
-def plan(ns: argparse.Namespace):
-    """Static validation of everything the run needs: model, profile, layouts."""
-    spec = load_model_spec(ns.model)
+class Plan(NamedTuple):
+    spec: ModelSpec
+    profile: Profile
+    layouts: List[Layout]
+    modes: List[bool]
+    weights: object                   # SeededWeights or hf.HFWeights
+    prompts: Optional[List[List[int]]]
+
+
+def plan(ns: argparse.Namespace) -> Plan:
+    """Static validation of everything the run needs: model, weights, profile, prompts, layouts."""
+    from ..models.weights import SeededWeights
+
     profile = load_profile(ns.profile)
+    if ns.hf_checkpoint:
+        if ns.model:
+            raise ConfigError("--model and --hf-checkpoint both given: the checkpoint's config.json defines the "
+                              "model; drop --model")
+        from ..hf import open_hf_model
+
+        spec, weights = open_hf_model(ns.hf_checkpoint, profile)
+    else:
+        spec = load_model_spec(ns.model or "tiny-dense")
+        weights = SeededWeights(spec, int(ns.seed))
     if ns.layouts:
         layouts = [Layout.parse(x) for x in str(ns.layouts).split(",") if x.strip()]
     else:
         layouts = [Layout(tp=int(ns.tp), pp=int(ns.pp), sp=bool(ns.sp), ep=int(ns.ep), etp=int(ns.etp))]
+    prompts = None
+    if ns.prompts:
+        from .prompts import load_prompts
+
+        prompts = load_prompts(ns.prompts, spec, ns.hf_checkpoint)
+        if not int(ns.rollout):  # scored as given: the batch is as long as the longest prompt
+            multiple = required_world_size(layouts) * 8
+            ns.seq_length = -(-max(len(p) for p in prompts) // multiple) * multiple
     for layout in layouts:
         validate_layout(layout, spec, profile, int(ns.seq_length))
     if ns.seq_length > spec.max_position_embeddings:
@@ -120,7 +154,7 @@ def plan(ns: argparse.Namespace):
             f"--seq-length={ns.seq_length} exceeds the model's max_position_embeddings={spec.max_position_embeddings}"
         )
     modes = [True] if ns.vanilla else ([True, False] if ns.compare_vanilla else [False])
-    return spec, profile, layouts, modes
+    return Plan(spec, profile, layouts, modes, weights, prompts)
 
 
 def required_world_size(layouts: List[Layout]) -> int:
@@ -170,6 +204,7 @@ def run(ns: argparse.Namespace) -> int:
     from ..backends.cpu_shims import install_cpu_shims
     from ..compat import megatron_version, vanilla_layout_problem
     from .batch import make_batch
+    from .prompts import batch_from_prompts
     from .rollout import make_rollouts
     from .harness import init_distributed, layout_logprobs
     from .metrics import compare_logprobs
@@ -177,7 +212,7 @@ def run(ns: argparse.Namespace) -> int:
     from .report import format_table, write_json_atomic
     from ..models.builder import DTYPES
 
-    spec, profile, layouts, modes = plan(ns)
+    spec, profile, layouts, modes, weights, prompts = plan(ns)
     # torch deprecates the collective names megatron-core calls; not ours to fix, only noise here.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     init_distributed(float(ns.timeout))
@@ -187,9 +222,9 @@ def run(ns: argparse.Namespace) -> int:
     dtype = DTYPES[ns.dtype]
     inputs = {"seed": ns.seed, "batch_size": ns.batch_size, "seq_length": ns.seq_length, "dtype": ns.dtype,
               "rollout": int(ns.rollout), "temperature": float(ns.temperature),
-              "max_new_tokens": int(ns.max_new_tokens)}
+              "max_new_tokens": int(ns.max_new_tokens), "prompts": _digest(prompts) if prompts else None}
     verify_same_on_all_ranks(
-        {"model config": spec.to_dict(), "profile": profile.to_dict(), "inputs": inputs,
+        {"model config": spec.to_dict(), "profile": profile.to_dict(), "inputs": inputs, "weights": weights.describe(),
          "layouts": [l.name for l in layouts], "megatron-core version": megatron_version()}
     )
     rollout = int(ns.rollout) > 0
@@ -197,12 +232,15 @@ def run(ns: argparse.Namespace) -> int:
     if rollout:
         multiple = required_world_size(layouts) * 8  # any SP split of the scored length divides evenly
         batch, engine_lp = make_rollouts(spec, profile, dtype, int(ns.seed), int(ns.rollout), int(ns.max_new_tokens),
-                                         float(ns.temperature), int(ns.seq_length) // 2, multiple)
+                                         float(ns.temperature), int(ns.seq_length) // 2, multiple, weights, prompts)
         if batch.tokens.shape[1] > spec.max_position_embeddings:
             raise ConfigError("--seq-length/--max-new-tokens exceed the model's max_position_embeddings")
+    elif prompts:
+        batch = batch_from_prompts(prompts, int(ns.seq_length))
     else:
         batch = make_batch(spec.vocab_size, int(ns.seed), int(ns.batch_size), int(ns.seq_length))
-    meta = {"model": _digest(spec.to_dict()), "profile": profile.digest(), "inputs": _digest(inputs)}
+    meta = {"model": _digest(spec.to_dict()), "profile": profile.digest(), "inputs": _digest(inputs),
+            "weights": _digest(weights.describe())}
     loaded = load_reference(ns.reference, meta) if ns.reference else {}
     single = Layout()
     results, refs, dumps, ref_routing = [], {}, {}, {}
@@ -214,7 +252,7 @@ def run(ns: argparse.Namespace) -> int:
             refs[key] = loaded[key]
         else:
             refs[key], ref_routing[key] = layout_logprobs(
-                spec, single, dtype, profile, int(ns.seed), batch, vanilla, ns.dispatcher)
+                spec, single, dtype, profile, int(ns.seed), batch, vanilla, ns.dispatcher, weights=weights)
     # Layout outer, mode inner: Megatron's parallel state is built once per layout.
     for layout in layouts:
         for vanilla in modes:
@@ -227,7 +265,7 @@ def run(ns: argparse.Namespace) -> int:
                                     megatron_core_version=megatron_version(), model=spec.name, dtype=ns.dtype))
                 continue
             lp, routing = layout_logprobs(spec, layout, dtype, profile, int(ns.seed), batch, vanilla, ns.dispatcher,
-                                          temperature)
+                                          temperature, weights)
             r = compare_logprobs(lp, refs[key], batch.scored)
             if spec.is_moe:
                 r["routing_mismatch_fraction"] = routing_mismatch(routing, ref_routing.get(key), batch)

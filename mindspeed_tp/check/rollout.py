@@ -4,24 +4,32 @@ import torch
 import torch.distributed as dist
 
 from ..models.spec import ModelSpec
+from ..models.weights import SeededWeights
 from ..profile import Profile
 from ..reference import ReferenceEngine, ReferenceModel, Request
 from .batch import ScoringBatch
 
 
 def make_rollouts(spec: ModelSpec, profile: Profile, dtype, seed: int, num: int, max_new_tokens: int,
-                  temperature: float, max_prompt: int, multiple: int):
-    """Returns (ScoringBatch over prompt+response, engine logprobs (b, s) at the scoring positions)."""
+                  temperature: float, max_prompt: int, multiple: int, weights=None, prompts=None):
+    """Returns (ScoringBatch over prompt+response, engine logprobs (b, s) at the scoring positions).
+
+    prompts: token-id lists (request i uses prompt i mod len, so N > len samples a group per
+    prompt); default: seeded random prompts. weights: default the seeded weights of ``seed``."""
     gen = torch.Generator().manual_seed(seed + 104729)
-    prompt_lens = torch.randint(2, max(3, max_prompt + 1), (num,), generator=gen).tolist()
-    prompts = [torch.randint(0, spec.vocab_size, (n,), generator=gen).tolist() for n in prompt_lens]
+    if prompts:
+        prompts = [list(prompts[i % len(prompts)]) for i in range(num)]
+    else:
+        prompt_lens = torch.randint(2, max(3, max_prompt + 1), (num,), generator=gen).tolist()
+        prompts = [torch.randint(0, spec.vocab_size, (n,), generator=gen).tolist() for n in prompt_lens]
+    prompt_lens = [len(p) for p in prompts]
     total = max(p + max_new_tokens for p in prompt_lens)
     length = -(-total // multiple) * multiple
     tokens = torch.zeros(num, length, dtype=torch.long)
     engine_lp = torch.zeros(num, length, dtype=torch.float32)
     mask = torch.zeros(num, length, dtype=torch.bool)
     if dist.get_rank() == 0:
-        model = ReferenceModel.seeded(spec, profile, seed, dtype)
+        model = ReferenceModel.from_source(spec, profile, weights or SeededWeights(spec, seed), dtype)
         engine = ReferenceEngine(model, seed=seed, max_running=max(1, num // 2 + 1))
         requests = [Request(prompt=p, max_new_tokens=max_new_tokens, request_id=i, temperature=temperature,
                             arrival_step=i % 3) for i, p in enumerate(prompts)]

@@ -87,9 +87,41 @@ def shard(full: torch.Tensor, rule: str, tp: int, rank: int) -> torch.Tensor:
     return full
 
 
-def load_seeded_weights(model, spec: ModelSpec, seed: int, layout) -> Dict[str, str]:
+def unshard(parts, rule: str) -> torch.Tensor:
+    """Inverse of ``shard``: the full tensor from its shards in rank order."""
+    if rule == "column":
+        return torch.cat(parts, dim=0)
+    if rule == "column_gated":
+        halves = [p.chunk(2, dim=0) for p in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    if rule == "row":
+        return torch.cat(parts, dim=1)
+    return parts[0]
+
+
+class SeededWeights:
+    """Weight source: every full tensor generated from (seed, global name) alone."""
+
+    def __init__(self, spec: ModelSpec, seed: int):
+        self.spec, self.seed = spec, seed
+
+    def full(self, name: str, shape: Tuple[int, ...]) -> torch.Tensor:
+        if name.endswith("router.expert_bias"):
+            return seeded_expert_bias(self.seed, name, shape)
+        return seeded_full_tensor(self.seed, name, shape, self.spec)
+
+    def shard(self, name: str, rule: str, full_shape: Tuple[int, ...], size: int, rank: int) -> torch.Tensor:
+        return shard(self.full(name, full_shape), rule, size, rank)
+
+    def describe(self) -> Dict[str, object]:
+        """What every rank must agree on (the checker compares it across ranks)."""
+        return {"kind": "seeded", "seed": self.seed}
+
+
+def load_weights(model, spec: ModelSpec, layout, source) -> Dict[str, str]:
     """Fill every parameter of this stage (and the routers' expert biases) with its shard of the
-    seeded full weights. Expert weights are split over expert-TP, the rest over TP."""
+    source's full weights (Megatron TP=1 names). Expert weights are split over expert-TP, the
+    rest over TP. ``source`` is a SeededWeights or a checkpoint (mindspeed_tp.hf.HFWeights)."""
     from megatron.core import parallel_state as ps
 
     tp, tp_rank = layout.tp, ps.get_tensor_model_parallel_rank()
@@ -101,14 +133,18 @@ def load_seeded_weights(model, spec: ModelSpec, seed: int, layout) -> Dict[str, 
             name = global_param_name(model, local_name, ep_rank)
             rule = shard_rule(name)
             size, rank = (layout.etp, etp_rank) if ".local_experts." in name else (tp, tp_rank)
-            full = seeded_full_tensor(seed, name, full_shape(rule, tuple(param.shape), size), spec)
-            param.copy_(shard(full, rule, size, rank).to(param.dtype))
+            part = source.shard(name, rule, full_shape(rule, tuple(param.shape), size), size, rank)
+            param.copy_(part.to(param.dtype))
             rules[name] = rule
         for local_name, buf in model.named_buffers():
             if local_name.endswith("router.expert_bias"):
                 name = global_param_name(model, local_name, ep_rank)
-                buf.copy_(seeded_expert_bias(seed, name, tuple(buf.shape)))
+                buf.copy_(source.full(name, tuple(buf.shape)))
     return rules
+
+
+def load_seeded_weights(model, spec: ModelSpec, seed: int, layout) -> Dict[str, str]:
+    return load_weights(model, spec, layout, SeededWeights(spec, seed))
 
 
 def full_weight_shapes(spec: ModelSpec, padded_vocab: int) -> Dict[str, Tuple[int, ...]]:
@@ -153,12 +189,10 @@ def seeded_expert_bias(seed: int, name: str, shape: Tuple[int, ...]) -> torch.Te
     return 0.05 * torch.randn(shape, generator=gen)
 
 
+def full_weights(spec: ModelSpec, padded_vocab: int, source, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
+    """Every full tensor as a TP=1 Megatron model in ``dtype`` holds it after load_weights."""
+    return {name: source.full(name, shape).to(dtype) for name, shape in full_weight_shapes(spec, padded_vocab).items()}
+
+
 def seeded_full_weights(spec: ModelSpec, padded_vocab: int, seed: int, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
-    """Every full tensor as a TP=1 Megatron model in ``dtype`` holds it after load_seeded_weights."""
-    out = {}
-    for name, shape in full_weight_shapes(spec, padded_vocab).items():
-        if name.endswith("router.expert_bias"):
-            out[name] = seeded_expert_bias(seed, name, shape).to(dtype)
-        else:
-            out[name] = seeded_full_tensor(seed, name, shape, spec).to(dtype)
-    return out
+    return full_weights(spec, padded_vocab, SeededWeights(spec, seed), dtype)

@@ -19,7 +19,7 @@ from ..kernels import (
 )
 from ..kernels.moe import combine_slots, route
 from ..models.spec import ModelSpec
-from ..models.weights import seeded_full_weights
+from ..models.weights import full_weights, seeded_full_weights
 from ..profile import Profile
 
 
@@ -33,6 +33,11 @@ class ReferenceModel:
     @classmethod
     def seeded(cls, spec: ModelSpec, profile: Profile, seed: int, dtype: torch.dtype) -> "ReferenceModel":
         return cls(spec, profile, seeded_full_weights(spec, spec.padded_vocab(profile), seed, dtype), dtype)
+
+    @classmethod
+    def from_source(cls, spec: ModelSpec, profile: Profile, source, dtype: torch.dtype) -> "ReferenceModel":
+        """From any weight source (models.weights.SeededWeights, hf.HFWeights)."""
+        return cls(spec, profile, full_weights(spec, spec.padded_vocab(profile), source, dtype), dtype)
 
     # -- building blocks, each mirroring one patched Megatron module --------------------------
     def _linear(self, x, name, out_dtype=None):
@@ -129,3 +134,21 @@ class ReferenceModel:
         if temperature != 1.0:
             logits = logits / temperature
         return vocab_parallel_logprob(logits, target, None, self.profile.canonical_shards)
+
+    def score(self, sequences: List[List[int]]) -> List[torch.Tensor]:
+        """fp32 logprob of each next token of each sequence (teacher forcing, one prefill per
+        sequence): entry t of result i scores sequences[i][t + 1]."""
+        out = []
+        for seq in sequences:
+            tokens = torch.tensor(seq, dtype=torch.long)
+            cache = {}
+
+            def writer(layer, seg, k, v):
+                cache[layer] = (k, v)
+
+            def reader(layer, seg):
+                return cache[layer]
+
+            logits = self.forward(tokens, torch.arange(len(seq)), [(0, len(seq))], writer, reader)
+            out.append(self.logprob(logits[:-1], tokens[1:]))
+        return out

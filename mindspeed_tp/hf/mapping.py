@@ -1,0 +1,102 @@
+"""Tensor-by-tensor map between Hugging Face Qwen3 / Qwen3-MoE names and Megatron's TP=1 names.
+
+Every Megatron tensor is a concatenation, along dim 0, of row ranges of Hugging Face tensors (or
+of zero rows, for vocabulary padding):
+- linear_qkv: per query group g, the group's q heads, then its k head, then its v head (GQA);
+- linear_fc1 (dense, shared and expert MLPs): gate_proj rows, then up_proj rows (SwiGLU);
+- word embeddings / output layer: the vocabulary rows, then zero rows up to the padded vocab.
+Everything else maps one to one. The same pieces serve loading (any shard is a set of row or
+column ranges of them) and exporting (writing the pieces back).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from ..models.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class Piece:
+    hf_name: Optional[str]  # None: zero rows (vocabulary padding; dropped on export)
+    start: int              # rows [start, stop) of the Hugging Face tensor
+    stop: int
+
+    @property
+    def rows(self) -> int:
+        return self.stop - self.start
+
+
+def _whole(hf_name: str, rows: int) -> List[Piece]:
+    return [Piece(hf_name, 0, rows)]
+
+
+def expected_hf_shapes(spec: ModelSpec) -> Dict[str, Tuple[int, ...]]:
+    """Every tensor a Hugging Face checkpoint of ``spec`` holds, with its shape."""
+    h, hd, nq, ng = spec.hidden_size, spec.kv_channels, spec.num_attention_heads, spec.num_query_groups
+    shapes = {"model.embed_tokens.weight": (spec.vocab_size, h), "model.norm.weight": (h,)}
+    if not spec.tie_word_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, h)
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (nq * hd, h), p + "self_attn.k_proj.weight": (ng * hd, h),
+            p + "self_attn.v_proj.weight": (ng * hd, h), p + "self_attn.o_proj.weight": (h, nq * hd),
+            p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
+        })
+        if spec.is_moe and i >= spec.first_k_dense:
+            f = spec.moe_ffn_hidden_size or spec.ffn_hidden_size
+            shapes[p + "mlp.gate.weight"] = (spec.num_experts, h)
+            for e in range(spec.num_experts):
+                q = p + f"mlp.experts.{e}."
+                shapes.update({q + "gate_proj.weight": (f, h), q + "up_proj.weight": (f, h),
+                               q + "down_proj.weight": (h, f)})
+        else:
+            f = spec.ffn_hidden_size
+            shapes.update({p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+                           p + "mlp.down_proj.weight": (h, f)})
+    return shapes
+
+
+def megatron_pieces(spec: ModelSpec, padded_vocab: int) -> Dict[str, List[Piece]]:
+    """Megatron TP=1 name -> the Hugging Face row ranges it is made of, in order."""
+    h, hd, nq, ng = spec.hidden_size, spec.kv_channels, spec.num_attention_heads, spec.num_query_groups
+    per_group = nq // ng
+    pad = [Piece(None, 0, padded_vocab - spec.vocab_size)] if padded_vocab > spec.vocab_size else []
+    out = {"embedding.word_embeddings.weight": _whole("model.embed_tokens.weight", spec.vocab_size) + pad,
+           "decoder.final_layernorm.weight": _whole("model.norm.weight", h)}
+    # Tied embeddings: a last pipeline stage still holds its own output_layer copy; load it
+    # from the embedding (export writes only the embedding).
+    out["output_layer.weight"] = (out["embedding.word_embeddings.weight"] if spec.tie_word_embeddings
+                                  else _whole("lm_head.weight", spec.vocab_size) + pad)
+
+    def gated(hf_prefix: str, f: int) -> List[Piece]:
+        return _whole(hf_prefix + "gate_proj.weight", f) + _whole(hf_prefix + "up_proj.weight", f)
+
+    for i in range(spec.num_layers):
+        p, q = f"decoder.layers.{i}.", f"model.layers.{i}."
+        qkv = []
+        for g in range(ng):
+            qkv += [Piece(q + "self_attn.q_proj.weight", g * per_group * hd, (g + 1) * per_group * hd),
+                    Piece(q + "self_attn.k_proj.weight", g * hd, (g + 1) * hd),
+                    Piece(q + "self_attn.v_proj.weight", g * hd, (g + 1) * hd)]
+        out.update({
+            p + "input_layernorm.weight": _whole(q + "input_layernorm.weight", h),
+            p + "pre_mlp_layernorm.weight": _whole(q + "post_attention_layernorm.weight", h),
+            p + "self_attention.linear_qkv.weight": qkv,
+            p + "self_attention.q_layernorm.weight": _whole(q + "self_attn.q_norm.weight", hd),
+            p + "self_attention.k_layernorm.weight": _whole(q + "self_attn.k_norm.weight", hd),
+            p + "self_attention.linear_proj.weight": _whole(q + "self_attn.o_proj.weight", h),
+        })
+        if spec.is_moe and i >= spec.first_k_dense:
+            f = spec.moe_ffn_hidden_size or spec.ffn_hidden_size
+            out[p + "mlp.router.weight"] = _whole(q + "mlp.gate.weight", spec.num_experts)
+            for e in range(spec.num_experts):
+                m, x = p + f"mlp.experts.local_experts.{e}.", q + f"mlp.experts.{e}."
+                out[m + "linear_fc1.weight"] = gated(x, f)
+                out[m + "linear_fc2.weight"] = _whole(x + "down_proj.weight", h)
+        else:
+            out[p + "mlp.linear_fc1.weight"] = gated(q + "mlp.", spec.ffn_hidden_size)
+            out[p + "mlp.linear_fc2.weight"] = _whole(q + "mlp.down_proj.weight", h)
+    return out

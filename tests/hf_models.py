@@ -1,0 +1,78 @@
+"""Tiny random Qwen3 / Qwen3-MoE checkpoints written by transformers itself (config +
+save_pretrained), with weights scaled so that logits are far from uniform: a wrong tensor
+mapping then moves logprobs by O(1), not by the 1e-3 a near-uniform softmax would show."""
+import math
+import os
+
+import torch
+
+
+def _sharpen(model, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * noise)
+            elif "embed_tokens" in name:  # also the tied LM head: keep logits O(1-10)
+                p.copy_(0.25 * noise)
+            elif "lm_head" in name:  # untied head: logits of std ~3
+                p.copy_(3.0 * noise / math.sqrt(p.shape[-1]))
+            else:  # [out, in] (or [experts, out, in]): unit-variance outputs
+                p.copy_(noise / math.sqrt(p.shape[-1]))
+
+
+def make_qwen3(directory: str, seed: int = 0, **overrides) -> str:
+    """Dense Qwen3 with tied embeddings, one safetensors file."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=True)
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(Qwen3Config(**cfg))
+    _sharpen(model, seed)
+    model.save_pretrained(directory)
+    return directory
+
+
+def make_qwen3_moe(directory: str, seed: int = 1, **overrides) -> str:
+    """Qwen3-MoE (normalised top-2 of 8 experts, a leading dense layer, untied), saved in shards
+    with an index file."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+               norm_topk_prob=True, mlp_only_layers=[0], max_position_embeddings=512, tie_word_embeddings=False)
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**cfg))
+    _sharpen(model, seed)
+    model.save_pretrained(directory, max_shard_size="200KB")
+    assert os.path.isfile(os.path.join(directory, "model.safetensors.index.json"))
+    return directory
+
+
+def save_word_tokenizer(directory: str, vocab_size: int) -> None:
+    """A whitespace word-level tokenizer (words w0..wN map to ids 0..N), built offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(directory)
+
+
+def transformers_logprobs(directory: str, sequences):
+    """Per next-token logprobs of each sequence by transformers' own fp32 forward."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for seq in sequences:
+            logits = model(torch.tensor([seq])).logits[0].float()
+            lp = torch.log_softmax(logits, dim=-1)[:-1]
+            out.append(lp.gather(1, torch.tensor(seq[1:]).unsqueeze(1))[:, 0])
+    return out
