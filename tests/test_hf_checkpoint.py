@@ -46,6 +46,12 @@ def test_reference_model_matches_transformers_fp32(checkpoints, kind):
     assert torch.cat(theirs).std() > 1.0, "logits too uniform for this check to detect a mapping error"
     for a, b in zip(ours, theirs):
         assert (a - b).abs().max() < SEMANTICS_ATOL, (a - b).abs().max()
+    # Negative control: the same comparison with gate and up swapped in layer 0 fails by far.
+    broken = ReferenceModel.from_source(spec, profile, weights, torch.float32)
+    fc1 = broken.w["decoder.layers.0.mlp.linear_fc1.weight"]
+    broken.w["decoder.layers.0.mlp.linear_fc1.weight"] = torch.cat(fc1.chunk(2)[::-1])
+    worst = max((a - b).abs().max() for a, b in zip(broken.score(_sequences(spec.vocab_size)), theirs))
+    assert worst > 100 * SEMANTICS_ATOL, worst
 
 
 def _prompts_file(path, spec_vocab, text=False):
