@@ -213,3 +213,20 @@ def test_qwen3_30b_a3b_config_gives_the_bundled_spec():
            "vocab_size": 151936}
     derived = spec_from_hf_config(cfg, "qwen3-30b-a3b").to_dict()
     assert derived == load_model_spec("qwen3-30b-a3b").to_dict()
+
+
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe", "qwen3-30b-a3b"])
+def test_config_json_for_export_maps_back_to_the_spec(name):
+    from mindspeed_tp.hf import hf_config_from_spec, spec_from_hf_config
+    from mindspeed_tp.models.spec import load_model_spec
+
+    spec = load_model_spec(name)
+    assert spec_from_hf_config(hf_config_from_spec(spec), name).to_dict() == spec.to_dict()
+
+
+def test_deepseek_style_model_is_not_exported_as_qwen3():
+    from mindspeed_tp.hf import hf_config_from_spec
+    from mindspeed_tp.models.spec import load_model_spec
+
+    with pytest.raises(ConfigError, match="only Qwen3 / Qwen3-MoE style models"):
+        hf_config_from_spec(load_model_spec("tiny-moe-shared"))
