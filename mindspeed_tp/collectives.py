@@ -106,6 +106,81 @@ def all_to_all_rows(x: torch.Tensor, group) -> torch.Tensor:
     return _AllToAllRows.apply(x, group)
 
 
+class _GatherLastDimSumGrad(torch.autograd.Function):
+    """All-gather along the last dim for a computation that differs per rank (each rank uses the
+    full tensor with its own weights): backward sums the ranks' gradients and keeps this rank's
+    slice (reduce-scatter). Gradients only, so the library's own sum order is acceptable here."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        world = group_size(group)
+        gathered = _all_gather_rows(x.reshape(1, -1), group).reshape(world, *x.shape)
+        return gathered.movedim(0, -2).reshape(*x.shape[:-1], world * x.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        world = group_size(ctx.group)
+        n = grad.shape[-1] // world
+        parts = grad.reshape(*grad.shape[:-1], world, n).movedim(-2, 0).contiguous()
+        out = grad.new_empty(parts.shape[1:])
+        dist.reduce_scatter_tensor(out, parts.reshape(world, -1).reshape(-1), group=ctx.group)
+        return out, None
+
+
+class _GatherLastDim(torch.autograd.Function):
+    """All-gather along the last dim of a result every rank then uses identically (replicated
+    downstream, like Megatron's all-reduce output): backward keeps this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _GatherLastDimSumGrad.forward(ctx, x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        world, rank = group_size(ctx.group), dist.get_rank(group=ctx.group)
+        n = grad.shape[-1] // world
+        return grad[..., rank * n:(rank + 1) * n].contiguous(), None
+
+
+class _ColumnsToRows(torch.autograd.Function):
+    """(M, n) column block per rank -> (M/world, world*n): rank r gets rows slice r with every
+    rank's columns, in rank order (the SP layout of a column-sharded result). Backward: inverse."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        world = group_size(group)
+        m, n = x.shape
+        received = _all_to_all_rows(x, group)  # (world, m/world, n): slot s = rank s's columns
+        return received.permute(1, 0, 2).reshape(m // world, world * n)
+
+    @staticmethod
+    def backward(ctx, grad):
+        world = group_size(ctx.group)
+        rows, n = grad.shape[0], grad.shape[1] // world
+        blocks = grad.reshape(rows, world, n).permute(1, 0, 2).reshape(world * rows, n)
+        return _all_to_all_rows(blocks, ctx.group).reshape(world * rows, n), None
+
+
+def gather_last_dim(x: torch.Tensor, group, replicated_downstream: bool) -> torch.Tensor:
+    """Differentiable all-gather along the last dim, rank order. replicated_downstream: every rank
+    uses the result identically (backward: own slice); otherwise backward sums over ranks."""
+    if group_size(group) == 1:
+        return x
+    return (_GatherLastDim if replicated_downstream else _GatherLastDimSumGrad).apply(x, group)
+
+
+def columns_to_rows(x: torch.Tensor, group) -> torch.Tensor:
+    """Differentiable (M, n) per rank -> (M/world, world*n): column shards to row shards."""
+    if group_size(group) == 1:
+        return x
+    if x.shape[0] % group_size(group):
+        raise ValueError(f"{x.shape[0]} rows do not split evenly over {group_size(group)} ranks")
+    return _ColumnsToRows.apply(x, group)
+
+
 def fold_across_ranks(
     partial: torch.Tensor, group, out_dtype: torch.dtype, scatter_dim0: bool = False
 ) -> torch.Tensor:
@@ -147,6 +222,8 @@ def group_rank(group) -> int:
 
 __all__ = [
     "all_to_all_rows",
+    "columns_to_rows",
+    "gather_last_dim",
     "fold_across_ranks",
     "group_size",
     "gather_along_rank",
