@@ -123,9 +123,9 @@ class _GatherLastDimSumGrad(torch.autograd.Function):
         world = group_size(ctx.group)
         n = grad.shape[-1] // world
         parts = grad.reshape(*grad.shape[:-1], world, n).movedim(-2, 0).contiguous()
-        out = grad.new_empty(parts.shape[1:])
-        dist.reduce_scatter_tensor(out, parts.reshape(world, -1).reshape(-1), group=ctx.group)
-        return out, None
+        out = grad.new_empty(parts[0].numel())
+        dist.reduce_scatter_tensor(out, parts.reshape(-1), group=ctx.group)
+        return out.reshape(parts.shape[1:]), None
 
 
 class _GatherLastDim(torch.autograd.Function):

@@ -23,17 +23,21 @@ from .collectives import _all_to_all_rows, group_rank, group_size
 _ATTR = "_mindspeed_tp_relaid"
 _generation = 0
 _cache_enabled = True
-_cached = weakref.WeakSet()  # parameters holding a cached re-laid copy
+_cached = {}  # id(parameter) -> weakref to every parameter holding a cached re-laid copy
 
 
 def invalidate_relaid_weights() -> None:
     """Drop every cached re-laid weight (e.g. after loading a checkpoint into existing params)."""
     global _generation
     _generation += 1
-    for param in list(_cached):
+    for param in _live_cached():
         if hasattr(param, _ATTR):
             delattr(param, _ATTR)
     _cached.clear()
+
+
+def _live_cached():
+    return [p for p in (ref() for ref in list(_cached.values())) if p is not None]
 
 
 def set_relaid_cache(enabled: bool) -> None:
@@ -46,7 +50,7 @@ def set_relaid_cache(enabled: bool) -> None:
 
 def relaid_cache_bytes() -> int:
     """Bytes held by cached re-laid weights in this process (the mode's extra weight memory)."""
-    return sum(getattr(p, _ATTR)[1].numel() * getattr(p, _ATTR)[1].element_size() for p in list(_cached)
+    return sum(getattr(p, _ATTR)[1].numel() * getattr(p, _ATTR)[1].element_size() for p in _live_cached()
                if hasattr(p, _ATTR))
 
 
@@ -90,7 +94,7 @@ class _RelaidWeight(torch.autograd.Function):
             relaid = _relay(weight, group)
             if _cache_enabled:
                 setattr(weight, _ATTR, (key, relaid))
-                _cached.add(weight)
+                _cached[id(weight)] = weakref.ref(weight)
         else:
             relaid = entry[1]
         return relaid.detach()  # a fresh alias: autograd metadata never lands on the cached tensor

@@ -20,10 +20,14 @@ from .relayout import relaid_weight
 LOGPROB_CHUNK_TOKENS = 1024
 
 
-def rollout_layout_linear(x: torch.Tensor, weight: torch.Tensor, group, prof, sequence_parallel: bool) -> torch.Tensor:
+def rollout_layout_linear(x: torch.Tensor, weight: torch.Tensor, group, prof, sequence_parallel: bool,
+                          replicated_output: bool = True) -> torch.Tensor:
     """Row-parallel ``x @ W.T`` as the rollout engine computes it; x (..., K/T), weight (N, K/T).
 
     Returns (..., N) (every rank the same), or with ``sequence_parallel`` this rank's 1/T of dim 0.
+    replicated_output: every rank's copy of the output receives the full gradient (as after
+    Megatron's all-reduce); False when the ranks' copies are used once between them (MoE: one
+    expert-TP rank's copy goes back to the token), so backward sums the copies' gradients.
     """
     lead = x.shape[:-1]
     x_full = gather_last_dim(x.reshape(-1, x.shape[-1]), group, replicated_downstream=False)
@@ -31,7 +35,7 @@ def rollout_layout_linear(x: torch.Tensor, weight: torch.Tensor, group, prof, se
     if sequence_parallel:
         y = columns_to_rows(y, group)
         return y.reshape(lead[0] // group_size(group), *lead[1:], y.shape[-1])
-    y = gather_last_dim(y, group, replicated_downstream=True)
+    y = gather_last_dim(y, group, replicated_downstream=replicated_output)
     return y.reshape(*lead, y.shape[-1])
 
 
