@@ -62,11 +62,12 @@ class _FoldScatter(torch.autograd.Function):
 
 class _FoldAll(torch.autograd.Function):
     """Tree-ordered all-reduce: fold a row slice per rank, then all-gather. Backward: identity
-    (every rank's output feeds a replicated computation, as for Megatron's all-reduce)."""
+    when every rank's output feeds a replicated computation (as for Megatron's all-reduce);
+    otherwise (the ranks' copies are used once between them) the copies' gradients are summed."""
 
     @staticmethod
-    def forward(ctx, partial, group, out_dtype):
-        ctx.in_dtype = partial.dtype
+    def forward(ctx, partial, group, out_dtype, replicated_output=True):
+        ctx.in_dtype, ctx.group, ctx.replicated = partial.dtype, group, replicated_output
         world = group_size(group)
         shape = partial.shape
         flat = partial.reshape(-1, shape[-1]) if partial.dim() > 1 else partial.reshape(-1, 1)
@@ -79,7 +80,11 @@ class _FoldAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.to(ctx.in_dtype), None, None
+        grad = grad.to(ctx.in_dtype)
+        if not ctx.replicated:
+            grad = grad.clone()
+            dist.all_reduce(grad, group=ctx.group)
+        return grad, None, None, None
 
 
 class _AllToAllRows(torch.autograd.Function):
@@ -182,18 +187,20 @@ def columns_to_rows(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def fold_across_ranks(
-    partial: torch.Tensor, group, out_dtype: torch.dtype, scatter_dim0: bool = False
+    partial: torch.Tensor, group, out_dtype: torch.dtype, scatter_dim0: bool = False, replicated_output: bool = True
 ) -> torch.Tensor:
     """Sum each rank's fp32 subtree result over ``group`` in canonical (rank) order.
 
     scatter_dim0=False: every rank gets the full sum (replaces all-reduce).
     scatter_dim0=True: rank r gets slice r of dim 0 (replaces the SP reduce-scatter).
+    replicated_output=False (with scatter_dim0=False): the ranks' copies of the sum are not each
+    used in full (MoE: one expert-TP rank's copy goes back to the token), so backward sums them.
     """
     if group_size(group) == 1:
         return partial.to(out_dtype)
     if scatter_dim0:
         return _FoldScatter.apply(partial, group, out_dtype)
-    return _FoldAll.apply(partial, group, out_dtype)
+    return _FoldAll.apply(partial, group, out_dtype, replicated_output)
 
 
 def gather_along_rank(x: torch.Tensor, group) -> torch.Tensor:

@@ -100,12 +100,12 @@ def _expert_forward(expert, x: torch.Tensor, etp_group, config, prof) -> torch.T
     else:
         a = config.activation_func(a)
     if prof.rollout_layout:  # per_expert: the expert's down-proj reduced as the engine's row-parallel layer
-        # Only one expert-TP rank's copy of y is sent back to the token (see _owner_table).
         return rollout_layout_linear(a, expert.linear_fc2.weight, etp_group, prof, sequence_parallel=False,
                                      replicated_output=False)
     leaves = prof.canonical_shards // group_size(etp_group)
     partial = folded_leaf_partials(a, expert.linear_fc2.weight, leaves, prof.gemm_row_multiple)
-    return fold_across_ranks(partial, etp_group, x.dtype)
+    # Only one expert-TP rank's copy of the result is sent back to the token (see _owner_table).
+    return fold_across_ranks(partial, etp_group, x.dtype, replicated_output=False)
 
 
 def _record_routing(layer, idx: torch.Tensor, num_experts: int) -> None:

@@ -5,7 +5,8 @@ Usage: rollout_layout.py OUT_PREFIX MODEL LAYOUTS GRAD_LAYOUT
   a stock engine at TP=R scores a seeded batch; every layout in LAYOUTS scores it with the
   patched Megatron forward, under no_grad and with grad enabled (training mode, parameters
   requiring grad). Also the canonical-tree profile at tp1 and tp2 against the stock TP=1 engine.
-- fp32, GRAD_LAYOUT: parameter gradients of the rollout-tp2 mode and of vanilla megatron-core;
+- fp32, GRAD_LAYOUT: parameter gradients of the rollout-tp2 mode, the canonical-tree mode and
+  vanilla megatron-core;
   then the re-laid weight cache across an optimizer step (cached vs uncached forward).
 Rank 0 saves the logprobs; every rank saves its gradients.
 """
@@ -111,8 +112,8 @@ def finalize_grads(model):
 
 
 grads = {}
-for mode in ("vanilla", "rollout"):
-    mindspeed_tp.disable() if mode == "vanilla" else mindspeed_tp.enable(stock["rollout-tp2"])
+for mode, prof in (("vanilla", None), ("rollout", stock["rollout-tp2"]), ("tree", tree)):
+    mindspeed_tp.disable() if prof is None else mindspeed_tp.enable(prof)
     model = fresh_model(grad_layout, stock["rollout-tp2"], torch.float32, True)
     loss = loss_of(model)
     loss.backward()
