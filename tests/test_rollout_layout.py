@@ -174,8 +174,9 @@ def test_relaid_weight_cache_follows_the_weights(run):
 
 def test_checker_selects_the_mode_from_the_profile(tmp_path):
     """The checker's own rollouts (paged KV, chunked prefill, decode) from the stock engine at TP=2,
-    scored by MoE training at TP=2/SP/EP=2 (world 2)."""
-    proc = run_cli("check", "--model", "tiny-moe", "--profile", "rollout-tp2", "--layouts", "tp2-sp-ep2",
+    scored by MoE training at TP=2/SP/EP=2 (world 2); DeepSeek-style model: sigmoid router, shared
+    expert (a megatron RowParallelLinear), dense first layer."""
+    proc = run_cli("check", "--model", "tiny-moe-shared", "--profile", "rollout-tp2", "--layouts", "tp2-sp-ep2",
                    "--dtype", "bf16", "--rollout", "3", "--temperature", "0.7", "--max-new-tokens", "8",
                    "--json", str(tmp_path / "r.json"))
     assert proc.returncode == 0, explain(proc)
