@@ -5,8 +5,12 @@
 For each case (model, layout, sequence length) and mode it measures, interleaving the modes
 against drift: the logprob forward time and the forward+backward step time (medians), the bytes
 each rank sends through collectives per forward and per step (ring estimates, counted by wrapping
-torch.distributed), and the peak resident memory a step adds. It prints the ratios
-consistent/vanilla and writes everything as JSON. Speed is reported here, never asserted in tests.
+torch.distributed), the peak resident memory a step adds, and the weight memory (parameters plus
+the rollout-layout mode's cached re-laid weights). Modes: vanilla, the canonical-tree profile
+(``consistent``) and the rollout-layout profile (``rollout``, default rollout-tp1). Forwards reuse the
+re-laid weight cache (weights unchanged between scoring calls); each step starts with it invalidated,
+as after an optimizer step, so step bytes include the re-layout. It prints the ratios
+mode/vanilla and writes everything as JSON. Speed is reported here, never asserted in tests.
 """
 import argparse
 import json
@@ -22,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import comm_counter  # noqa: E402
 
 import mindspeed_tp  # noqa: E402
+from mindspeed_tp import relayout  # noqa: E402
 from mindspeed_tp.backends.cpu_shims import install_cpu_shims  # noqa: E402
 from mindspeed_tp.check.batch import make_batch  # noqa: E402
 from mindspeed_tp.check.harness import (  # noqa: E402
@@ -57,8 +62,13 @@ def _reset_peak() -> None:
         pass
 
 
-def measure(spec, layout, dtype, profile, batch, mode, repeats, with_step):
+MODES = ("vanilla", "consistent", "rollout")
+
+
+def measure(spec, layout, dtype, profiles, batch, mode, repeats, with_step):
+    profile = profiles[mode]
     mindspeed_tp.disable() if mode == "vanilla" else mindspeed_tp.enable(profile)
+    relayout.invalidate_relaid_weights()
     _setup_parallel_state(layout, 0)
     model = build_gpt_stage(spec, layout, dtype, profile)
     load_seeded_weights(model, spec, 0, layout)
@@ -79,10 +89,13 @@ def measure(spec, layout, dtype, profile, batch, mode, repeats, with_step):
         if i:
             out["forward_s"].append(time.perf_counter() - t0)
         out["forward_bytes"] = comm_counter.total()
+    out["weight_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+    out["weight_memory"] = (out["weight_bytes"] + relayout.relaid_cache_bytes()) / out["weight_bytes"]
     if with_step:
         model.train()
         for i in range(max(2, repeats // 2) + 1):
             model.zero_grad(set_to_none=True)
+            relayout.invalidate_relaid_weights()  # as after an optimizer step
             dist.barrier()
             _reset_peak()
             before = _status_kb("VmRSS")
@@ -96,30 +109,33 @@ def measure(spec, layout, dtype, profile, batch, mode, repeats, with_step):
             out["step_bytes"] = comm_counter.total()
             out["step_peak_kb"] = _status_kb("VmHWM") - before
     del model
+    relayout.invalidate_relaid_weights()
     return out
 
 
-def run_case(model_name, layout_name, seq, dtype, profile, repeats, with_step):
+def run_case(model_name, layout_name, seq, dtype, profiles, repeats, with_step):
     spec, layout = load_model_spec(model_name), Layout.parse(layout_name)
     batch = make_batch(spec.vocab_size, 0, 2, seq)
-    runs = {"vanilla": [], "consistent": []}
-    for mode in ("vanilla", "consistent", "vanilla", "consistent"):
-        runs[mode].append(measure(spec, layout, dtype, profile, batch, mode, repeats, with_step))
+    runs = {mode: [] for mode in MODES}
+    for mode in MODES + MODES:
+        runs[mode].append(measure(spec, layout, dtype, profiles, batch, mode, repeats, with_step))
     row = {"model": model_name, "layout": layout_name, "seq_length": seq, "tokens": batch.tokens.numel()}
     for mode, rs in runs.items():
         row[mode] = {
             "forward_s": statistics.median(sum((r["forward_s"] for r in rs), [])),
             "forward_bytes": rs[-1]["forward_bytes"],
+            "weight_memory": rs[-1]["weight_memory"],
         }
         if with_step:
             row[mode].update(step_s=statistics.median(sum((r["step_s"] for r in rs), [])),
                              step_bytes=rs[-1]["step_bytes"], step_peak_kb=max(r["step_peak_kb"] for r in rs))
-    v, c = row["vanilla"], row["consistent"]
+    v = row["vanilla"]
 
-    def ratio(key):
-        return c[key] / v[key] if v.get(key) else float("nan")
+    def ratios(mode):
+        return {k: row[mode][k] / v[k] if v.get(k) else float("nan") for k in v}
 
-    row["ratios"] = {k: ratio(k) for k in v}
+    row["ratios"] = ratios("consistent")  # canonical tree / vanilla
+    row["rollout_ratios"] = ratios("rollout")
     _teardown_parallel_state()
     return row
 
@@ -130,30 +146,35 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default="reports/consistency_cost.json")
     p.add_argument("--quick", action="store_true", help="tiny models only (smoke run)")
+    p.add_argument("--rollout-profile", default="rollout-tp1", help="profile of the rollout-layout mode")
     args = p.parse_args()
     init_distributed()
     install_cpu_shims()
     comm_counter.counter.apply()
-    profile, dtype = load_profile(), DTYPES[args.dtype]
+    dtype = DTYPES[args.dtype]
+    profiles = {"vanilla": load_profile(), "consistent": load_profile(), "rollout": load_profile(args.rollout_profile)}
     main_cases = MAIN_CASES[:3] if args.quick else MAIN_CASES
     scaling_cases = [] if args.quick else SCALING_CASES
-    rows = [run_case(m, l, s, dtype, profile, args.repeats, True) for m, l, s in main_cases]
-    scaling = [run_case(m, l, s, dtype, profile, args.repeats, False) for m, l, s in scaling_cases]
+    rows = [run_case(m, l, s, dtype, profiles, args.repeats, True) for m, l, s in main_cases]
+    scaling = [run_case(m, l, s, dtype, profiles, args.repeats, False) for m, l, s in scaling_cases]
     if dist.get_rank() == 0:
-        print(f"consistent/vanilla ratios (median of repeats), dtype={args.dtype}, world={dist.get_world_size()}")
-        print(f"{'model':<18}{'layout':<12}{'seq':>6}{'fwd':>8}{'step':>8}{'bytes/fwd':>11}{'bytes/step':>11}{'peak mem':>10}"
-              f"{'fwd ms (van)':>14}")
+        print(f"mode/vanilla ratios (median of repeats), dtype={args.dtype}, world={dist.get_world_size()}, "
+              f"rollout mode: {args.rollout_profile}")
+        print(f"{'model':<18}{'layout':<12}{'seq':>6}{'mode':>12}{'fwd':>8}{'step':>8}{'bytes/fwd':>11}"
+              f"{'bytes/step':>11}{'peak mem':>10}{'weights':>9}{'fwd ms (van)':>14}")
         for r in rows:
-            q = r["ratios"]
-            print(f"{r['model']:<18}{r['layout']:<12}{r['seq_length']:>6}{q['forward_s']:>8.2f}{q['step_s']:>8.2f}"
-                  f"{q['forward_bytes']:>11.2f}{q['step_bytes']:>11.2f}{q['step_peak_kb']:>10.2f}"
-                  f"{r['vanilla']['forward_s'] * 1e3:>14.1f}")
+            for mode, key in (("tree", "ratios"), ("rollout", "rollout_ratios")):
+                q = r[key]
+                print(f"{r['model']:<18}{r['layout']:<12}{r['seq_length']:>6}{mode:>12}{q['forward_s']:>8.2f}"
+                      f"{q['step_s']:>8.2f}{q['forward_bytes']:>11.2f}{q['step_bytes']:>11.2f}{q['step_peak_kb']:>10.2f}"
+                      f"{q['weight_memory']:>9.2f}{r['vanilla']['forward_s'] * 1e3:>14.1f}")
         if scaling:
             print("\nscaling of the forward ratio with model size and sequence length")
             for r in scaling:
-                print(f"{r['model']:<18}{r['layout']:<12}{r['seq_length']:>6}{r['ratios']['forward_s']:>8.2f}"
-                      f"{r['vanilla']['forward_s'] * 1e3:>10.1f} ms vanilla")
-        write_json_atomic(args.json, {"dtype": args.dtype, "world": dist.get_world_size(), "cases": rows,
+                print(f"{r['model']:<18}{r['layout']:<12}{r['seq_length']:>6}{r['ratios']['forward_s']:>8.2f} tree"
+                      f"{r['rollout_ratios']['forward_s']:>8.2f} rollout{r['vanilla']['forward_s'] * 1e3:>10.1f} ms vanilla")
+        write_json_atomic(args.json, {"dtype": args.dtype, "world": dist.get_world_size(),
+                                      "rollout_profile": args.rollout_profile, "cases": rows,
                                       "scaling": scaling})
     dist.destroy_process_group()
 

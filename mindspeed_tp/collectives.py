@@ -62,11 +62,12 @@ class _FoldScatter(torch.autograd.Function):
 
 class _FoldAll(torch.autograd.Function):
     """Tree-ordered all-reduce: fold a row slice per rank, then all-gather. Backward: identity
-    (every rank's output feeds a replicated computation, as for Megatron's all-reduce)."""
+    when every rank's output feeds a replicated computation (as for Megatron's all-reduce);
+    otherwise (the ranks' copies are used once between them) the copies' gradients are summed."""
 
     @staticmethod
-    def forward(ctx, partial, group, out_dtype):
-        ctx.in_dtype = partial.dtype
+    def forward(ctx, partial, group, out_dtype, replicated_output=True):
+        ctx.in_dtype, ctx.group, ctx.replicated = partial.dtype, group, replicated_output
         world = group_size(group)
         shape = partial.shape
         flat = partial.reshape(-1, shape[-1]) if partial.dim() > 1 else partial.reshape(-1, 1)
@@ -79,7 +80,11 @@ class _FoldAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.to(ctx.in_dtype), None, None
+        grad = grad.to(ctx.in_dtype)
+        if not ctx.replicated:
+            grad = grad.clone()
+            dist.all_reduce(grad, group=ctx.group)
+        return grad, None, None, None
 
 
 class _AllToAllRows(torch.autograd.Function):
@@ -106,19 +111,96 @@ def all_to_all_rows(x: torch.Tensor, group) -> torch.Tensor:
     return _AllToAllRows.apply(x, group)
 
 
+class _GatherLastDimSumGrad(torch.autograd.Function):
+    """All-gather along the last dim for a computation that differs per rank (each rank uses the
+    full tensor with its own weights): backward sums the ranks' gradients and keeps this rank's
+    slice (reduce-scatter). Gradients only, so the library's own sum order is acceptable here."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        world = group_size(group)
+        gathered = _all_gather_rows(x.reshape(1, -1), group).reshape(world, *x.shape)
+        return gathered.movedim(0, -2).reshape(*x.shape[:-1], world * x.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        world = group_size(ctx.group)
+        n = grad.shape[-1] // world
+        parts = grad.reshape(*grad.shape[:-1], world, n).movedim(-2, 0).contiguous()
+        out = grad.new_empty(parts[0].numel())
+        dist.reduce_scatter_tensor(out, parts.reshape(-1), group=ctx.group)
+        return out.reshape(parts.shape[1:]), None
+
+
+class _GatherLastDim(torch.autograd.Function):
+    """All-gather along the last dim of a result every rank then uses identically (replicated
+    downstream, like Megatron's all-reduce output): backward keeps this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _GatherLastDimSumGrad.forward(ctx, x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        world, rank = group_size(ctx.group), dist.get_rank(group=ctx.group)
+        n = grad.shape[-1] // world
+        return grad[..., rank * n:(rank + 1) * n].contiguous(), None
+
+
+class _ColumnsToRows(torch.autograd.Function):
+    """(M, n) column block per rank -> (M/world, world*n): rank r gets rows slice r with every
+    rank's columns, in rank order (the SP layout of a column-sharded result). Backward: inverse."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        world = group_size(group)
+        m, n = x.shape
+        received = _all_to_all_rows(x, group)  # (world, m/world, n): slot s = rank s's columns
+        return received.permute(1, 0, 2).reshape(m // world, world * n)
+
+    @staticmethod
+    def backward(ctx, grad):
+        world = group_size(ctx.group)
+        rows, n = grad.shape[0], grad.shape[1] // world
+        blocks = grad.reshape(rows, world, n).permute(1, 0, 2).reshape(world * rows, n)
+        return _all_to_all_rows(blocks, ctx.group).reshape(world * rows, n), None
+
+
+def gather_last_dim(x: torch.Tensor, group, replicated_downstream: bool) -> torch.Tensor:
+    """Differentiable all-gather along the last dim, rank order. replicated_downstream: every rank
+    uses the result identically (backward: own slice); otherwise backward sums over ranks."""
+    if group_size(group) == 1:
+        return x
+    return (_GatherLastDim if replicated_downstream else _GatherLastDimSumGrad).apply(x, group)
+
+
+def columns_to_rows(x: torch.Tensor, group) -> torch.Tensor:
+    """Differentiable (M, n) per rank -> (M/world, world*n): column shards to row shards."""
+    if group_size(group) == 1:
+        return x
+    if x.shape[0] % group_size(group):
+        raise ValueError(f"{x.shape[0]} rows do not split evenly over {group_size(group)} ranks")
+    return _ColumnsToRows.apply(x, group)
+
+
 def fold_across_ranks(
-    partial: torch.Tensor, group, out_dtype: torch.dtype, scatter_dim0: bool = False
+    partial: torch.Tensor, group, out_dtype: torch.dtype, scatter_dim0: bool = False, replicated_output: bool = True
 ) -> torch.Tensor:
     """Sum each rank's fp32 subtree result over ``group`` in canonical (rank) order.
 
     scatter_dim0=False: every rank gets the full sum (replaces all-reduce).
     scatter_dim0=True: rank r gets slice r of dim 0 (replaces the SP reduce-scatter).
+    replicated_output=False (with scatter_dim0=False): the ranks' copies of the sum are not each
+    used in full (MoE: one expert-TP rank's copy goes back to the token), so backward sums them.
     """
     if group_size(group) == 1:
         return partial.to(out_dtype)
     if scatter_dim0:
         return _FoldScatter.apply(partial, group, out_dtype)
-    return _FoldAll.apply(partial, group, out_dtype)
+    return _FoldAll.apply(partial, group, out_dtype, replicated_output)
 
 
 def gather_along_rank(x: torch.Tensor, group) -> torch.Tensor:
@@ -147,6 +229,8 @@ def group_rank(group) -> int:
 
 __all__ = [
     "all_to_all_rows",
+    "columns_to_rows",
+    "gather_last_dim",
     "fold_across_ranks",
     "group_size",
     "gather_along_rank",

@@ -18,7 +18,12 @@ from .errors import ConfigError
 
 PROFILE_DIR = os.path.join(os.path.dirname(__file__), "configs", "profiles")
 CONTRACT_VERSION = 1
-REDUCTION_MODES = ("canonical_tree",)
+REDUCTION_MODES = ("canonical_tree", "rollout_layout")
+# rollout_layout: how the stock rollout engine rounds a rank's row-parallel partial, and in which
+# dtype its all-reduce adds the partials ("activation": the model's dtype, e.g. bf16).
+ROLLOUT_DTYPES = ("activation", "float32")
+ROLLOUT_ALLREDUCE_ORDERS = ("rank_sequential",)
+ROLLOUT_MOE_EXPERT_REDUCES = ("per_expert",)
 BACKENDS = ("auto", "torch")
 
 
@@ -32,8 +37,28 @@ class Profile:
 
     name: str = "default"
     contract_version: int = CONTRACT_VERSION
-    # How cross-shard sums are ordered. canonical_tree: C leaves folded by a perfect binary tree.
+    # How cross-shard sums are ordered. canonical_tree: C leaves folded by a perfect binary tree
+    # (every training layout agrees; the rollout engine must follow the same tree).
+    # rollout_layout: training reproduces an unmodified rollout engine running at TP=rollout_tp
+    # (row-parallel partials over K/R and its all-reduce; one full-vocab log-softmax).
     reduction: str = "canonical_tree"
+    # rollout_layout only. R: the rollout engine's tensor-parallel size (power of two). Its
+    # row-parallel layers (attention out-proj, MLP/expert down-proj) compute R partial GEMMs over
+    # K/R, one batch-invariant GEMM each; R=1 is one full-K GEMM.
+    rollout_tp: Optional[int] = None
+    # rollout_layout only. The dtype each rank's partial GEMM is rounded to before the all-reduce
+    # (activation: the engine's RowParallelLinear returns model-dtype output, e.g. bf16).
+    rollout_partial_dtype: str = "activation"
+    # rollout_layout only. The engine's all-reduce: the order it adds the R partials in
+    # (rank_sequential: ((p0 + p1) + p2) + ..., a one-shot all-reduce; every algorithm for R <= 2)
+    # and the dtype of each addition (float32: upcast, add, cast once, as vLLM's custom all-reduce;
+    # activation: every addition rounded to the model dtype, as a bf16 NCCL reduction).
+    rollout_allreduce_order: str = "rank_sequential"
+    rollout_allreduce_dtype: str = "float32"
+    # rollout_layout only. per_expert: each routed expert's down-proj is its own row-parallel
+    # reduction (R partials + all-reduce) before the fp32 slot-order combine. Engines that
+    # all-reduce once after combining (vLLM fused_moe at TP>1) are not modelled; at R=1 both agree.
+    rollout_moe_expert_reduce: str = "per_expert"
     # C: number of leaves a TP-splittable reduction dimension is cut into (power of two).
     canonical_shards: int = 8
     # B: keys are visited in blocks of B aligned to absolute positions 0, B, 2B, ...
@@ -66,6 +91,7 @@ class Profile:
             raise ConfigError(
                 f"profile field 'reduction' must be one of {REDUCTION_MODES}, got {self.reduction!r}"
             )
+        self._validate_rollout()
         if not _is_power_of_two(self.canonical_shards):
             raise ConfigError(
                 f"profile field 'canonical_shards' must be a power of two, got {self.canonical_shards!r}"
@@ -89,6 +115,38 @@ class Profile:
                     f"profile field {name!r} must be 'float32' in contract v{CONTRACT_VERSION}, "
                     f"got {getattr(self, name)!r}"
                 )
+
+    def _validate_rollout(self) -> None:
+        if self.reduction != "rollout_layout":
+            if self.rollout_tp is not None:
+                raise ConfigError(
+                    f"profile field 'rollout_tp' is set ({self.rollout_tp!r}) but reduction is {self.reduction!r}; "
+                    f"set reduction: rollout_layout or remove rollout_tp"
+                )
+            return
+        if not _is_power_of_two(self.rollout_tp):
+            raise ConfigError(
+                f"profile field 'rollout_tp' must be the rollout engine's TP size, a power of two, with "
+                f"reduction: rollout_layout; got {self.rollout_tp!r}"
+            )
+        for name, allowed in (("rollout_partial_dtype", ROLLOUT_DTYPES), ("rollout_allreduce_dtype", ROLLOUT_DTYPES),
+                              ("rollout_allreduce_order", ROLLOUT_ALLREDUCE_ORDERS),
+                              ("rollout_moe_expert_reduce", ROLLOUT_MOE_EXPERT_REDUCES)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"profile field {name!r} must be one of {allowed}, got {getattr(self, name)!r}")
+
+    @property
+    def rollout_layout(self) -> bool:
+        """True when training reproduces a stock rollout engine's sharding (reduction: rollout_layout)."""
+        return self.reduction == "rollout_layout"
+
+    def check_rollout_k(self, k: int, what: str) -> None:
+        """The rollout engine splits K of a row-parallel layer into rollout_tp equal parts."""
+        if k % self.rollout_tp:
+            raise ConfigError(
+                f"{what}={k} is not divisible by the profile's rollout_tp={self.rollout_tp}; the rollout engine "
+                f"cannot run at that TP size (change rollout_tp or the model size)"
+            )
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)

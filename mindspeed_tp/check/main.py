@@ -275,6 +275,8 @@ def run(ns: argparse.Namespace) -> int:
                 megatron_core_version=megatron_version(), model=spec.name, dtype=ns.dtype, seed=int(ns.seed),
                 reduction=profile.reduction, reference="rollout engine" if rollout else "single device (tp1)",
             )
+            if profile.rollout_layout:  # the stock engine's TP size this run reproduces
+                r["rollout_tp"] = profile.rollout_tp
             if rollout:
                 r.update(rollout=int(ns.rollout), temperature=float(ns.temperature),
                          max_new_tokens=int(ns.max_new_tokens))

@@ -19,6 +19,7 @@ from ..errors import ConfigError
 from ..kernels import folded_leaf_partials, invariant_linear
 from ..kernels.moe import combine_slots, route
 from ..patching import PatchRegistry
+from ..rollout_layout import rollout_layout_linear
 
 _REJECT = (
     ("moe_expert_capacity_factor", lambda v: v is not None,
@@ -62,7 +63,9 @@ def check_moe_config(config) -> None:
     etp = getattr(config, "expert_tensor_parallel_size", None) or config.tensor_model_parallel_size
     prof.check_tp(etp, setting="expert_tensor_parallel_size (--etp)")
     ffn = config.moe_ffn_hidden_size or config.ffn_hidden_size
-    if ffn % prof.canonical_shards:
+    if prof.rollout_layout:
+        prof.check_rollout_k(ffn, "moe_ffn_hidden_size")
+    elif ffn % prof.canonical_shards:
         raise ConfigError(
             f"moe_ffn_hidden_size={ffn} is not divisible by canonical_shards={prof.canonical_shards}; "
             f"change the expert size or the profile"
@@ -96,9 +99,13 @@ def _expert_forward(expert, x: torch.Tensor, etp_group, config, prof) -> torch.T
         a = config.activation_func(gate) * up
     else:
         a = config.activation_func(a)
+    if prof.rollout_layout:  # per_expert: the expert's down-proj reduced as the engine's row-parallel layer
+        return rollout_layout_linear(a, expert.linear_fc2.weight, etp_group, prof, sequence_parallel=False,
+                                     replicated_output=False)
     leaves = prof.canonical_shards // group_size(etp_group)
     partial = folded_leaf_partials(a, expert.linear_fc2.weight, leaves, prof.gemm_row_multiple)
-    return fold_across_ranks(partial, etp_group, x.dtype)
+    # Only one expert-TP rank's copy of the result is sent back to the token (see _owner_table).
+    return fold_across_ranks(partial, etp_group, x.dtype, replicated_output=False)
 
 
 def _record_routing(layer, idx: torch.Tensor, num_experts: int) -> None:

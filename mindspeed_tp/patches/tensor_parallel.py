@@ -8,6 +8,7 @@ from ..collectives import group_size, fold_across_ranks
 from ..errors import ConfigError
 from ..kernels import folded_leaf_partials, invariant_linear, vocab_parallel_logprob
 from ..patching import PatchRegistry
+from ..rollout_layout import full_vocab_parallel_logprob, rollout_layout_linear
 
 LAYERS = "megatron.core.tensor_parallel.layers"
 
@@ -66,6 +67,8 @@ def row_parallel_forward(self, input_):
             "patches; MoE models need the MoE patch set"
         )
     k_full = self.input_size
+    if prof.rollout_layout:
+        return _rollout_layout_forward(self, input_, group, prof)
     if k_full % prof.canonical_shards:
         raise ConfigError(
             f"input size {k_full} of {type(self).__name__} (attention heads*kv_channels or "
@@ -84,6 +87,18 @@ def row_parallel_forward(self, input_):
     return output_, self.bias
 
 
+def _rollout_layout_forward(self, input_, group, prof):
+    """Rollout-layout mode: the stock engine's R partials for this rank's output columns."""
+    if self.bias is not None:
+        raise ConfigError(
+            f"{type(self).__name__} has a bias (add_bias_linear=True); where a rollout engine adds a row-parallel "
+            f"bias is not modelled by reduction: rollout_layout -- use add_bias_linear=False or the canonical_tree profile"
+        )
+    prof.check_rollout_k(self.input_size, f"input size of {type(self).__name__} (heads*kv_channels or ffn_hidden_size)")
+    output = rollout_layout_linear(input_, self.weight, group, prof, bool(self.sequence_parallel))
+    return output, None
+
+
 def column_parallel_forward(original):
     """Run the LM head (marked at GPTModel construction) with fp32 output: logits in fp32."""
 
@@ -97,11 +112,13 @@ def column_parallel_forward(original):
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=0.0):
-    """-logprob through the canonical vocab tree (fp32)."""
+    """-logprob through the canonical vocab tree (fp32), or the full-vocab one (rollout_layout)."""
     if label_smoothing:
         raise ConfigError("label_smoothing must be 0 with --true-on-policy")
     prof = state.profile()
     group = compat.tp_group_of()
+    if prof.rollout_layout:  # the engine's one fp32 log-softmax over the whole vocab
+        return -full_vocab_parallel_logprob(vocab_parallel_logits, target, group)
     return -vocab_parallel_logprob(
         vocab_parallel_logits, target, group, prof.canonical_shards, vocab_size=None
     )
@@ -114,12 +131,14 @@ def register(reg: PatchRegistry) -> None:
     reg.register(
         f"{LAYERS}:RowParallelLinear.forward",
         "row-parallel K reduction in canonical tree order; cross-rank sum by all-to-all + local fold "
-        "instead of all-reduce / reduce-scatter",
+        "instead of all-reduce / reduce-scatter (rollout_layout: the rollout engine's K/R partials per output "
+        "column block, input gathered along K, weight re-laid out by columns)",
     )(row_parallel_forward)
     reg.register(
         f"{LAYERS}:ColumnParallelLinear.forward", "LM head logits computed in fp32", wraps=True
     )(column_parallel_forward)
     reg.register(
         "megatron.core.tensor_parallel.cross_entropy:vocab_parallel_cross_entropy",
-        "vocab-parallel log-softmax through the canonical vocab tree in fp32",
+        "vocab-parallel log-softmax through the canonical vocab tree in fp32 (rollout_layout: one fp32 "
+        "log-softmax over the whole vocab, shards exchanged in token chunks)",
     )(vocab_parallel_cross_entropy)

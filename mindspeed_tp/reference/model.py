@@ -18,6 +18,7 @@ from ..kernels import (
     vocab_parallel_logprob,
 )
 from ..kernels.moe import combine_slots, route
+from ..kernels.rollout import full_vocab_logprob, rollout_row_parallel
 from ..models.spec import ModelSpec
 from ..models.weights import full_weights, seeded_full_weights
 from ..profile import Profile
@@ -44,8 +45,11 @@ class ReferenceModel:
         return invariant_linear(x, self.w[name], out_dtype=out_dtype, row_multiple=self.profile.gemm_row_multiple)
 
     def _row_parallel(self, x, name):
-        """RowParallelLinear at TP=1 under the patches: C leaves folded, cast once."""
+        """RowParallelLinear at TP=1 under the patches: C leaves folded, cast once; with reduction:
+        rollout_layout, a stock engine at TP=rollout_tp (K/R partials, rounded, all-reduce)."""
         p = self.profile
+        if p.rollout_layout:
+            return rollout_row_parallel(x, self.w[name], p, x.dtype)
         return folded_leaf_partials(x, self.w[name], p.canonical_shards, p.gemm_row_multiple).to(x.dtype)
 
     def _norm(self, x, name):
@@ -129,10 +133,13 @@ class ReferenceModel:
         return self._linear(x, head, out_dtype=torch.float32)
 
     def logprob(self, logits: torch.Tensor, target: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-        """Exactly the training side's scoring: padded columns to -inf, canonical vocab tree."""
+        """Exactly the training side's scoring: padded columns to -inf, canonical vocab tree (or, with
+        reduction: rollout_layout, the engine's one fp32 log-softmax over the whole vocab)."""
         logits = mask_padded_vocab(logits, self.spec.vocab_size)
         if temperature != 1.0:
             logits = logits / temperature
+        if self.profile.rollout_layout:
+            return full_vocab_logprob(logits, target)
         return vocab_parallel_logprob(logits, target, None, self.profile.canonical_shards)
 
     def score(self, sequences: List[List[int]]) -> List[torch.Tensor]:
