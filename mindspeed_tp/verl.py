@@ -6,7 +6,11 @@ import_external_libs``): in the driver and in every Ray worker, before its Megat
 built. Importing this module
 
 1. enables the patches (profile from ``MINDSPEED_TP_PROFILE``, default ``default``);
-2. routes verl's Megatron logprob, ``verl.utils.megatron.tensor_parallel.
+2. makes verl build its Megatron models with megatron-core's local layer spec: verl's
+   ``verl/models/mcore/model_initializer.py`` asks ``get_gpt_decoder_block_spec(config,
+   use_transformer_engine=True)``, whose Transformer Engine layers (under MindSpeed: its
+   ``mindspeed.te`` replacements) no mindspeed-tp patch covers;
+3. routes verl's Megatron logprob, ``verl.utils.megatron.tensor_parallel.
    vocab_parallel_log_probs_from_logits(logits, labels)`` -- what ``MegatronPPOActor.compute_log_prob``
    (its ``logits_processor``, after ``logits.div_(temperature)``) and the Megatron engine call --
    through mindspeed-tp's canonical vocab-tree logprob, as soon as verl imports that module (verl
@@ -25,6 +29,7 @@ from mindspeed_tp.kernels import vocab_parallel_logprob
 from mindspeed_tp.patching import PatchRegistry
 
 VERL_LOGPROB = "verl.utils.megatron.tensor_parallel:vocab_parallel_log_probs_from_logits"
+VERL_MODEL_INITIALIZER = "verl.models.mcore.model_initializer"
 
 _verl_patches = PatchRegistry("mindspeed-tp-verl")
 
@@ -49,9 +54,26 @@ def _patch_verl(_module) -> None:
     _verl_patches.apply()
 
 
+def _local_spec(module) -> None:
+    """Rebind the name in verl's model initializer only (megatron's own function is untouched);
+    the wrapper is a no-op once mindspeed_tp.disable() was called."""
+    original = module.get_gpt_decoder_block_spec
+    if getattr(original, "_mindspeed_tp", False):
+        return
+
+    def get_gpt_decoder_block_spec(config, use_transformer_engine=True, **kwargs):
+        if state.enabled():
+            use_transformer_engine = False
+        return original(config, use_transformer_engine=use_transformer_engine, **kwargs)
+
+    get_gpt_decoder_block_spec._mindspeed_tp = True
+    module.get_gpt_decoder_block_spec = get_gpt_decoder_block_spec
+
+
 def verl_registry() -> PatchRegistry:
     return _verl_patches
 
 
 mindspeed_tp.enable(os.environ.get("MINDSPEED_TP_PROFILE") or None)
 mindspeed_tp_autoload.when_imported(VERL_LOGPROB.partition(":")[0], _patch_verl)
+mindspeed_tp_autoload.when_imported(VERL_MODEL_INITIALIZER, _local_spec)

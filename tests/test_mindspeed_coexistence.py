@@ -158,3 +158,17 @@ def test_contract_breaking_mindspeed_features_are_refused():
             print("RMSNORM", "--use-fused-rmsnorm" in str(exc), mindspeed_tp.is_enabled())
     """)
     assert lines["RMSNORM"] == "True False"
+
+
+def test_mindspeed_te_replacements_are_refused():
+    """Under MindSpeed, megatron's TE layer names hold mindspeed.te classes, which no mindspeed-tp
+    patch covers: the GPTModel guard refuses them by module and names the local spec."""
+    import pytest
+    import torch
+
+    from mindspeed_tp import ConfigError
+    from mindspeed_tp.patches.models import validate_model_modules
+
+    layer = type("TEColumnParallelLinear", (torch.nn.Module,), {"__module__": "mindspeed.te.pytorch.module.linear"})
+    with pytest.raises(ConfigError, match="local spec"):
+        validate_model_modules(torch.nn.Sequential(layer()))

@@ -291,3 +291,11 @@ def test_torch_decode_attention_equals_training_attention():
         full_q[:, :, -1:] = q[i : i + 1]
         full = consistent_attention(full_q, keys, values, 0.35, causal=True, block_size=16)
         assert torch.equal(out[i : i + 1], full[:, :, -1:])
+
+
+def test_checker_on_npu_without_torch_npu_names_the_package():
+    from conftest import run_cli
+
+    proc = run_cli("check", "--device", "npu", "--seq-length", "16")
+    assert proc.returncode == 2, explain(proc)
+    assert "--device npu needs the package 'torch_npu'" in proc.stderr

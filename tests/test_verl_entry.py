@@ -14,7 +14,9 @@ ENV = {"PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests", "fakes",
 
 def test_fresh_process_with_only_the_environment_variable():
     """verl-style smoke test: `import verl` in a fresh process, nothing else, ends with every patch
-    applied and the actor's logprob function bound to mindspeed-tp's."""
+    applied, the actor's logprob function bound to mindspeed-tp's, and verl's request for the
+    Transformer Engine layer spec answered with the local one (TE is not installed here: the TE
+    spec would fail to build)."""
     code = (
         "import verl\n"
         "import mindspeed_tp\n"
@@ -23,11 +25,20 @@ def test_fresh_process_with_only_the_environment_variable():
         "reg = registry()\n"
         "print('ENABLED', mindspeed_tp.is_enabled(), sum(p.applied for p in reg.patches) == len(reg.patches))\n"
         "print('ACTOR', megatron_actor.vocab_parallel_log_probs_from_logits.__module__)\n"
+        "from mindspeed_tp.check.harness import _setup_parallel_state, init_distributed\n"
+        "from mindspeed_tp.models.layout import Layout\n"
+        "init_distributed(); _setup_parallel_state(Layout(), 0)  # the spec reads the pipeline rank\n"
+        "from megatron.core.transformer.transformer_config import TransformerConfig\n"
+        "from verl.models.mcore import model_initializer\n"
+        "cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, normalization='RMSNorm')\n"
+        "spec = model_initializer.dense_layer_spec(cfg)\n"
+        "print('SPEC', spec.layer_specs[0].submodules.self_attention.submodules.core_attention.__name__)\n"
     )
     proc = run_python(code, env=ENV)
     assert proc.returncode == 0, explain(proc)
     assert "ENABLED True True" in proc.stdout
     assert "ACTOR mindspeed_tp.verl" in proc.stdout
+    assert "SPEC DotProductAttention" in proc.stdout
 
 
 def test_actor_logprob_at_tp2_equals_tp1_bitwise(tmp_path):

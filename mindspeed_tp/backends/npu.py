@@ -62,20 +62,22 @@ class NpuOps:
 _ops: Optional[NpuOps] = None
 
 
-def _missing(package: str, why: str) -> ConfigError:
-    return ConfigError(
-        f"the npu kernel backend (profile backend: npu, or auto with an NPU) needs the package "
-        f"{package!r}, which {why}: {_INSTALL[package]}; or set the profile's backend: torch"
-    )
+_BACKEND = "the npu kernel backend (profile backend: npu, or auto with an NPU)"
+_OR_TORCH = "; or set the profile's backend: torch"
 
 
-def _import(name: str, install_key: str):
+def _missing(package: str, why: str, who: str = _BACKEND, alternative: str = _OR_TORCH) -> ConfigError:
+    return ConfigError(f"{who} needs the package {package!r}, which {why}: {_INSTALL[package]}{alternative}")
+
+
+def import_required(name: str, install_key: str, who: str = _BACKEND, alternative: str = _OR_TORCH):
+    """Import an Ascend package; a ConfigError names it (and what needs it) when it is missing."""
     try:
         return importlib.import_module(name)
     except ImportError as exc:
-        raise _missing(install_key, f"cannot be imported ({exc})") from exc
+        raise _missing(install_key, f"cannot be imported ({exc})", who, alternative) from exc
     except RuntimeError as exc:  # flash_attn_npu raises RuntimeError on an unsupported device
-        raise _missing(install_key, f"failed to load ({exc})") from exc
+        raise _missing(install_key, f"failed to load ({exc})", who, alternative) from exc
 
 
 def load() -> NpuOps:
@@ -85,8 +87,8 @@ def load() -> NpuOps:
         return _ops
     import torch
 
-    _import("torch_npu", "torch_npu")
-    _import("batch_invariant_ops", "batch_invariant_ops")
+    import_required("torch_npu", "torch_npu")
+    import_required("batch_invariant_ops", "batch_invariant_ops")
     namespace = getattr(torch.ops, "batch_invariant_ops")
     found = {}
     for op in BATCH_INVARIANT_OPS:
@@ -94,7 +96,7 @@ def load() -> NpuOps:
             found[op] = getattr(namespace, op)
         except (AttributeError, RuntimeError) as exc:
             raise _missing("batch_invariant_ops", f"does not register torch.ops.batch_invariant_ops.{op}") from exc
-    train = _import("flash_attn_npu", "flash_attn_npu")
+    train = import_required("flash_attn_npu", "flash_attn_npu")
     if not hasattr(train, "flash_attn_func"):
         raise _missing("flash_attn_npu", "has no flash_attn_func")
     decode = None

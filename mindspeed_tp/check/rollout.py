@@ -10,8 +10,9 @@ from .batch import ScoringBatch
 
 
 def make_rollouts(spec: ModelSpec, profile: Profile, dtype, seed: int, num: int, max_new_tokens: int,
-                  temperature: float, max_prompt: int, multiple: int):
-    """Returns (ScoringBatch over prompt+response, engine logprobs (b, s) at the scoring positions)."""
+                  temperature: float, max_prompt: int, multiple: int, device=None):
+    """Returns (ScoringBatch over prompt+response, engine logprobs (b, s) at the scoring positions).
+    The engine runs on ``device`` (the checker's, so on an NPU it runs the npu kernels too)."""
     gen = torch.Generator().manual_seed(seed + 104729)
     prompt_lens = torch.randint(2, max(3, max_prompt + 1), (num,), generator=gen).tolist()
     prompts = [torch.randint(0, spec.vocab_size, (n,), generator=gen).tolist() for n in prompt_lens]
@@ -22,6 +23,8 @@ def make_rollouts(spec: ModelSpec, profile: Profile, dtype, seed: int, num: int,
     mask = torch.zeros(num, length, dtype=torch.bool)
     if dist.get_rank() == 0:
         model = ReferenceModel.seeded(spec, profile, seed, dtype)
+        if device is not None:
+            model.to(device)
         engine = ReferenceEngine(model, seed=seed, max_running=max(1, num // 2 + 1))
         requests = [Request(prompt=p, max_new_tokens=max_new_tokens, request_id=i, temperature=temperature,
                             arrival_step=i % 3) for i, p in enumerate(prompts)]

@@ -8,6 +8,9 @@ _UNCOVERED = (
     ("megatron.core.extensions.transformer_engine", "Transformer Engine modules",
      "build the model with the local spec (--transformer-impl local)"),
     ("apex.", "apex fused norms", "use normalization=RMSNorm (torch norm path) or uninstall apex"),
+    # MindSpeed puts these under megatron's TE names (TEColumnParallelLinear, TEDotProductAttention, ...)
+    ("mindspeed.te.", "MindSpeed's Transformer Engine replacements",
+     "build the model with the local spec (--transformer-impl local; under verl the mindspeed_tp.verl entry does)"),
 )
 _UNCOVERED_CLASSES = {
     "GroupedMLP": "grouped-GEMM experts are not covered (moe_grouped_gemm=False)",
