@@ -29,7 +29,7 @@ def test_checker_is_bitwise_with_mindspeed_adaptor_imported_first(tmp_path):
     mindspeed_tp.megatron_adaptor) runs the TP=2/SP checker bitwise equal to TP=1: none of the
     stand-in's raising replacements ran."""
     report = tmp_path / "r.json"
-    proc = run_torchrun("mindspeed_standin_check.py", 2, "--tp", "2", "--sp", "--dtype", "bf16", "--seq-length", "64",
+    proc = run_torchrun("check_after_mindspeed.py", 2, "--tp", "2", "--sp", "--dtype", "bf16", "--seq-length", "64",
                         "--json", str(report), env=ENV)
     assert proc.returncode == 0, explain(proc)
     assert json.loads(report.read_text())["bitwise_equal_fraction"] == 1.0

@@ -1,8 +1,8 @@
 """Worker (torchrun): what a MindSpeed training script does -- ``import mindspeed.megatron_adaptor``
-(the stand-in in tests/fakes/mindspeed_standin, with MindSpeed's flash attention on) -- then
-``import mindspeed_tp.megatron_adaptor`` and the checker with the remaining arguments. Every
-stand-in replacement raises if it runs, so a bitwise-equal check means mindspeed-tp's patches won
-on every shared target."""
+with MindSpeed's flash attention on -- then ``import mindspeed_tp.megatron_adaptor`` and the
+checker with the remaining arguments. Runs with the real MindSpeed (on an Ascend machine) or with
+tests/fakes/mindspeed_standin on PYTHONPATH, whose replacements raise if they run, so a
+bitwise-equal check there means mindspeed-tp's patches won on every shared target."""
 import runpy
 import sys
 
