@@ -6,6 +6,7 @@ variable ``MINDSPEED_TP=1`` (profile from ``MINDSPEED_TP_PROFILE``), and the tra
 ``--true-on-policy`` / ``--true-on-policy-profile PATH``.
 """
 import os
+import sys
 import threading
 from typing import Optional, Union
 
@@ -20,7 +21,8 @@ _lock = threading.RLock()
 def enable(profile: Union[str, Profile, None] = None) -> Profile:
     """Apply the numerics patches (idempotent) under ``profile`` (name, YAML path or Profile).
 
-    Enabling again with a different profile switches the profile; the patches stay applied once.
+    Enabling again with a different profile switches the profile; the patches stay applied once,
+    and targets someone rebound since (MindSpeed imported later, its ``repatch()``) are taken back.
     """
     from . import state
     from .backends import ensure_backend_ready
@@ -28,6 +30,10 @@ def enable(profile: Union[str, Profile, None] = None) -> Profile:
 
     prof = profile if isinstance(profile, Profile) else load_profile(profile)
     with _lock:
+        if "mindspeed" in sys.modules:  # refuse MindSpeed features that break the contract
+            from .mindspeed_compat import check_loaded_mindspeed
+
+            check_loaded_mindspeed()
         ensure_backend_ready(prof)
         state.set_profile(prof)
         registry().apply()
@@ -39,9 +45,12 @@ def disable() -> None:
     from . import state
     from .patches import registry
 
+    from .backends import set_backend
+
     with _lock:
         registry().revert()
         state.set_profile(None)
+        set_backend("auto")
 
 
 def is_enabled() -> bool:
@@ -51,6 +60,9 @@ def is_enabled() -> bool:
 
 
 import mindspeed_tp_autoload as _autoload  # noqa: E402  (megatron.training flags; MINDSPEED_TP=1 hook)
+from .mindspeed_compat import install_hooks as _install_mindspeed_hooks  # noqa: E402
+
+_install_mindspeed_hooks(_autoload.when_imported)  # our feature in MindSpeed's manager; take back after it
 
 if _autoload.env_requested():  # the package was imported explicitly: enable now
     enable(os.environ.get("MINDSPEED_TP_PROFILE") or None)

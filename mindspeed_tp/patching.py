@@ -4,6 +4,12 @@ Targets are written ``"package.module:Name"`` or ``"package.module:Class.attr"``
 function is also rebound in every loaded module that imported it by name (``from x import f``
 copies the reference), the way MindSpeed's patch manager does; a class attribute is replaced on
 the class, which every importer shares.
+
+Whatever holds a target when apply() runs is what a patch replaces, so enabling after
+``mindspeed.megatron_adaptor`` replaces MindSpeed's replacement (and its rebinding in every module)
+and revert() restores MindSpeed's. A patch someone rebinds after apply() (MindSpeed imported later,
+or its ``repatch()``) is *displaced*: ``displaced()`` lists it and the next apply() takes the
+target back -- on the same owner, or on the class that now stands under the target's name.
 """
 from __future__ import annotations
 
@@ -100,9 +106,39 @@ class PatchRegistry:
     def applied(self) -> bool:
         return any(p.applied for p in self.patches)
 
+    def displaced(self) -> List[Patch]:
+        """Applied patches whose target no longer resolves to our replacement."""
+        out = []
+        for p in self.patches:
+            if not p.applied:
+                continue
+            try:
+                owner, attr = resolve(p.target)
+            except PatchTargetError:
+                out.append(p)
+                continue
+            if owner is not p._owner or vars(owner).get(attr, getattr(owner, attr, None)) is not p._new:
+                out.append(p)
+        return out
+
+    def _take_back(self, swaps: Dict[int, Tuple[Any, Any, "Patch"]]) -> None:
+        """Rebind displaced patches (see the module docstring)."""
+        for p in self.displaced():
+            owner, attr = resolve(p.target)
+            if owner is p._owner:
+                displacer = vars(owner).get(attr, getattr(owner, attr))
+                setattr(owner, attr, p._new)
+                if isinstance(owner, type(sys)):
+                    swaps[id(displacer)] = (displacer, p._new, p)
+            else:  # a new class under the target's name: restore the old one, patch the new one below
+                self._restore(p)
+
     def apply(self) -> List[Patch]:
-        """Apply every patch not yet applied; idempotent. Returns the patches now active."""
+        """Apply every patch not yet applied and take back displaced ones; idempotent. Returns
+        the patches now active."""
         with self._lock:
+            swaps: Dict[int, Tuple[Any, Any, Patch]] = {}
+            self._take_back(swaps)
             # Resolve everything first, so a missing target leaves nothing half-applied.
             resolved = []
             for p in self.patches:
@@ -115,7 +151,6 @@ class PatchRegistry:
                         continue
                     raise
                 resolved.append((p, owner, attr))
-            swaps: Dict[int, Tuple[Any, Any, Patch]] = {}
             for p, owner, attr in resolved:
                 original = vars(owner).get(attr, getattr(owner, attr))
                 current = getattr(owner, attr)
@@ -137,12 +172,17 @@ class PatchRegistry:
             active = [p for p in reversed(self.patches) if p.applied]
             _swap_in_modules({id(p._new): (p._new, p._original, p) for p in active if isinstance(p._owner, type(sys))})
             for p in active:
-                if vars(p._owner).get(p._attr, _MISSING) is p._new or getattr(p._owner, p._attr, None) is p._new:
-                    if p._owned:
-                        setattr(p._owner, p._attr, p._original)
-                    else:
-                        delattr(p._owner, p._attr)  # it was inherited: uncover the base's again
-                p._owner, p._attr, p._original, p._new = None, "", _MISSING, None
+                self._restore(p)
+
+    @staticmethod
+    def _restore(p: Patch) -> None:
+        """Put the original back on the patch's owner (if ours is still there) and mark it unapplied."""
+        if vars(p._owner).get(p._attr, _MISSING) is p._new or getattr(p._owner, p._attr, None) is p._new:
+            if p._owned:
+                setattr(p._owner, p._attr, p._original)
+            else:
+                delattr(p._owner, p._attr)  # it was inherited: uncover the base's again
+        p._owner, p._attr, p._original, p._new = None, "", _MISSING, None
 
     def describe(self) -> List[Dict[str, str]]:
         return [

@@ -24,7 +24,7 @@ REDUCTION_MODES = ("canonical_tree", "rollout_layout")
 ROLLOUT_DTYPES = ("activation", "float32")
 ROLLOUT_ALLREDUCE_ORDERS = ("rank_sequential",)
 ROLLOUT_MOE_EXPERT_REDUCES = ("per_expert",)
-BACKENDS = ("auto", "torch")
+BACKENDS = ("auto", "torch", "npu")
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -71,7 +71,8 @@ class Profile:
     gemm_row_multiple: int = 16
     # Vocab padded to a multiple of vocab_pad_multiple * canonical_shards (TP-independent).
     vocab_pad_multiple: int = 128
-    # Kernel backend: auto picks by device (torch on CPU).
+    # Kernel backend: auto picks by device (npu kernels for tensors on an Ascend NPU, torch
+    # reference kernels otherwise); torch or npu force one (mindspeed_tp/backends/__init__.py).
     backend: str = "auto"
     # Precision policy. Only fp32 accumulation is part of contract v1; the fields exist so a
     # profile states it explicitly and a future contract can change it visibly.
@@ -109,6 +110,11 @@ class Profile:
             )
         if self.backend not in BACKENDS:
             raise ConfigError(f"profile field 'backend' must be one of {BACKENDS}, got {self.backend!r}")
+        if self.backend == "npu" and s is not None:
+            raise ConfigError(
+                "profile field 'attention_split_size' must be empty with backend: npu (the Ascend "
+                "flash-attention kernels are called with num_splits=1)"
+            )
         for name in ("accumulate_dtype", "logits_dtype"):
             if getattr(self, name) != "float32":
                 raise ConfigError(

@@ -24,13 +24,38 @@ from ..profile import Profile
 from .batch import ScoringBatch
 
 
-def init_distributed(timeout_s: float = 600.0) -> None:
+# Where models run: the CPU (gloo), or this rank's NPU (--device npu).
+_device = torch.device("cpu")
+
+
+def init_distributed(timeout_s: float = 600.0, device: str = "cpu") -> None:
+    """One process group for the run. On ``npu`` it maps CPU tensors to gloo (the checker's own
+    bookkeeping) and NPU tensors to HCCL (the model's collectives)."""
+    global _device
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:  # plain `python -m`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29400 + os.getpid() % 1000))
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    backend = "gloo"
+    if device == "npu":
+        from ..backends.npu import import_required
+
+        who, alternative = "--device npu", "; or run the checker with --device cpu"
+        import_required("torch_npu", "torch_npu", who, alternative)
+        # megatron-core calls torch.cuda.*: torch_npu maps them to the NPU (as MindSpeed's adaptor does).
+        import_required("torch_npu.contrib.transfer_to_npu", "torch_npu", who, alternative)
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.npu.set_device(local)
+        _device = torch.device("npu", local)
+        backend = "cpu:gloo,npu:hccl"
+    elif device != "cpu":
+        raise ConfigError(f"--device {device!r}: use cpu or npu")
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def run_device() -> torch.device:
+    return _device
 
 
 _current_layout: Optional[Layout] = None
@@ -103,14 +128,14 @@ def _pipeline_forward(model, layout: Layout, batch: ScoringBatch, hidden: int, d
     from megatron.core import parallel_state
 
     b, s = batch.tokens.shape
-    positions = torch.arange(s).unsqueeze(0).expand(b, s)
-    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).view(1, 1, s, s)
+    positions = torch.arange(s, device=_device).unsqueeze(0).expand(b, s)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=_device), diagonal=1).view(1, 1, s, s)
     if not parallel_state.is_pipeline_first_stage():
         rows = s // layout.tp if layout.sp else s
-        received = torch.empty(rows, b, hidden, dtype=dtype)
+        received = torch.empty(rows, b, hidden, dtype=dtype, device=_device)
         dist.recv(received, src=parallel_state.get_pipeline_model_parallel_prev_rank())
         model.set_input_tensor(received)
-    out = model(batch.tokens, positions, mask)
+    out = model(batch.tokens.to(_device), positions, mask)
     if not parallel_state.is_pipeline_last_stage():
         dist.send(out.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
         return None
@@ -131,7 +156,7 @@ def _logprobs_from_logits(
     logits = mask_padded_vocab(logits, vocab_size, start)
     if temperature != 1.0:  # as rollout engines do: logprob of softmax(logits / T), in fp32
         logits = logits.float() / temperature
-    return -tensor_parallel.vocab_parallel_cross_entropy(logits, batch.targets)
+    return -tensor_parallel.vocab_parallel_cross_entropy(logits, batch.targets.to(logits.device))
 
 
 class _RoutingCapture:
@@ -170,7 +195,7 @@ def _full_routing(maps, layout: Layout, spec: ModelSpec, tokens: int) -> torch.T
             parts = [torch.empty_like(chosen, dtype=torch.uint8) for _ in range(layout.tp)]
             dist.all_gather(parts, chosen.to(torch.uint8), group=group)
             chosen = torch.cat(parts)
-        full[layer_number - 1] = chosen.to(torch.uint8)
+        full[layer_number - 1] = chosen.to(torch.uint8).cpu()
     dist.all_reduce(full, op=dist.ReduceOp.MAX)  # replicas hold equal maps; absent layers are 0
     return full
 
@@ -205,6 +230,7 @@ def layout_logprobs(
     if computes:
         model = build_gpt_stage(spec, layout, dtype, profile, dispatcher)
         load_weights(model, spec, layout, weights or SeededWeights(spec, seed))
+        model.to(_device)
         capture = _RoutingCapture(model, vanilla) if spec.is_moe else None
         try:
             with torch.no_grad():
@@ -214,7 +240,7 @@ def layout_logprobs(
                 capture.close()
                 maps = capture.maps
         if out is not None:
-            result = _logprobs_from_logits(out, batch, spec.vocab_size, temperature).float()
+            result = _logprobs_from_logits(out, batch, spec.vocab_size, temperature).float().cpu()
     # The owner of the answer: last pipeline stage, TP rank 0, DP rank 0.
     is_src = (
         parallel_state.get_data_parallel_rank() == 0

@@ -27,6 +27,7 @@ DEFAULTS = dict(
     model=None, hf_checkpoint=None, prompts=None, profile="default", tp=1, pp=1, sp=False, ep=1, etp=1, dispatcher="alltoall", layouts=None, dtype="bf16", seed=1234,
     batch_size=4, seq_length=144, json=None, vanilla=False, compare_vanilla=False, reference=None,
     save_reference=None, dump_logprobs=None, timeout=600.0, rollout=0, temperature=0.0, max_new_tokens=16,
+    device="cpu",
 )
 
 
@@ -76,6 +77,9 @@ def build_parser(prog: str = "mindspeed-tp check") -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, help="rollout sampling temperature (0: greedy); training scores "
                                                      "with the same temperature")
     p.add_argument("--max-new-tokens", type=int, help="rollout response length (default 16)")
+    p.add_argument("--device", choices=["cpu", "npu"],
+                   help="where the models run: cpu (gloo, default) or npu (each rank's Ascend NPU; HCCL for the "
+                        "model's collectives; kernels by the profile's backend)")
     p.add_argument("--timeout", type=float, help="seconds a collective may wait before failing (default 600)")
     p.add_argument("--status-file", help=argparse.SUPPRESS)
     return p
@@ -206,7 +210,7 @@ def run(ns: argparse.Namespace) -> int:
     from .batch import make_batch
     from .prompts import batch_from_prompts
     from .rollout import make_rollouts
-    from .harness import init_distributed, layout_logprobs
+    from .harness import init_distributed, layout_logprobs, run_device
     from .metrics import compare_logprobs
     from .reference import load_reference, save_reference
     from .report import format_table, write_json_atomic
@@ -215,7 +219,7 @@ def run(ns: argparse.Namespace) -> int:
     spec, profile, layouts, modes, weights, prompts = plan(ns)
     # torch deprecates the collective names megatron-core calls; not ours to fix, only noise here.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
-    init_distributed(float(ns.timeout))
+    init_distributed(float(ns.timeout), ns.device)
     if not accelerator_available():
         install_cpu_shims()
     rank = dist.get_rank()
@@ -225,6 +229,7 @@ def run(ns: argparse.Namespace) -> int:
               "max_new_tokens": int(ns.max_new_tokens), "prompts": _digest(prompts) if prompts else None}
     verify_same_on_all_ranks(
         {"model config": spec.to_dict(), "profile": profile.to_dict(), "inputs": inputs, "weights": weights.describe(),
+         "device": ns.device,
          "layouts": [l.name for l in layouts], "megatron-core version": megatron_version()}
     )
     rollout = int(ns.rollout) > 0
@@ -232,7 +237,8 @@ def run(ns: argparse.Namespace) -> int:
     if rollout:
         multiple = required_world_size(layouts) * 8  # any SP split of the scored length divides evenly
         batch, engine_lp = make_rollouts(spec, profile, dtype, int(ns.seed), int(ns.rollout), int(ns.max_new_tokens),
-                                         float(ns.temperature), int(ns.seq_length) // 2, multiple, weights, prompts)
+                                         float(ns.temperature), int(ns.seq_length) // 2, multiple, weights, prompts,
+                                         run_device())
         if batch.tokens.shape[1] > spec.max_position_embeddings:
             raise ConfigError("--seq-length/--max-new-tokens exceed the model's max_position_embeddings")
     elif prompts:
@@ -273,6 +279,7 @@ def run(ns: argparse.Namespace) -> int:
             r.update(
                 layout=layout.to_dict(), vanilla=vanilla, profile=profile.name, profile_digest=profile.digest(),
                 megatron_core_version=megatron_version(), model=spec.name, dtype=ns.dtype, seed=int(ns.seed),
+                device=ns.device,
                 reduction=profile.reduction, reference="rollout engine" if rollout else "single device (tp1)",
             )
             if profile.rollout_layout:  # the stock engine's TP size this run reproduces

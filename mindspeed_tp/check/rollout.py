@@ -11,11 +11,12 @@ from .batch import ScoringBatch
 
 
 def make_rollouts(spec: ModelSpec, profile: Profile, dtype, seed: int, num: int, max_new_tokens: int,
-                  temperature: float, max_prompt: int, multiple: int, weights=None, prompts=None):
+                  temperature: float, max_prompt: int, multiple: int, weights=None, prompts=None, device=None):
     """Returns (ScoringBatch over prompt+response, engine logprobs (b, s) at the scoring positions).
 
     prompts: token-id lists (request i uses prompt i mod len, so N > len samples a group per
-    prompt); default: seeded random prompts. weights: default the seeded weights of ``seed``."""
+    prompt); default: seeded random prompts. weights: default the seeded weights of ``seed``.
+    The engine runs on ``device`` (the checker's, so on an NPU it runs the npu kernels too)."""
     gen = torch.Generator().manual_seed(seed + 104729)
     if prompts:
         prompts = [list(prompts[i % len(prompts)]) for i in range(num)]
@@ -30,6 +31,8 @@ def make_rollouts(spec: ModelSpec, profile: Profile, dtype, seed: int, num: int,
     mask = torch.zeros(num, length, dtype=torch.bool)
     if dist.get_rank() == 0:
         model = ReferenceModel.from_source(spec, profile, weights or SeededWeights(spec, seed), dtype)
+        if device is not None:
+            model.to(device)
         engine = ReferenceEngine(model, seed=seed, max_running=max(1, num // 2 + 1))
         requests = [Request(prompt=p, max_new_tokens=max_new_tokens, request_id=i, temperature=temperature,
                             arrival_step=i % 3) for i, p in enumerate(prompts)]

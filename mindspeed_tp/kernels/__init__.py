@@ -1,6 +1,7 @@
 """Kernel interface. The torch reference backend (CPU, always tested) implements every kernel;
-accelerator backends plug in behind the same names."""
-from .attention import consistent_attention
+the npu backend (``kernels/npu.py``: CANN batch-invariant ops, Ascend flash attention) runs behind
+the same names when ``backends.use_npu`` selects it for a call."""
+from .attention import consistent_attention, decode_attention
 from .linear import folded_leaf_partials, invariant_linear, invariant_matmul, leaf_partials
 from .logprob import mask_padded_vocab, vocab_parallel_logprob
 from .norm import layer_norm, rms_norm
@@ -10,6 +11,7 @@ from ..tree import tree_fold
 __all__ = [
     "apply_rope",
     "consistent_attention",
+    "decode_attention",
     "folded_leaf_partials",
     "invariant_linear",
     "invariant_matmul",

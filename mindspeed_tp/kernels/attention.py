@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 
+from ..backends import use_npu
 from .linear import invariant_matmul
 
 
@@ -49,6 +50,10 @@ def consistent_attention(
     absolute positions, each with its own online softmax, merged in split order (what split-KV
     decode kernels do); every mode must then use the same split size.
     """
+    if use_npu(q):  # the Ascend flash-attention kernel: its own fixed tiling, not block_size
+        from . import npu
+
+        return npu.attention(q, k, v, scale, causal, q_positions, excluded, split_size)
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     if hq % hkv:
@@ -126,3 +131,38 @@ def consistent_attention(
         m, l, acc = _merge(total, (m, l, acc))
     out = torch.where(l.unsqueeze(-1) > 0, acc / l.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1), 0.0)
     return out.reshape(b, hq, sq, d).to(q.dtype)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    page_table: torch.Tensor,
+    scale: float,
+    block_size: int = 128,
+    row_multiple: int = 16,
+    split_size: Optional[int] = None,
+) -> torch.Tensor:
+    """Causal attention of the newest queries over a paged KV cache (the rollout decode step).
+
+    q (b, hq, sq, d): the last sq tokens of each request; k_cache/v_cache (num_pages, page_size,
+    hkv, d); page_table (b, pages per request) page ids in order; cache_seqlens (b,) keys held per
+    request, the new tokens included. Returns (b, hq, sq, d). The torch backend gathers each
+    request's keys and runs ``consistent_attention``, so it equals the training forward bitwise;
+    the npu backend calls the v3 ``flash_attn_with_kvcache`` with num_splits=1.
+    """
+    if use_npu(q):
+        from . import npu
+
+        return npu.decode_attention(q, k_cache, v_cache, cache_seqlens, page_table, scale)
+    page_size = k_cache.shape[1]
+    outs = []
+    for i in range(q.shape[0]):
+        n = int(cache_seqlens[i])
+        pages = page_table[i, : -(-n // page_size)].long()
+        keys = k_cache[pages].reshape(-1, *k_cache.shape[2:])[:n].permute(1, 0, 2).unsqueeze(0)
+        values = v_cache[pages].reshape(-1, *v_cache.shape[2:])[:n].permute(1, 0, 2).unsqueeze(0)
+        outs.append(consistent_attention(q[i : i + 1], keys, values, scale, causal=True, block_size=block_size,
+                                         row_multiple=row_multiple, split_size=split_size))
+    return torch.cat(outs, dim=0)

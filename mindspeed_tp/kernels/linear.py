@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 
+from ..backends import use_npu
 from ..tree import tree_fold
 
 
@@ -23,6 +24,10 @@ def _pad_rows(x2d: torch.Tensor, multiple: int) -> torch.Tensor:
 
 def invariant_matmul(a: torch.Tensor, b: torch.Tensor, row_multiple: int = 16) -> torch.Tensor:
     """fp32 ``a @ b`` for ``a`` (..., M, K) and ``b`` (..., K, N), row-invariant in M."""
+    if use_npu(a):
+        from . import npu
+
+        return npu.matmul(a, b)
     rows = a.shape[-2]
     out = torch.matmul(_pad_rows(a.float(), row_multiple), b.float())
     return out[..., :rows, :]
@@ -39,6 +44,13 @@ def invariant_linear(
     out_dtype = out_dtype or x.dtype
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1])
+    if use_npu(x):
+        from . import npu
+
+        out = npu.matmul(x2d, weight.t())
+        if bias is not None:
+            out = out + bias.float()
+        return out.to(out_dtype).reshape(*lead, weight.shape[0])
     if (bias is None and x.dtype == weight.dtype == out_dtype == torch.bfloat16 and x.device.type == "cpu"):
         # CPU bf16: oneDNN's bf16 GEMM accumulates in fp32 and rounds once, 2-2.5x faster than an
         # fp32 GEMM of upcast inputs; row- and shard-invariant once rows are padded (tested).

@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 
+from ..backends import use_npu
 from ..collectives import group_size, gather_along_rank, group_rank, max_across_ranks
 from ..errors import ConfigError
 from ..tree import tree_fold
@@ -21,6 +22,15 @@ def mask_padded_vocab(logits: torch.Tensor, vocab_size: int, vocab_start: int = 
         return logits
     cols = torch.arange(vocab_start, vocab_start + v_local, device=logits.device)
     return logits.masked_fill(cols >= vocab_size, float("-inf"))
+
+
+def _leaf_sums(e: torch.Tensor) -> torch.Tensor:
+    """Sum of each vocab leaf (last dim); on the npu backend through the batch-invariant reduce."""
+    if use_npu(e):
+        from . import npu
+
+        return npu.row_sum(e)
+    return e.sum(-1)
 
 
 class _VocabParallelLogprob(torch.autograd.Function):
@@ -46,7 +56,7 @@ class _VocabParallelLogprob(torch.autograd.Function):
             lf = mask_padded_vocab(lf, vocab_size, vocab_start)
         lmax = max_across_ranks(lf.amax(-1), group)
         e = torch.exp(lf - lmax.unsqueeze(-1))
-        local = tree_fold(e.reshape(*e.shape[:-1], leaves, v_local // leaves).sum(-1), dim=-1)
+        local = tree_fold(_leaf_sums(e.reshape(*e.shape[:-1], leaves, v_local // leaves)), dim=-1)
         total = tree_fold(gather_along_rank(local, group), dim=0)
         in_range = (target >= vocab_start) & (target < vocab_start + v_local)
         idx = (target - vocab_start).clamp(0, v_local - 1).long()

@@ -7,6 +7,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..backends import use_npu
+
 
 def _slot_sum(x: torch.Tensor) -> torch.Tensor:
     """Sum over the last dim (the k slots) left to right: ((s0 + s1) + s2) + ..."""
@@ -14,6 +16,15 @@ def _slot_sum(x: torch.Tensor) -> torch.Tensor:
     for j in range(1, x.shape[-1]):
         total = total + x[..., j]
     return total
+
+
+def _softmax(x: torch.Tensor) -> torch.Tensor:
+    """Row softmax in fp32; on the npu backend exp of the batch-invariant log-softmax."""
+    if use_npu(x):
+        from . import npu
+
+        return torch.exp(npu.log_softmax(x, -1))
+    return torch.softmax(x, dim=-1)
 
 
 def topk_lowest_id_on_ties(scores: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -40,7 +51,7 @@ def route(
     logits = logits.float()
     if score_function == "softmax":
         if pre_softmax:
-            scores = torch.softmax(logits, dim=-1)
+            scores = _softmax(logits)
             probs, idx = topk_lowest_id_on_ties(scores, topk)
         else:
             chosen, idx = topk_lowest_id_on_ties(logits, topk)

@@ -3,10 +3,21 @@ from typing import Optional
 
 import torch
 
+from ..backends import use_npu
+
+
+def _row_mean(x: torch.Tensor) -> torch.Tensor:
+    """Mean over the last dim, keepdim; on the npu backend through the batch-invariant reduce."""
+    if use_npu(x):
+        from . import npu
+
+        return npu.row_sum(x, keepdim=True) / x.shape[-1]
+    return x.mean(-1, keepdim=True)
+
 
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
     xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = xf * torch.rsqrt(_row_mean(xf.pow(2)) + eps)
     if weight is not None:
         y = y * weight.float()
     return y.to(x.dtype)
@@ -16,9 +27,8 @@ def layer_norm(
     x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float
 ) -> torch.Tensor:
     xf = x.float()
-    mean = xf.mean(-1, keepdim=True)
-    centered = xf - mean
-    y = centered * torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + eps)
+    centered = xf - _row_mean(xf)
+    y = centered * torch.rsqrt(_row_mean(centered.pow(2)) + eps)
     if weight is not None:
         y = y * weight.float()
     if bias is not None:

@@ -1,5 +1,6 @@
 """Patches of megatron.core attention: one consistent attention function and fp32 RoPE."""
 from .. import compat, state
+from ..backends import use_npu
 from ..errors import ConfigError
 from ..kernels import apply_rope, consistent_attention
 from ..patching import PatchRegistry
@@ -19,6 +20,17 @@ def _check_attention_config(module) -> None:
         raise ConfigError(
             "attention_dropout must be 0 with --true-on-policy (dropout makes the forward random)"
         )
+
+
+def _npu_mask(mask_name: str, attention_mask):
+    """The Ascend flash-attention kernels take causal or no mask, nothing explicit (as MindSpeed's
+    flash_attn_npu adaptor): Megatron's mask for attn_mask_type=causal is the kernel's own."""
+    if mask_name == "causal":
+        return None
+    if mask_name == "no_mask" and attention_mask is None:
+        return None
+    raise ConfigError(f"attn_mask_type={mask_name} with an explicit attention mask is not supported by the npu "
+                      f"backend (flash_attn_npu: causal or no_mask only); use attn_mask_type causal")
 
 
 def attention_forward(
@@ -44,7 +56,10 @@ def attention_forward(
     _check_attention_config(self)
     prof = state.profile()
     mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-    causal = getattr(mask_type, "name", str(mask_type)) in _CAUSAL_TYPES
+    mask_name = getattr(mask_type, "name", str(mask_type))
+    causal = mask_name in _CAUSAL_TYPES
+    if use_npu(query):
+        attention_mask = _npu_mask(mask_name, attention_mask)
     sq, b, np_, hn = query.shape
     q = query.permute(1, 2, 0, 3)
     k = key.permute(1, 2, 0, 3)

@@ -8,6 +8,9 @@ _UNCOVERED = (
     ("megatron.core.extensions.transformer_engine", "Transformer Engine modules",
      "build the model with the local spec (--transformer-impl local)"),
     ("apex.", "apex fused norms", "use normalization=RMSNorm (torch norm path) or uninstall apex"),
+    # MindSpeed puts these under megatron's TE names (TEColumnParallelLinear, TEDotProductAttention, ...)
+    ("mindspeed.te.", "MindSpeed's Transformer Engine replacements",
+     "build the model with the local spec (--transformer-impl local; under verl the mindspeed_tp.verl entry does)"),
 )
 _UNCOVERED_CLASSES = {
     "GroupedMLP": "grouped-GEMM experts are not covered (moe_grouped_gemm=False)",
@@ -30,8 +33,24 @@ def validate_model_modules(model) -> None:
             raise ConfigError(f"{name}: {_UNCOVERED_CLASSES[cls.__name__]}")
 
 
+def check_not_displaced() -> None:
+    """Refuse to build a model while another patcher holds some of our targets: MindSpeed's patch
+    manager, imported or re-applied (``repatch``) after mindspeed-tp, rebinds the same names."""
+    from . import registry
+
+    displaced = [p.target for p in registry().displaced()]
+    if displaced:
+        raise ConfigError(
+            f"mindspeed-tp patches were replaced after they were enabled ({', '.join(displaced)}), e.g. by "
+            f"mindspeed.megatron_adaptor imported or MindSpeed's repatch() run afterwards: import "
+            f"mindspeed_tp.megatron_adaptor after mindspeed.megatron_adaptor, or call mindspeed_tp.enable() "
+            f"again after repatch()"
+        )
+
+
 def gpt_model_init(original):
     def __init__(self, *args, **kwargs):
+        check_not_displaced()
         original(self, *args, **kwargs)
         validate_model_modules(self)
         head = getattr(self, "output_layer", None)

@@ -37,9 +37,10 @@ class Request:
 class PagedKVCache:
     """Per-layer pools of fixed-size pages; each request owns a list of pages."""
 
-    def __init__(self, num_layers: int, num_pages: int, page_size: int, groups: int, head_dim: int, dtype):
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, groups: int, head_dim: int, dtype,
+                 device=None):
         self.page_size = page_size
-        self.k = torch.zeros(num_layers, num_pages, page_size, groups, head_dim, dtype=dtype)
+        self.k = torch.zeros(num_layers, num_pages, page_size, groups, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.free = list(range(num_pages))
         self.tables: Dict[int, List[int]] = {}
@@ -60,10 +61,8 @@ class PagedKVCache:
             self.v[layer, table[page], offset] = v[i]
 
     def read(self, layer: int, rid: int, length: int):
-        table = torch.tensor(self.tables[rid])
-        k = self.k[layer, table].reshape(-1, *self.k.shape[-2:])[:length]
-        v = self.v[layer, table].reshape(-1, *self.v.shape[-2:])[:length]
-        return k, v
+        """The layer's page pools, the request's page ids (in order) and its key count."""
+        return self.k[layer], self.v[layer], torch.tensor(self.tables[rid], device=self.k.device), length
 
     def release(self, rid: int) -> None:
         self.free.extend(self.tables.pop(rid, []))
@@ -80,7 +79,7 @@ class ReferenceEngine:
         spec = model.spec
         self.model, self.max_running, self.prefill_chunk, self.seed = model, max_running, prefill_chunk, seed
         self.cache = PagedKVCache(spec.num_layers, num_pages, page_size, spec.num_query_groups, spec.kv_channels,
-                                  model.dtype)
+                                  model.dtype, model.device)
 
     def _sample(self, logits: torch.Tensor, req: Request, gen: torch.Generator):
         m = self.model
@@ -91,8 +90,8 @@ class ReferenceEngine:
         else:
             temperature = req.temperature
             probs = torch.softmax(masked / temperature, dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=gen))
-        lp = m.logprob(logits.unsqueeze(0), torch.tensor([token]), temperature)[0]
+            token = int(torch.multinomial(probs.cpu(), 1, generator=gen))  # the request's CPU generator
+        lp = m.logprob(logits.unsqueeze(0), torch.tensor([token], device=logits.device), temperature)[0].cpu()
         return token, lp
 
     def generate(self, requests: List[Request]) -> List[Request]:
@@ -135,7 +134,9 @@ class ReferenceEngine:
                 stop = segments[seg][1] - segments[seg][0]
                 return self.cache.read(layer, req.request_id, done + stop)
 
-            logits = self.model.forward(torch.tensor(tokens), torch.tensor(positions), segments, writer, reader)
+            device = self.model.device
+            logits = self.model.forward(torch.tensor(tokens, device=device), torch.tensor(positions, device=device),
+                                        segments, writer, reader)
             still = []
             for seg, (req, done) in enumerate(owners):
                 start, stop = segments[seg]

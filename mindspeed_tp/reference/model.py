@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import (
-    apply_rope, consistent_attention, mask_padded_vocab, folded_leaf_partials, invariant_linear, rms_norm, rope_angles, rope_inv_freq,
+    apply_rope, decode_attention, mask_padded_vocab, folded_leaf_partials, invariant_linear, rms_norm, rope_angles, rope_inv_freq,
     vocab_parallel_logprob,
 )
 from ..kernels.moe import combine_slots, route
@@ -39,6 +39,15 @@ class ReferenceModel:
     def from_source(cls, spec: ModelSpec, profile: Profile, source, dtype: torch.dtype) -> "ReferenceModel":
         """From any weight source (models.weights.SeededWeights, hf.HFWeights)."""
         return cls(spec, profile, full_weights(spec, spec.padded_vocab(profile), source, dtype), dtype)
+    @property
+    def device(self) -> torch.device:
+        return self.w["embedding.word_embeddings.weight"].device
+
+    def to(self, device) -> "ReferenceModel":
+        """Move the weights (e.g. to an NPU, where the kernels take the npu backend)."""
+        self.w = {name: t.to(device) for name, t in self.w.items()}
+        self.inv_freq = self.inv_freq.to(device)
+        return self
 
     # -- building blocks, each mirroring one patched Megatron module --------------------------
     def _linear(self, x, name, out_dtype=None):
@@ -66,7 +75,7 @@ class ReferenceModel:
         bias = self.w.get(prefix + "router.expert_bias")
         idx, probs = route(logits, spec.moe_router_topk, spec.moe_router_score_function, spec.moe_router_pre_softmax,
                            bias, spec.moe_router_topk_scaling_factor)
-        slots = torch.zeros(x.shape[0], idx.shape[1], x.shape[1], dtype=x.dtype)
+        slots = torch.zeros(x.shape[0], idx.shape[1], x.shape[1], dtype=x.dtype, device=x.device)
         for e in torch.unique(idx).tolist():
             rows, slot = torch.nonzero(idx == e, as_tuple=True)
             y = self._mlp(x.index_select(0, rows), prefix + f"experts.local_experts.{e}.")
@@ -92,14 +101,16 @@ class ReferenceModel:
         outputs = []
         for seg, (start, stop) in enumerate(segments):
             kv_writer(layer, seg, k[start:stop], v[start:stop])
-            keys, values = kv_reader(layer, seg)  # (sk, ng, hd): all of this request's keys so far
-            ctx = consistent_attention(
+            # The layer's page pool, this request's pages and its key count (new tokens included):
+            # the segment's queries are the request's last positions.
+            k_pages, v_pages, table, length = kv_reader(layer, seg)
+            ctx = decode_attention(
                 q[start:stop].permute(1, 0, 2).unsqueeze(0),
-                keys.permute(1, 0, 2).unsqueeze(0),
-                values.permute(1, 0, 2).unsqueeze(0),
+                k_pages,
+                v_pages,
+                torch.tensor([length], device=q.device),
+                table.unsqueeze(0),
                 scale=1.0 / math.sqrt(hd),  # as DotProductAttention computes it
-                causal=True,
-                q_positions=positions[start:stop],
                 block_size=prof.attention_block_size,
                 row_multiple=prof.gemm_row_multiple,
                 split_size=prof.attention_split_size,
@@ -111,7 +122,9 @@ class ReferenceModel:
         """fp32 logits (rows, padded vocab) for token rows grouped into per-request segments.
 
         segments: [(start, stop)] row ranges, one per request; kv_writer(layer, seg, k, v) appends
-        the segment's keys/values to its request's cache, kv_reader(layer, seg) returns all of them.
+        the segment's keys/values to its request's cache, kv_reader(layer, seg) returns the layer's
+        page pools (num_pages, page_size, groups, head_dim) for k and v, the request's page ids in
+        order and its key count.
         routing: optional dict filled with each MoE layer's chosen experts per row.
         """
         spec = self.spec
