@@ -166,8 +166,9 @@ class ReferenceModel:
             def writer(layer, seg, k, v):
                 cache[layer] = (k, v)
 
-            def reader(layer, seg):
-                return cache[layer]
+            def reader(layer, seg):  # the whole sequence as one page
+                k, v = cache[layer]
+                return k.unsqueeze(0), v.unsqueeze(0), torch.zeros(1, dtype=torch.long), k.shape[0]
 
             logits = self.forward(tokens, torch.arange(len(seq)), [(0, len(seq))], writer, reader)
             out.append(self.logprob(logits[:-1], tokens[1:]))
