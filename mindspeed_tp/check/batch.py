@@ -19,6 +19,12 @@ class ScoringBatch:
         return torch.cat([self.tokens[:, 1:], self.tokens[:, -1:]], dim=1)
 
     @property
+    def real(self) -> torch.Tensor:
+        """(b, s) bool: positions holding a real token (not right padding)."""
+        b, s = self.tokens.shape
+        return torch.arange(s).unsqueeze(0) < torch.tensor(self.lengths).unsqueeze(1)
+
+    @property
     def scored(self) -> torch.Tensor:
         """(b, s) bool: positions whose next token is a real token of the sequence."""
         if self.score_mask is not None:

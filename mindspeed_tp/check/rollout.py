@@ -10,7 +10,7 @@ from .batch import ScoringBatch
 
 
 def make_rollouts(spec: ModelSpec, profile: Profile, dtype, seed: int, num: int, max_new_tokens: int,
-                  temperature: float, max_prompt: int, multiple: int):
+                  temperature: float, max_prompt: int, multiple: int, record_modules: bool = False):
     """Returns (ScoringBatch over prompt+response, engine logprobs (b, s) at the scoring positions)."""
     gen = torch.Generator().manual_seed(seed + 104729)
     prompt_lens = torch.randint(2, max(3, max_prompt + 1), (num,), generator=gen).tolist()
@@ -37,4 +37,4 @@ def make_rollouts(spec: ModelSpec, profile: Profile, dtype, seed: int, num: int,
         dist.broadcast(t, src=0)
     mask = flags.bool()
     lengths = [p + max_new_tokens for p in prompt_lens]
-    return ScoringBatch(tokens=tokens, lengths=lengths, score_mask=mask), engine_lp
+    return ScoringBatch(tokens=tokens, lengths=lengths, score_mask=mask), engine_lp, None

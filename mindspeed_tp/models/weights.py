@@ -6,6 +6,7 @@ the same rules Megatron uses to shard it, so any two layouts hold the same logic
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import Dict, Tuple
 
 import torch
@@ -162,3 +163,18 @@ def seeded_full_weights(spec: ModelSpec, padded_vocab: int, seed: int, dtype: to
         else:
             out[name] = seeded_full_tensor(seed, name, shape, spec).to(dtype)
     return out
+
+
+def seeded_weights_digest(spec: ModelSpec, profile, seed: int, max_elements: int = 1 << 22) -> str:
+    """Digest of the seeded weights as this process generates them: every tensor up to
+    ``max_elements`` (the norms, small projections; all of a tiny model), so two nodes whose torch
+    draws different random numbers are caught before comparing, without generating a large model."""
+    h = hashlib.sha256()
+    for name, shape in full_weight_shapes(spec, spec.padded_vocab(profile)).items():
+        if math.prod(shape) > max_elements:
+            continue
+        t = (seeded_expert_bias(seed, name, shape) if name.endswith("router.expert_bias")
+             else seeded_full_tensor(seed, name, shape, spec))
+        h.update(name.encode())
+        h.update(t.contiguous().numpy().tobytes())
+    return h.hexdigest()
