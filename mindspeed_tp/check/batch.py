@@ -12,6 +12,8 @@ class ScoringBatch:
     # Positions to score; default: every position whose next token is real. Rollouts score only
     # the positions that predict response tokens.
     score_mask: Optional[torch.Tensor] = None
+    # Positions holding real tokens (default: before each length); --bisect compares these.
+    real_mask: Optional[torch.Tensor] = None
 
     @property
     def targets(self) -> torch.Tensor:
@@ -21,6 +23,8 @@ class ScoringBatch:
     @property
     def real(self) -> torch.Tensor:
         """(b, s) bool: positions holding a real token (not right padding)."""
+        if self.real_mask is not None:
+            return self.real_mask
         b, s = self.tokens.shape
         return torch.arange(s).unsqueeze(0) < torch.tensor(self.lengths).unsqueeze(1)
 

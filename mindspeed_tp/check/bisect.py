@@ -62,6 +62,14 @@ def layer_of(name: str) -> Optional[int]:
     return int(m.group(1)) if m else None
 
 
+def global_module_name(model, local_name: str) -> str:
+    """decoder.layers.<local> renumbered to the global layer index (PP stages number from 0)."""
+    parts = local_name.split(".")
+    if len(parts) > 2 and parts[0] == "decoder" and parts[1] == "layers":
+        parts[2] = str(model.decoder.layers[int(parts[2])].layer_number - 1)
+    return ".".join(parts)
+
+
 def _first_tensor(value):
     if isinstance(value, torch.Tensor):
         return value
@@ -74,15 +82,13 @@ class ModuleRecorder:
     """Forward hooks recording (input, output) of this stage's modules under their global names."""
 
     def __init__(self, model, num_layers: int):
-        from ..models.weights import global_param_name
-
         # router decisions come from the routing capture, logprobs from the harness
         wanted = {name for name, _, _ in module_order(num_layers)
                   if not name.endswith(".mlp.router") and name != "logprob"}
         self.captured: Dict[str, Tuple[Optional[torch.Tensor], torch.Tensor]] = {}
         self.handles = []
         for local_name, module in model.named_modules():
-            name = global_param_name(model, local_name) if local_name else ""
+            name = global_module_name(model, local_name)
             if name in wanted:
                 self.handles.append(module.register_forward_hook(self._hook(name), with_kwargs=True))
 
@@ -283,12 +289,12 @@ def format_bisect(summary: Dict, title: str, max_rows: int = 8) -> str:
         + (f"; routing differs in layers {summary['routing_differs_layers']}" if summary["routing_differs_layers"] else "")
         + (f"; logprob differs at {summary['logprob_tokens_differing']} scored tokens"
            if summary["logprob_tokens_differing"] is not None else ""),
-        f"  {'module':<44}{'tokens!=':>10}{'max|diff|':>12}  inputs",
+        f"  {'module':<48}{'tokens!=':>10}{'max|diff|':>12}  inputs",
     ]
     start = next(i for i, m in enumerate(summary["modules"]) if m["module"] == first["module"])
     for m in summary["modules"][start : start + max_rows]:
         inputs = {None: "-", True: "equal", False: "differ"}[m["inputs_equal"]]
-        lines.append(f"  {m['module']:<44}{m['tokens_differing']:>10}{m['max_abs_diff']:>12.3g}  {inputs}")
+        lines.append(f"  {m['module']:<48}{m['tokens_differing']:>10}{m['max_abs_diff']:>12.3g}  {inputs}")
     return "\n".join(lines)
 
 

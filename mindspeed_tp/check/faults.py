@@ -49,6 +49,7 @@ def apply_to_model(model, layout, tp_rank: int) -> list:
     """perturb / perturb-input on this stage (single-device layouts are left alone). Returns hook
     handles to remove after the forward."""
     from ..models.weights import global_param_name
+    from .bisect import global_module_name
 
     handles = []
     if layout.required_world_size == 1:
@@ -61,7 +62,7 @@ def apply_to_model(model, layout, tp_rank: int) -> list:
                         param.view(-1)[0] = param.view(-1)[0] * 1.5
         elif kind == "perturb-input" and tp_rank == 0:
             for local_name, module in model.named_modules():
-                if global_param_name(model, local_name) == arg:
+                if global_module_name(model, local_name) == arg:
                     handles.append(module.register_forward_pre_hook(_bump_input, with_kwargs=True))
     return handles
 
@@ -77,12 +78,12 @@ def _bump_input(module, args, kwargs):
 
 
 def corrupt_logits(logits: torch.Tensor, layout, tp_rank: int) -> torch.Tensor:
-    """nan-logits:B:S on the rank holding vocab column 0 (logits are [s, b, vocab/tp])."""
+    """nan-logits:B:S on the rank holding vocab column 0 (GPTModel returns logits [b, s, vocab/tp])."""
     if layout.required_world_size == 1:
         return logits
     for kind, arg in _directives():
         if kind == "nan-logits" and tp_rank == 0:
             b, s = (int(x) for x in arg.split(":"))
             logits = logits.clone()
-            logits[s, b, 0] = float("nan")
+            logits[b, s, 0] = float("nan")
     return logits

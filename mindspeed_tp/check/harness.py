@@ -266,14 +266,14 @@ def layout_logprobs(
 
 
 def _count_nonfinite_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[count, first b*s+pos] of NaN/inf in this rank's real-vocab logit columns ([s, b, v/tp]).
-    Padded vocab columns are excluded: they become -inf on purpose."""
+    """[count, first b*s+pos] of NaN/inf in this rank's real-vocab logit columns (GPTModel returns
+    [b, s, v/tp]). Padded vocab columns are excluded: they become -inf on purpose."""
     from megatron.core import parallel_state
 
-    s, b, width = logits.shape
+    b, s, width = logits.shape
     start = parallel_state.get_tensor_model_parallel_rank() * width
     real = logits[..., : max(0, min(width, vocab_size - start))]
     bad = ~torch.isfinite(real)
-    per_token = bad.any(dim=-1).t().reshape(-1)  # (b*s) in batch-major order
+    per_token = bad.any(dim=-1).reshape(-1)  # (b*s) in batch-major order
     hits = torch.nonzero(per_token)
     return torch.tensor([int(bad.sum()), int(hits[0]) if len(hits) else b * s])

@@ -414,7 +414,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             pass
     except Exception as exc:  # noqa: BLE001 - a dead or hung peer, or a bug: fail loudly, never hang
         message = _crash_message(exc, timeout)
-        print(f"mindspeed-tp check: error: {message}", file=sys.stderr)
+        if not isinstance(exc, RuntimeError):  # not a peer's failure: show where it broke
+            import traceback
+
+            traceback.print_exc()
+        if not status_file:  # else the launcher prints it, after torchrun's own report
+            print(f"mindspeed-tp check: error: {message}", file=sys.stderr)
         _write_status(status_file, 3, message)
         sys.stdout.flush()
         sys.stderr.flush()
