@@ -330,5 +330,12 @@ def from_flat(tensors: Dict[str, torch.Tensor], key: str, num_layers: int) -> Mo
     return run
 
 
-def dump_path(directory: str, key: str, layout_name: str) -> str:
-    return os.path.join(directory, f"{key}-{layout_name}.safetensors")
+def bisect_report(test: ModuleTensors, ref: ModuleTensors, batch, dump_dir: Optional[str], run_name: str,
+                  meta: Dict[str, str]) -> Dict:
+    """compare_modules over the batch's real tokens; with dump_dir, both runs' tensors are saved to
+    DIR/<run_name>.safetensors (its path under ``dump``)."""
+    report = compare_modules(test, ref, batch.real, batch.scored)
+    if dump_dir:
+        report["dump"] = os.path.join(dump_dir, f"{run_name}.safetensors")
+        dump(report["dump"], test, ref, meta)
+    return report

@@ -314,10 +314,8 @@ def run(ns: argparse.Namespace) -> int:
                 r.update(rollout=int(ns.rollout), temperature=float(ns.temperature),
                          max_new_tokens=int(ns.max_new_tokens))
             if ns.bisect and rank == 0:
-                r["bisect"] = bisect.compare_modules(diag["modules"], ref_modules[key], batch.real, batch.scored)
-                if ns.bisect_dump:
-                    r["bisect"]["dump"] = bisect.dump_path(ns.bisect_dump, key, layout.name)
-                    bisect.dump(r["bisect"]["dump"], diag["modules"], ref_modules[key], meta)
+                r["bisect"] = bisect.bisect_report(diag["modules"], ref_modules[key], batch, ns.bisect_dump,
+                                                   f"{key}-{layout.name}", meta)
             curves.append((r, lp, refs[key]))
             results.append(r)
             dumps[f"{key}/{layout.name}"] = lp
@@ -344,8 +342,7 @@ def run(ns: argparse.Namespace) -> int:
         print(format_table(results))
         for r in results:
             if r.get("bisect"):
-                title = f"{r['layout']['name']} ({'vanilla' if r['vanilla'] else 'mindspeed-tp'})"
-                print(bisect.format_bisect(r["bisect"], title))
+                print(bisect.format_bisect(r["bisect"], f"{r['layout']['name']} ({_mode_name(r)})"))
         against = "the rollout engine's logprobs" if rollout else "the single-device run"
         verdict = ("bitwise equal" if ok else "NOT bitwise equal") + " to " + against
         print("RESULT:", verdict)
@@ -360,6 +357,10 @@ def run(ns: argparse.Namespace) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0 if ok else 1
+
+
+def _mode_name(result: Dict) -> str:
+    return "vanilla" if result["vanilla"] else "mindspeed-tp"
 
 
 def _shutdown_distributed() -> None:

@@ -165,14 +165,18 @@ def seeded_full_weights(spec: ModelSpec, padded_vocab: int, seed: int, dtype: to
     return out
 
 
-def seeded_weights_digest(spec: ModelSpec, profile, seed: int, max_elements: int = 1 << 22) -> str:
-    """Digest of the seeded weights as this process generates them: every tensor up to
-    ``max_elements`` (the norms, small projections; all of a tiny model), so two nodes whose torch
-    draws different random numbers are caught before comparing, without generating a large model."""
+def seeded_weights_digest(spec: ModelSpec, profile, seed: int, budget: int = 1 << 22) -> str:
+    """Digest of the seeded weights as this process generates them, over the first tensors of at
+    most 2^20 elements until ``budget`` elements (all of a tiny model; norms and the first small
+    projections of a large one): enough to catch two nodes whose torch draws different random
+    numbers, without generating a large model on every rank."""
     h = hashlib.sha256()
+    used = 0
     for name, shape in full_weight_shapes(spec, spec.padded_vocab(profile)).items():
-        if math.prod(shape) > max_elements:
+        size = math.prod(shape)
+        if size > 1 << 20 or used + size > budget:
             continue
+        used += size
         t = (seeded_expert_bias(seed, name, shape) if name.endswith("router.expert_bias")
              else seeded_full_tensor(seed, name, shape, spec))
         h.update(name.encode())
