@@ -3,7 +3,9 @@ on loopback through --nnodes/--node-rank/--rdzv-endpoint, one process each (worl
 import json
 import shutil
 
-from conftest import explain_nodes as _explain, run_two_nodes as _two_nodes
+import pytest
+
+from conftest import explain, explain_nodes as _explain, run_cli, run_two_nodes as _two_nodes
 
 
 def test_two_nodes_save_then_ship_the_reference(tmp_path):
@@ -27,3 +29,14 @@ def test_two_nodes_save_then_ship_the_reference(tmp_path):
     res = _two_nodes([common + ["--reference", str(ref)], common + ["--reference", str(shipped)]])
     assert [r[0] for r in res] == [2, 2], _explain(res)
     assert "ranks disagree on reference file: rank(s) [1]" in res[0][2], _explain(res)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--nnodes", "2", "--tp", "2"], "--rdzv-endpoint"),
+    (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:1", "--tp", "2"], "--node-rank=2"),
+    (["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", "127.0.0.1:1", "--tp", "4"], "--nproc=1"),
+    (["--nnodes", "x"], "--nnodes=x"),
+])
+def test_bad_launcher_flags_exit_2_before_launching(args, needle):
+    proc = run_cli("check", *args)
+    assert proc.returncode == 2 and needle in proc.stderr, explain(proc)
