@@ -2,66 +2,135 @@
 
 ``mindspeed-tp check [flags]`` validates the flags, then launches torchrun on this node with as
 many processes as the layouts need (``--nproc`` overrides) running ``python -m mindspeed_tp.check``.
-For several nodes, run ``torchrun --nnodes ... -m mindspeed_tp.check`` yourself on each node.
+For several nodes, run it on every node with ``--nnodes N --node-rank R --rdzv-endpoint HOST:PORT``
+(and ``--nproc-per-node P``): passed to torchrun's static rendezvous (node R gets ranks R*P..R*P+P-1;
+node 0 hosts the store at HOST:PORT).
 
-Exit codes: 0 bitwise equal, 1 not bitwise equal, 2 bad input or usage, 3 the run crashed.
+Exit codes: 0 bitwise equal, 1 not bitwise equal, 2 bad input or usage, 3 the run crashed (a rank
+died, hung past --timeout, or raised).
 """
-import argparse
 import json
 import os
 import subprocess
 import sys
 import tempfile
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from .errors import ConfigError
+
+_LAUNCH_FLAGS = ("--nproc", "--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint")
+_LAUNCH_HELP = """
+launcher flags (mindspeed-tp check only):
+  --nproc N, --nproc-per-node N
+                        processes on this node (default: the least common multiple of the layouts' world sizes,
+                        divided by --nnodes)
+  --nnodes N            number of nodes; run the same command on each (default 1: --standalone)
+  --node-rank R         this node's rank, 0..N-1 (node 0 hosts the rendezvous)
+  --rdzv-endpoint HOST:PORT
+                        node 0's address and a free port, the same on every node"""
+
+
+def _split_launch_flags(argv: List[str]):
+    launch: Dict[str, str] = {}
+    rest = []
+    it = iter(argv)
+    for a in it:
+        name, eq, value = a.partition("=")
+        if name in _LAUNCH_FLAGS:
+            value = value if eq else next(it, None)
+            if value is None:
+                raise ConfigError(f"{name} needs a value")
+            launch["--nproc" if name == "--nproc-per-node" else name] = value
+        else:
+            rest.append(a)
+    return launch, rest
+
+
+def _positive_int(flag: str, value: str) -> int:
+    if not str(value).isdigit() or int(value) < 1:
+        raise ConfigError(f"{flag}={value} must be a positive integer")
+    return int(value)
+
+
+def _launch_command(launch: Dict[str, str], world: int, timeout: float):
+    """(torchrun command, processes on this node)."""
+    nnodes = _positive_int("--nnodes", launch.get("--nnodes", "1"))
+    if "--nproc" in launch:
+        nproc = _positive_int("--nproc", launch["--nproc"])
+        if (nproc * nnodes) % world:
+            raise ConfigError(f"--nproc={nproc} x --nnodes={nnodes} must be a multiple of {world} "
+                              "(the world size the layouts need)")
+    elif world % nnodes:
+        raise ConfigError(f"the layouts need {world} processes, which --nnodes={nnodes} does not divide; "
+                          "set --nproc-per-node")
+    else:
+        nproc = world // nnodes
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    if nnodes == 1 and "--rdzv-endpoint" not in launch:
+        return cmd + ["--standalone"], nproc
+    endpoint = launch.get("--rdzv-endpoint")
+    if not endpoint or ":" not in endpoint:
+        raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address and a free port)")
+    node_rank = launch.get("--node-rank", "0")
+    if not node_rank.isdigit() or int(node_rank) >= nnodes:
+        raise ConfigError(f"--node-rank={node_rank} must be in 0..{nnodes - 1}")
+    # static rendezvous: honours --node-rank; its timeout bounds the wait for the other nodes.
+    return cmd + [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=static",
+                  f"--rdzv-endpoint={endpoint}", f"--rdzv-conf=timeout={max(1, int(timeout))}"], nproc
+
+
+def _read_statuses(directory: str, nproc: int):
+    """(codes, messages, missing local ranks) from the per-rank status files."""
+    codes, messages, missing = [], [], []
+    for local in range(nproc):
+        path = os.path.join(directory, f"status.{local}")
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            missing.append(local)
+            continue
+        codes.append(int(data["exit_code"]))
+        if data.get("error") and int(data["exit_code"]) == 3:
+            messages.append(data["error"])
+    return codes, messages, missing
 
 
 def _check(argv: List[str]) -> int:
     from .check.main import plan, required_world_size, resolve_args
 
-    nproc = None
-    rest = []
-    it = iter(argv)
-    for a in it:
-        if a == "--nproc":
-            nproc = next(it, None)
-        elif a.startswith("--nproc="):
-            nproc = a.split("=", 1)[1]
-        else:
-            rest.append(a)
-    if "-h" in rest or "--help" in rest:
-        from .check.main import build_parser
-
-        build_parser().print_help()
-        print("\n  --nproc N             processes to launch (default: the least common multiple of tp*pp)")
-        return 0
     try:
+        launch, rest = _split_launch_flags(argv)
+        if "-h" in rest or "--help" in rest:
+            from .check.main import build_parser
+
+            build_parser().print_help()
+            print(_LAUNCH_HELP)
+            return 0
         ns = resolve_args(rest)
         layouts = plan(ns).layouts
-        world = required_world_size(layouts)
-        if nproc is not None:
-            if not str(nproc).isdigit() or int(nproc) < 1 or int(nproc) % world:
-                raise ConfigError(f"--nproc={nproc} must be a positive multiple of {world} (tp*pp of the layouts)")
-            world = int(nproc)
+        cmd, nproc = _launch_command(launch, required_world_size(layouts), float(ns.timeout))
     except ConfigError as exc:
         print(f"mindspeed-tp check: error: {exc}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="mindspeed-tp-") as tmp:
         status = os.path.join(tmp, "status")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               "-m", "mindspeed_tp.check", *rest, "--status-file", status]
+        cmd += ["-m", "mindspeed_tp.check", *rest, "--status-file", status]
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
         proc = subprocess.run(cmd, env=env)
-        codes = []
-        for name in sorted(os.listdir(tmp)):
-            with open(os.path.join(tmp, name)) as f:
-                codes.append(json.load(f)["exit_code"])
-        if not codes:
-            print(f"mindspeed-tp check: the run crashed (torchrun exit code {proc.returncode})", file=sys.stderr)
+        codes, messages, missing = _read_statuses(tmp, nproc)
+        if 2 in codes:
+            return 2
+        for message in messages:
+            print(f"mindspeed-tp check: error: {message}", file=sys.stderr)
+        if missing:
+            print(f"mindspeed-tp check: error: local rank(s) {missing} of this node exited without a report "
+                  f"(killed, crashed, or stopped by torchrun after another rank failed; torchrun exit code "
+                  f"{proc.returncode})", file=sys.stderr)
+        if missing or 3 in codes:
             return 3
-        return 2 if 2 in codes else max(codes)
+        return max(codes)
 
 
 def _patches(argv: List[str]) -> int:

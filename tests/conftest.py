@@ -37,6 +37,33 @@ def run_python(code: str, timeout: float = 300, env=None):
                           timeout=timeout, cwd=ROOT)
 
 
+def run_two_nodes(per_node_args, env=None, timeout=300, check_timeout=60):
+    """Two "nodes" on loopback: `mindspeed-tp check --nnodes 2 --node-rank R ...` launched twice, one
+    process each, meeting at a free port; per_node_args[r] are node r's extra flags. Returns
+    [(exit code, stdout, stderr)] of node 0 and node 1."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank, extra in enumerate(per_node_args):
+        cmd = [sys.executable, "-m", "mindspeed_tp.cli", "check", "--nnodes", "2", "--node-rank", str(rank),
+               "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--timeout", str(check_timeout),
+               *extra]
+        procs.append(subprocess.Popen(cmd, env=_env(env), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout)
+        results.append((p.returncode, out, err))
+    return results
+
+
+def explain_nodes(results) -> str:
+    return "\n".join(f"node {i}: exit {rc}\n{out[-2000:]}\n{err[-3000:]}" for i, (rc, out, err) in enumerate(results))
+
+
 def explain(proc) -> str:
     return f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
 

@@ -12,11 +12,21 @@ class ScoringBatch:
     # Positions to score; default: every position whose next token is real. Rollouts score only
     # the positions that predict response tokens.
     score_mask: Optional[torch.Tensor] = None
+    # Positions holding real tokens (default: before each length); --bisect compares these.
+    real_mask: Optional[torch.Tensor] = None
 
     @property
     def targets(self) -> torch.Tensor:
         """Token t+1 is the target of position t (the last column's target is padding)."""
         return torch.cat([self.tokens[:, 1:], self.tokens[:, -1:]], dim=1)
+
+    @property
+    def real(self) -> torch.Tensor:
+        """(b, s) bool: positions holding a real token (not right padding)."""
+        if self.real_mask is not None:
+            return self.real_mask
+        b, s = self.tokens.shape
+        return torch.arange(s).unsqueeze(0) < torch.tensor(self.lengths).unsqueeze(1)
 
     @property
     def scored(self) -> torch.Tensor:

@@ -21,7 +21,12 @@ from ..models.layout import Layout
 from ..models.spec import ModelSpec
 from ..models.weights import SeededWeights, load_weights
 from ..profile import Profile
+from . import faults
 from .batch import ScoringBatch
+
+# --timeout: the world's process group and every group Megatron creates fail a collective (or a
+# pipeline send/recv) that waits longer than this, so a dead or hung peer never hangs the others.
+_timeout_s = 600.0
 
 
 # Where models run: the CPU (gloo), or this rank's NPU (--device npu).
@@ -31,7 +36,8 @@ _device = torch.device("cpu")
 def init_distributed(timeout_s: float = 600.0, device: str = "cpu") -> None:
     """One process group for the run. On ``npu`` it maps CPU tensors to gloo (the checker's own
     bookkeeping) and NPU tensors to HCCL (the model's collectives)."""
-    global _device
+    global _device, _timeout_s
+    _timeout_s = float(timeout_s)
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:  # plain `python -m`: a world of one
@@ -118,6 +124,7 @@ def _setup_parallel_state(layout: Layout, seed: int) -> None:
             expert_model_parallel_size=layout.ep,
             expert_tensor_parallel_size=layout.etp,
             create_gloo_process_groups=False,  # the default backend is gloo already
+            distributed_timeout_minutes=_timeout_s / 60.0,
         )
         _current_layout = layout
     model_parallel_cuda_manual_seed(seed)
@@ -211,12 +218,22 @@ def layout_logprobs(
     dispatcher: str = "alltoall",
     temperature: float = 1.0,
     weights=None,
+    diagnostics: Optional[dict] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(b, s) fp32 logprobs of ``batch`` under ``layout``, identical on every rank afterwards, and
     for MoE models the routing decisions (num_layers, s*b, E) (None for dense models).
 
-    weights: where the parameters come from (default: the seeded weights of ``seed``)."""
+    weights: where the parameters come from (default: the seeded weights of ``seed``).
+    diagnostics (optional dict) receives ``logits_nonfinite`` (NaN/inf count in the real-vocab
+    logits) and ``logits_first_nonfinite`` ([batch, position] or None); with
+    ``diagnostics["record_modules"]`` true, ``modules``: every module's full input/output on rank 0
+    (see bisect.py)."""
     from megatron.core import parallel_state
+
+    from . import bisect
+
+    faults.at_point("forward", dist.get_rank())
+    record = bool(diagnostics and diagnostics.get("record_modules"))
 
     if vanilla:
         disable()
@@ -226,20 +243,31 @@ def layout_logprobs(
     # A dense model needs one data-parallel replica; MoE experts span replicas, so all compute.
     computes = spec.is_moe or parallel_state.get_data_parallel_rank() == 0
     result = torch.zeros(batch.tokens.shape, dtype=torch.float32)
-    maps = {}
+    maps, recorder = {}, None
+    b, s = batch.tokens.shape
+    nonfinite = torch.tensor([0, b * s])  # count, first flat index b*s+pos (b*s: none)
     if computes:
         model = build_gpt_stage(spec, layout, dtype, profile, dispatcher)
         load_weights(model, spec, layout, weights or SeededWeights(spec, seed))
         model.to(_device)
+        hooks = faults.apply_to_model(model, layout, parallel_state.get_tensor_model_parallel_rank())
         capture = _RoutingCapture(model, vanilla) if spec.is_moe else None
+        recorder = bisect.ModuleRecorder(model, spec.num_layers) if record else None
         try:
             with torch.no_grad():
                 out = _pipeline_forward(model, layout, batch, spec.hidden_size, dtype)
         finally:
+            for h in hooks:
+                h.remove()
+            if recorder is not None:
+                recorder.close()
             if capture is not None:
                 capture.close()
                 maps = capture.maps
         if out is not None:
+            out = faults.corrupt_logits(out, layout, parallel_state.get_tensor_model_parallel_rank())
+            if parallel_state.get_data_parallel_rank() == 0:
+                nonfinite = _count_nonfinite_logits(out, spec.vocab_size)
             result = _logprobs_from_logits(out, batch, spec.vocab_size, temperature).float().cpu()
     # The owner of the answer: last pipeline stage, TP rank 0, DP rank 0.
     is_src = (
@@ -251,4 +279,28 @@ def layout_logprobs(
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     dist.broadcast(result, src=int(flags.item()))
     routing = _full_routing(maps, layout, spec, batch.tokens.numel()) if spec.is_moe else None
+    if diagnostics is not None:
+        count, first = nonfinite[:1].clone(), nonfinite[1:].clone()
+        dist.all_reduce(count)  # only the last stage's DP-rank-0 TP ranks contribute, each its vocab slice
+        dist.all_reduce(first, op=dist.ReduceOp.MIN)
+        diagnostics["logits_nonfinite"] = int(count)
+        diagnostics["logits_first_nonfinite"] = None if int(first) == b * s else [int(first) // s, int(first) % s]
+        if record:
+            moe_layers = list(range(spec.first_k_dense, spec.num_layers)) if spec.is_moe else []
+            diagnostics["modules"] = bisect.collect(recorder, layout, spec.num_layers, batch, result, routing,
+                                                    moe_layers)
     return result, routing
+
+
+def _count_nonfinite_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[count, first b*s+pos] of NaN/inf in this rank's real-vocab logit columns (GPTModel returns
+    [b, s, v/tp]). Padded vocab columns are excluded: they become -inf on purpose."""
+    from megatron.core import parallel_state
+
+    b, s, width = logits.shape
+    start = parallel_state.get_tensor_model_parallel_rank() * width
+    real = logits[..., : max(0, min(width, vocab_size - start))]
+    bad = ~torch.isfinite(real)
+    per_token = bad.any(dim=-1).reshape(-1)  # (b*s) in batch-major order
+    hits = torch.nonzero(per_token)
+    return torch.tensor([int(bad.sum()), int(hits[0]) if len(hits) else b * s])

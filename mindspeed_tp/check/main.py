@@ -1,7 +1,8 @@
 """The consistency checker: distributed logprobs vs a single-device run of the same weights.
 
 Launched by torchrun (``python -m mindspeed_tp.check``) or by ``mindspeed-tp check``, which starts
-torchrun itself. Exit codes: 0 every scored token bitwise equal, 1 not, 2 bad input or usage.
+torchrun itself. Exit codes: 0 every scored token bitwise equal, 1 not, 2 bad input or usage, 3 the run crashed
+(a rank died, hung past --timeout, or raised).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ DEFAULTS = dict(
     batch_size=4, seq_length=144, json=None, vanilla=False, compare_vanilla=False, reference=None,
     save_reference=None, dump_logprobs=None, timeout=600.0, rollout=0, temperature=0.0, max_new_tokens=16,
     device="cpu",
+    bisect=False, bisect_dump=None, report_md=None, plot=None,
 )
 
 
@@ -80,7 +82,16 @@ def build_parser(prog: str = "mindspeed-tp check") -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cpu", "npu"],
                    help="where the models run: cpu (gloo, default) or npu (each rank's Ascend NPU; HCCL for the "
                         "model's collectives; kernels by the profile's backend)")
-    p.add_argument("--timeout", type=float, help="seconds a collective may wait before failing (default 600)")
+    p.add_argument("--timeout", type=float, help="seconds any collective, pipeline transfer or wait for another rank may "
+                                                 "take before the check fails with exit code 3 (default 600)")
+    p.add_argument("--bisect", action="store_true", default=None,
+                   help="record every module's output in both runs and report the first module that differs "
+                        "(kernel or framework), the layers and tokens affected")
+    p.add_argument("--bisect-dump", metavar="DIR", help="with --bisect (implied): save both runs' module tensors "
+                                                         "as safetensors in DIR")
+    p.add_argument("--report-md", metavar="FILE", help="write the report as Markdown")
+    p.add_argument("--plot", metavar="FILE.png", help="plot |dlogp| per token position and per layer (implies "
+                                                      "--bisect; needs matplotlib: pip install mindspeed-tp[plot])")
     p.add_argument("--status-file", help=argparse.SUPPRESS)
     return p
 
@@ -112,6 +123,13 @@ def resolve_args(argv: Optional[List[str]]) -> argparse.Namespace:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
     if int(ns.rollout) < 0 or float(ns.temperature) < 0:
         raise ConfigError("--rollout and --temperature must be >= 0")
+    if float(ns.timeout) <= 0:
+        raise ConfigError("--timeout must be > 0 seconds")
+    if ns.plot:
+        from .plot import require_matplotlib
+
+        require_matplotlib()
+    ns.bisect = bool(ns.bisect or ns.bisect_dump or ns.plot)
     return ns
 
 
@@ -170,7 +188,10 @@ def _digest(obj) -> str:
 
 
 def verify_same_on_all_ranks(fields: Dict[str, object]) -> None:
-    """Every rank must check the same model, profile and inputs; name what differs, and where."""
+    """Every rank must check the same model, profile and inputs; name everything that differs, on
+    which ranks and hosts (nodes of a multi-node run)."""
+    import socket
+
     import torch
     import torch.distributed as dist
 
@@ -179,14 +200,34 @@ def verify_same_on_all_ranks(fields: Dict[str, object]) -> None:
     names = sorted(fields)
     mine = torch.tensor([int(_digest(fields[n]), 16) & ((1 << 62) - 1) for n in names], dtype=torch.int64)
     gathered = gather_along_rank(mine, dist.group.WORLD)
+    host = torch.zeros(64, dtype=torch.uint8)
+    raw = socket.gethostname().encode()[:64]
+    host[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    hosts = [bytes(h.tolist()).rstrip(b"\0").decode(errors="replace") for h in gather_along_rank(host, dist.group.WORLD)]
+    problems = []
     for i, name in enumerate(names):
         column = gathered[:, i]
         if not torch.all(column == column[0]):
             bad = [r for r in range(column.numel()) if column[r] != column[0]]
-            raise ConfigError(
-                f"ranks disagree on {name}: rank(s) {bad} differ from rank 0 "
-                f"(check that every node has the same {name} files and flags)"
-            )
+            where = sorted({hosts[r] for r in bad})
+            problems.append(f"{name}: rank(s) {bad} (host(s) {', '.join(where)}) differ from rank 0 "
+                            f"(host {hosts[0]})")
+    if problems:
+        raise ConfigError(
+            "ranks disagree on " + "; ".join(problems)
+            + ". Check that every node has the same files, flags and package versions"
+        )
+
+
+def _file_digest(path: Optional[str]) -> str:
+    """What a rank sees of a file every node must have (e.g. a shipped --reference)."""
+    if not path:
+        return "none"
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except OSError as exc:
+        return f"unreadable ({exc.strerror})"
 
 
 def routing_mismatch(routing, reference, batch) -> float:
@@ -207,11 +248,14 @@ def run(ns: argparse.Namespace) -> int:
     from ..backends import accelerator_available
     from ..backends.cpu_shims import install_cpu_shims
     from ..compat import megatron_version, vanilla_layout_problem
+    from . import bisect, faults
     from .batch import make_batch
     from .prompts import batch_from_prompts
     from .rollout import make_rollouts
     from .harness import init_distributed, layout_logprobs, run_device
     from .metrics import compare_logprobs
+    from .outputs import write_reports
+    from .progress import Progress
     from .reference import load_reference, save_reference
     from .report import format_table, write_json_atomic
     from ..models.builder import DTYPES
@@ -223,42 +267,65 @@ def run(ns: argparse.Namespace) -> int:
     if not accelerator_available():
         install_cpu_shims()
     rank = dist.get_rank()
+    faults.at_point("start", rank)
     dtype = DTYPES[ns.dtype]
     inputs = {"seed": ns.seed, "batch_size": ns.batch_size, "seq_length": ns.seq_length, "dtype": ns.dtype,
               "rollout": int(ns.rollout), "temperature": float(ns.temperature),
               "max_new_tokens": int(ns.max_new_tokens), "prompts": _digest(prompts) if prompts else None}
     verify_same_on_all_ranks(
         {"model config": spec.to_dict(), "profile": profile.to_dict(), "inputs": inputs, "weights": weights.describe(),
-         "device": ns.device,
-         "layouts": [l.name for l in layouts], "megatron-core version": megatron_version()}
+         "device": ns.device, "layouts": [l.name for l in layouts], "megatron-core version": megatron_version(),
+         "checker flags": {"bisect": ns.bisect, "vanilla": ns.vanilla, "compare_vanilla": ns.compare_vanilla,
+                           "dispatcher": ns.dispatcher, "reference given": bool(ns.reference)}}
     )
     rollout = int(ns.rollout) > 0
     temperature = float(ns.temperature) if rollout and float(ns.temperature) > 0 else 1.0
+    engine_modules = None
     if rollout:
         multiple = required_world_size(layouts) * 8  # any SP split of the scored length divides evenly
-        batch, engine_lp = make_rollouts(spec, profile, dtype, int(ns.seed), int(ns.rollout), int(ns.max_new_tokens),
-                                         float(ns.temperature), int(ns.seq_length) // 2, multiple, weights, prompts,
-                                         run_device())
+        batch, engine_lp, engine_modules = make_rollouts(
+            spec, profile, dtype, int(ns.seed), int(ns.rollout), int(ns.max_new_tokens), float(ns.temperature),
+            int(ns.seq_length) // 2, multiple, weights, prompts, run_device(), record_modules=ns.bisect)
         if batch.tokens.shape[1] > spec.max_position_embeddings:
             raise ConfigError("--seq-length/--max-new-tokens exceed the model's max_position_embeddings")
     elif prompts:
         batch = batch_from_prompts(prompts, int(ns.seq_length))
     else:
         batch = make_batch(spec.vocab_size, int(ns.seed), int(ns.batch_size), int(ns.seq_length))
+    # What every rank computes from must be the same bits: weights (seeded by this torch, or the
+    # checkpoint's files), the token batch, and a reference file shipped to every node.
+    verify_same_on_all_ranks(
+        {"weights digest": weights.digest(profile),
+         "input tokens": hashlib.sha256(batch.tokens.numpy().tobytes()).hexdigest(),
+         "reference file": _file_digest(ns.reference)}
+    )
     meta = {"model": _digest(spec.to_dict()), "profile": profile.digest(), "inputs": _digest(inputs),
             "weights": _digest(weights.describe())}
     loaded = load_reference(ns.reference, meta) if ns.reference else {}
     single = Layout()
-    results, refs, dumps, ref_routing = [], {}, {}, {}
+    results, refs, dumps, ref_routing, ref_modules, curves = [], {}, {}, {}, {}, []
+    steps = (0 if rollout else sum(k not in loaded for k in ("vanilla" if v else "consistent" for v in modes))) \
+        + len(layouts) * len(modes)
+    progress = Progress(steps, enabled=rank == 0)
     for vanilla in modes:
         key = "vanilla" if vanilla else "consistent"
         if rollout:
             refs[key], ref_routing[key] = engine_lp, None
+            ref_modules[key] = engine_modules or {}
         elif key in loaded:
             refs[key] = loaded[key]
+            if ns.bisect:
+                ref_modules[key] = bisect.from_flat(loaded, key, spec.num_layers)
+                if not ref_modules[key]:  # every rank loaded the same file (digest verified)
+                    raise ConfigError(f"--bisect with --reference {ns.reference}: the file has no module outputs; "
+                                      "make it with --save-reference and --bisect")
         else:
+            progress.step(f"reference (tp1, {'vanilla' if vanilla else 'mindspeed-tp'})")
+            diag = {"record_modules": ns.bisect}
             refs[key], ref_routing[key] = layout_logprobs(
-                spec, single, dtype, profile, int(ns.seed), batch, vanilla, ns.dispatcher, weights=weights)
+                spec, single, dtype, profile, int(ns.seed), batch, vanilla, ns.dispatcher, weights=weights,
+                diagnostics=diag)
+            ref_modules[key] = diag.get("modules", {})
     # Layout outer, mode inner: Megatron's parallel state is built once per layout.
     for layout in layouts:
         for vanilla in modes:
@@ -269,10 +336,14 @@ def run(ns: argparse.Namespace) -> int:
                     raise ConfigError(f"--vanilla with layout {layout.name}: {problem}")
                 results.append(dict(layout=layout.to_dict(), vanilla=True, unsupported=problem,
                                     megatron_core_version=megatron_version(), model=spec.name, dtype=ns.dtype))
+                progress.done += 1
                 continue
+            progress.step(f"{layout.name} ({'vanilla' if vanilla else 'mindspeed-tp'})")
+            diag = {"record_modules": ns.bisect}
             lp, routing = layout_logprobs(spec, layout, dtype, profile, int(ns.seed), batch, vanilla, ns.dispatcher,
-                                          temperature, weights)
+                                          temperature, weights, diagnostics=diag)
             r = compare_logprobs(lp, refs[key], batch.scored)
+            r.update(logits_nonfinite=diag["logits_nonfinite"], logits_first_nonfinite=diag["logits_first_nonfinite"])
             if spec.is_moe:
                 r["routing_mismatch_fraction"] = routing_mismatch(routing, ref_routing.get(key), batch)
                 r["dispatcher"] = ns.dispatcher
@@ -287,13 +358,22 @@ def run(ns: argparse.Namespace) -> int:
             if rollout:
                 r.update(rollout=int(ns.rollout), temperature=float(ns.temperature),
                          max_new_tokens=int(ns.max_new_tokens))
+            if ns.bisect and rank == 0:
+                r["bisect"] = bisect.bisect_report(diag["modules"], ref_modules[key], batch, ns.bisect_dump,
+                                                   f"{key}-{layout.name}", meta)
+            curves.append((r, lp, refs[key]))
             results.append(r)
             dumps[f"{key}/{layout.name}"] = lp
             if routing is not None:
                 dumps[f"{key}/routing/{layout.name}"] = routing
+    progress.finish()
     results.sort(key=lambda r: r["vanilla"], reverse=True)  # vanilla rows first, then ours
     if ns.save_reference and rank == 0:
-        save_reference(ns.save_reference, refs, meta)
+        extra = {}
+        if ns.bisect and not rollout:
+            for key, run_modules in ref_modules.items():
+                extra.update(bisect.to_flat(run_modules, key))
+        save_reference(ns.save_reference, dict(refs, **extra), meta)
     if ns.dump_logprobs and rank == 0:
         dumps.update({f"{k}/reference": v for k, v in refs.items()}, scored=batch.scored)
         dumps.update({f"{k}/routing/reference": v for k, v in ref_routing.items() if v is not None})
@@ -305,15 +385,27 @@ def run(ns: argparse.Namespace) -> int:
         print(f"mindspeed-tp check: model={spec.name} dtype={ns.dtype} profile={profile.name} "
               f"megatron-core={megatron_version()} world={dist.get_world_size()}")
         print(format_table(results))
+        for r in results:
+            if r.get("bisect"):
+                print(bisect.format_bisect(r["bisect"], f"{r['layout']['name']} ({_mode_name(r)})"))
         against = "the rollout engine's logprobs" if rollout else "the single-device run"
-        print("RESULT:", "bitwise equal" if ok else "NOT bitwise equal", "to", against)
+        verdict = ("bitwise equal" if ok else "NOT bitwise equal") + " to " + against
+        print("RESULT:", verdict)
         if ns.json:
             report = dict(results[0]) if len(results) == 1 else {}
             report.update(results=results, all_bitwise_equal=ok)
             write_json_atomic(ns.json, report)
+        write_reports(ns, results, curves, batch, verdict,
+                      header={"model": spec.name, "dtype": ns.dtype, "profile": profile.name,
+                              "megatron-core": megatron_version(), "world": dist.get_world_size(),
+                              "seed": int(ns.seed)})
     dist.barrier()
     dist.destroy_process_group()
     return 0 if ok else 1
+
+
+def _mode_name(result: Dict) -> str:
+    return "vanilla" if result["vanilla"] else "mindspeed-tp"
 
 
 def _shutdown_distributed() -> None:
@@ -328,21 +420,59 @@ def _shutdown_distributed() -> None:
             dist.destroy_process_group()
 
 
+def _crash_message(exc: BaseException, timeout: float) -> str:
+    """One readable line for a rank that cannot finish: which rank, what, and the likely cause."""
+    import socket
+
+    text = " ".join(str(exc).split())
+    if len(text) > 400:
+        text = text[:400] + " ..."
+    where = f"rank {os.environ.get('RANK', '0')} on {socket.gethostname()}"
+    if isinstance(exc, RuntimeError):  # torch.distributed errors (DistBackendError, ...) are RuntimeErrors
+        return (f"{where}: the run failed in a collective or transfer: another rank died, or hung longer than "
+                f"--timeout={timeout:g}s ({type(exc).__name__}: {text})")
+    return f"{where}: the run crashed: {type(exc).__name__}: {text}"
+
+
+def _write_status(status_file: Optional[str], code: int, message: str) -> None:
+    """Every rank reports to the launcher (node-local file per local rank), atomically."""
+    if not status_file:
+        return
+    path = f"{status_file}.{os.environ.get('LOCAL_RANK', '0')}"
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"exit_code": code, "error": message, "rank": int(os.environ.get("RANK", "0"))}, f)
+    os.replace(tmp, path)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    status_file = None
+    status_file, timeout = None, float(DEFAULTS["timeout"])
     try:
         ns = resolve_args(argv)
-        status_file = ns.status_file
+        status_file, timeout = ns.status_file, float(ns.timeout)
         code, message = run(ns), ""
     except ConfigError as exc:
         code, message = 2, str(exc)
         print(f"mindspeed-tp check: error: {exc}", file=sys.stderr)
-        _shutdown_distributed()
-    if status_file:
-        import torch.distributed as dist
+        try:
+            _shutdown_distributed()
+        except RuntimeError:  # a peer already left; nothing more to agree on
+            pass
+    except Exception as exc:  # noqa: BLE001 - a dead or hung peer, or a bug: fail loudly, never hang
+        message = _crash_message(exc, timeout)
+        if not isinstance(exc, RuntimeError):  # not a peer's failure: show where it broke
+            import traceback
 
-        if not dist.is_initialized() or dist.get_rank() == 0 or code == 2:
-            with open(status_file + (f".{os.environ.get('RANK', '0')}"), "w") as f:
-                json.dump({"exit_code": code, "error": message}, f)
-        return 0  # the launcher reads the status file; torchrun would bury our code under its own
+            traceback.print_exc()
+        if not status_file:  # else the launcher prints it, after torchrun's own report
+            print(f"mindspeed-tp check: error: {message}", file=sys.stderr)
+        _write_status(status_file, 3, message)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # A normal exit would wait on the broken group's threads; exiting non-zero also makes
+        # torchrun stop this node's other ranks (a hung one included).
+        os._exit(3)
+    _write_status(status_file, code, message)
+    if status_file:
+        return 0  # the launcher reads the status files; torchrun would bury our code under its own
     return code

@@ -10,8 +10,14 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def compare_logprobs(test: torch.Tensor, ref: torch.Tensor, scored: torch.Tensor) -> Dict[str, float]:
-    a, b = test[scored].float(), ref[scored].float()
-    nonfinite = int((~torch.isfinite(a)).sum()) + int((~torch.isfinite(b)).sum())
+    """NaN/inf are counted and located (``nonfinite_*``); the distances cover the tokens finite in both
+    runs, so one NaN cannot hide (or become) the maximum."""
+    bad_test = ~torch.isfinite(test.float()) & scored
+    bad_ref = ~torch.isfinite(ref.float()) & scored
+    nonfinite = int(bad_test.sum()) + int(bad_ref.sum())
+    first = torch.nonzero(bad_test | bad_ref)
+    finite = scored & ~bad_test & ~bad_ref
+    a, b = test[finite].float(), ref[finite].float()
     da, db = a.double(), b.double()
     diff = (da - db).abs()
     prob = (da.exp() - db.exp()).abs()
@@ -22,9 +28,21 @@ def compare_logprobs(test: torch.Tensor, ref: torch.Tensor, scored: torch.Tensor
     return {
         "max_abs_logdiff": float(diff.max()) if diff.numel() else 0.0,
         "mean_abs_logdiff": float(diff.mean()) if diff.numel() else 0.0,
-        "bitwise_equal_fraction": float(bitwise_equal(a, b).double().mean()) if a.numel() else 1.0,
+        "bitwise_equal_fraction": (float(bitwise_equal(test[scored], ref[scored]).double().mean())
+                                   if scored.any() else 1.0),
         "max_abs_probdiff": float(prob.max()) if prob.numel() else 0.0,
         "pearson": pearson,
-        "tokens": int(a.numel()),
+        "tokens": int(scored.sum()),
         "nonfinite_values": nonfinite,
+        "nonfinite_test": int(bad_test.sum()),
+        "nonfinite_reference": int(bad_ref.sum()),
+        "first_nonfinite": first[0].tolist() if len(first) else None,  # [batch, position]
     }
+
+
+def logdiff_per_position(test: torch.Tensor, ref: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+    """(s,) max |dlogp| over the batch at each position (NaN where nothing finite is scored)."""
+    diff = (test.double() - ref.double()).abs()
+    ok = scored & torch.isfinite(diff)
+    masked = torch.where(ok, diff, torch.full_like(diff, -1.0)).amax(dim=0)
+    return torch.where(masked < 0, torch.full_like(masked, float("nan")), masked)

@@ -25,7 +25,9 @@ def format_table(results: List[Dict]) -> str:
         if "unsupported" in r:
             lines.append(f"{r['layout']['name']:<22}{mode:<14}n/a: {r['unsupported']}")
             continue
-        flag = "" if r["nonfinite_values"] == 0 else f"  ({r['nonfinite_values']} NaN/inf!)"
+        flag = "" if r["nonfinite_values"] == 0 else (
+            f"  ({r['nonfinite_values']} NaN/inf logprobs, first at batch/position {r.get('first_nonfinite')}"
+            + (f"; {r['logits_nonfinite']} NaN/inf logits" if r.get("logits_nonfinite") else "") + "!)")
         lines.append(
             f"{r['layout']['name']:<22}{mode:<14}{_fmt(r['max_abs_logdiff']):>12}"
             f"{_fmt(r['mean_abs_logdiff']):>13}{r['bitwise_equal_fraction'] * 100:>8.1f}%"
@@ -44,3 +46,49 @@ def write_json_atomic(path: str, data: Dict) -> None:
         json.dump(data, f, indent=2, sort_keys=True)
         f.write("\n")
     os.replace(tmp, path)
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.splitext(path)[1])
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def format_markdown(results: List[Dict], header: Dict, verdict: str) -> str:
+    """The same table as the terminal's, a bisect section per checked run, and the run's settings."""
+    lines = ["# mindspeed-tp consistency check", ""]
+    lines += [f"- **{k}**: `{v}`" for k, v in header.items()]
+    lines += ["", f"**Result:** {verdict}", "", "| layout | mode | max\\|dlogp\\| | mean\\|dlogp\\| | bitwise | "
+              "max\\|dp\\| | pearson | tokens | NaN/inf |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        mode = "vanilla" if r["vanilla"] else "mindspeed-tp"
+        if "unsupported" in r:
+            lines.append(f"| {r['layout']['name']} | {mode} | n/a: {r['unsupported']} ||||||| |")
+            continue
+        lines.append(f"| {r['layout']['name']} | {mode} | {_fmt(r['max_abs_logdiff'])} | {_fmt(r['mean_abs_logdiff'])} | "
+                     f"{r['bitwise_equal_fraction'] * 100:.1f}% | {_fmt(r['max_abs_probdiff'])} | {r['pearson']:.6f} | "
+                     f"{r['tokens']} | {r['nonfinite_values']} |")
+    for r in results:
+        bis = r.get("bisect")
+        if not bis:
+            continue
+        mode = "vanilla" if r["vanilla"] else "mindspeed-tp"
+        lines += ["", f"## Bisect: {r['layout']['name']} ({mode})", ""]
+        first = bis["first_divergence"]
+        if first is None:
+            lines.append(f"Every recorded module output is bitwise equal ({len(bis['modules'])} modules).")
+            continue
+        lines += [f"First divergence: `{first['module']}` — **{first['classification']}** ({first['reason']}); "
+                  f"{first['tokens_differing']}/{first['tokens']} tokens differ (first at batch/position "
+                  f"{first['first_token']}), max\\|diff\\| {first['max_abs_diff']:.3g}.",
+                  f"Layers affected: {bis['layers_affected']}.", "",
+                  "| module | tokens differing | max\\|diff\\| | inputs equal | digest | reference digest |",
+                  "|---|---:|---:|---|---|---|"]
+        for m in bis["modules"]:
+            lines.append(f"| `{m['module']}` | {m['tokens_differing']} | {m['max_abs_diff']:.3g} | "
+                         f"{'-' if m['inputs_equal'] is None else m['inputs_equal']} | {m['digest']} | "
+                         f"{m['reference_digest']} |")
+    return "\n".join(lines) + "\n"

@@ -93,6 +93,9 @@ class HFWeights:
     def describe(self) -> Dict[str, object]:
         return {"kind": "hf", "checkpoint": self.checkpoint.digest()}
 
+    def digest(self, profile) -> str:
+        return self.checkpoint.digest()
+
 
 def open_hf_model(directory: str, profile) -> Tuple[ModelSpec, HFWeights]:
     """(ModelSpec from config.json, weight source) for a Qwen3 / Qwen3-MoE checkpoint directory."""

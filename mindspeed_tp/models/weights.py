@@ -6,6 +6,7 @@ the same rules Megatron uses to shard it, so any two layouts hold the same logic
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import Dict, Tuple
 
 import torch
@@ -117,6 +118,11 @@ class SeededWeights:
         """What every rank must agree on (the checker compares it across ranks)."""
         return {"kind": "seeded", "seed": self.seed}
 
+    def digest(self, profile) -> str:
+        """Of the weights as this process generates them (two nodes whose torch draws differently
+        differ here)."""
+        return seeded_weights_digest(self.spec, profile, self.seed)
+
 
 def load_weights(model, spec: ModelSpec, layout, source) -> Dict[str, str]:
     """Fill every parameter of this stage (and the routers' expert biases) with its shard of the
@@ -196,3 +202,22 @@ def full_weights(spec: ModelSpec, padded_vocab: int, source, dtype: torch.dtype)
 
 def seeded_full_weights(spec: ModelSpec, padded_vocab: int, seed: int, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
     return full_weights(spec, padded_vocab, SeededWeights(spec, seed), dtype)
+
+
+def seeded_weights_digest(spec: ModelSpec, profile, seed: int, budget: int = 1 << 22) -> str:
+    """Digest of the seeded weights as this process generates them, over the first tensors of at
+    most 2^20 elements until ``budget`` elements (all of a tiny model; norms and the first small
+    projections of a large one): enough to catch two nodes whose torch draws different random
+    numbers, without generating a large model on every rank."""
+    h = hashlib.sha256()
+    used = 0
+    for name, shape in full_weight_shapes(spec, spec.padded_vocab(profile)).items():
+        size = math.prod(shape)
+        if size > 1 << 20 or used + size > budget:
+            continue
+        used += size
+        t = (seeded_expert_bias(seed, name, shape) if name.endswith("router.expert_bias")
+             else seeded_full_tensor(seed, name, shape, spec))
+        h.update(name.encode())
+        h.update(t.contiguous().numpy().tobytes())
+    return h.hexdigest()

@@ -80,6 +80,7 @@ class ReferenceEngine:
         self.model, self.max_running, self.prefill_chunk, self.seed = model, max_running, prefill_chunk, seed
         self.cache = PagedKVCache(spec.num_layers, num_pages, page_size, spec.num_query_groups, spec.kv_channels,
                                   model.dtype, model.device)
+        self.rows = []  # (request_id, position) of each row of the current step (for model.trace)
 
     def _sample(self, logits: torch.Tensor, req: Request, gen: torch.Generator):
         m = self.model
@@ -134,6 +135,8 @@ class ReferenceEngine:
                 stop = segments[seg][1] - segments[seg][0]
                 return self.cache.read(layer, req.request_id, done + stop)
 
+            self.rows = [(req.request_id, pos) for (req, _), (start, stop) in zip(owners, segments)
+                         for pos in range(progress[req.request_id], progress[req.request_id] + stop - start)]
             device = self.model.device
             logits = self.model.forward(torch.tensor(tokens, device=device), torch.tensor(positions, device=device),
                                         segments, writer, reader)

@@ -8,7 +8,7 @@ a rollout engine's prefill/decode logprobs equal the training forward's bit for 
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +30,13 @@ class ReferenceModel:
         self.padded_vocab = spec.padded_vocab(profile)
         self.inv_freq = rope_inv_freq(spec.kv_channels, int(spec.rotary_base))
         self.activation: Callable = F.silu
+        # Optional trace(name, input, output) called with each block's rows under the Megatron
+        # module name it mirrors (the checker's --bisect aligns the two runs by these names).
+        self.trace: Optional[Callable] = None
+
+    def _record(self, name, inp, out):
+        if self.trace is not None:
+            self.trace(name, inp, out)
 
     @classmethod
     def seeded(cls, spec: ModelSpec, profile: Profile, seed: int, dtype: torch.dtype) -> "ReferenceModel":
@@ -64,10 +71,15 @@ class ReferenceModel:
     def _norm(self, x, name):
         return rms_norm(x, self.w[name], self.spec.norm_epsilon)
 
-    def _mlp(self, x, prefix):
+    def _mlp(self, x, prefix, record: bool = False):
         a = self._linear(x, prefix + "linear_fc1.weight")
         gate, up = torch.chunk(a, 2, dim=-1)
-        return self._row_parallel(self.activation(gate) * up, prefix + "linear_fc2.weight")
+        act = self.activation(gate) * up
+        out = self._row_parallel(act, prefix + "linear_fc2.weight")
+        if record:
+            self._record(prefix + "linear_fc1", x, a)
+            self._record(prefix + "linear_fc2", act, out)
+        return out
 
     def _moe(self, x, prefix):
         spec = self.spec
@@ -90,12 +102,17 @@ class ReferenceModel:
         p = f"decoder.layers.{layer}.self_attention."
         nq, ng, hd = spec.num_attention_heads, spec.num_query_groups, spec.kv_channels
         g = nq // ng
-        qkv = self._linear(x, p + "linear_qkv.weight").view(-1, ng, (g + 2) * hd)
+        qkv = self._linear(x, p + "linear_qkv.weight")
+        self._record(p + "linear_qkv", x, qkv)
+        qkv = qkv.view(-1, ng, (g + 2) * hd)
         q = qkv[..., : g * hd].reshape(-1, nq, hd)
         k = qkv[..., g * hd : (g + 1) * hd]
         v = qkv[..., (g + 1) * hd :]
         if spec.qk_layernorm:
+            q_in, k_in = q, k
             q, k = self._norm(q, p + "q_layernorm.weight"), self._norm(k, p + "k_layernorm.weight")
+            self._record(p + "q_layernorm", q_in, q)
+            self._record(p + "k_layernorm", k_in, k)
         angles = rope_angles(positions, self.inv_freq).unsqueeze(1)
         q, k = apply_rope(q, angles), apply_rope(k, angles)
         outputs = []
@@ -116,7 +133,11 @@ class ReferenceModel:
                 split_size=prof.attention_split_size,
             )
             outputs.append(ctx[0].permute(1, 0, 2).reshape(stop - start, nq * hd))
-        return self._row_parallel(torch.cat(outputs), p + "linear_proj.weight")
+        ctx = torch.cat(outputs)
+        self._record(p + "core_attention", q, ctx)
+        out = self._row_parallel(ctx, p + "linear_proj.weight")
+        self._record(p + "linear_proj", ctx, out)
+        return out
 
     def forward(self, tokens, positions, segments: List, kv_writer, kv_reader, routing=None) -> torch.Tensor:
         """fp32 logits (rows, padded vocab) for token rows grouped into per-request segments.
@@ -129,21 +150,33 @@ class ReferenceModel:
         """
         spec = self.spec
         x = self.w["embedding.word_embeddings.weight"][tokens]
+        self._record("embedding", None, x)
         for layer in range(spec.num_layers):
             p = f"decoder.layers.{layer}."
-            x = x + self._attention(self._norm(x, p + "input_layernorm.weight"), layer, positions,
-                                    kv_writer, kv_reader, segments)
+            layer_in = x
+            n = self._norm(x, p + "input_layernorm.weight")
+            self._record(p + "input_layernorm", x, n)
+            attn = self._attention(n, layer, positions, kv_writer, kv_reader, segments)
+            self._record(p + "self_attention", n, attn)
+            x = x + attn
             h = self._norm(x, p + "pre_mlp_layernorm.weight")
+            self._record(p + "pre_mlp_layernorm", x, h)
             if spec.is_moe and layer >= spec.first_k_dense:
                 out, idx = self._moe(h, p + "mlp.")
                 if routing is not None:
                     routing[layer] = idx
+                self._record(p + "mlp.router", h, idx)
             else:
-                out = self._mlp(h, p + "mlp.")
+                out = self._mlp(h, p + "mlp.", record=True)
+            self._record(p + "mlp", h, out)
             x = x + out
-        x = self._norm(x, "decoder.final_layernorm.weight")
+            self._record(f"decoder.layers.{layer}", layer_in, x)
+        n = self._norm(x, "decoder.final_layernorm.weight")
+        self._record("decoder.final_layernorm", x, n)
         head = "embedding.word_embeddings.weight" if spec.tie_word_embeddings else "output_layer.weight"
-        return self._linear(x, head, out_dtype=torch.float32)
+        logits = self._linear(n, head, out_dtype=torch.float32)
+        self._record("output_layer", n, logits)
+        return logits
 
     def logprob(self, logits: torch.Tensor, target: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """Exactly the training side's scoring: padded columns to -inf, canonical vocab tree (or, with

@@ -1,0 +1,89 @@
+"""TEST-ONLY fault injection for the checker's own tests. Never set it in a real run.
+
+``MINDSPEED_TP_TEST_FAULT`` holds comma-separated directives; unset (the normal case) nothing here
+does anything. The tests use it to prove that the checker's diagnostics work on real runs:
+
+  exit@POINT:RANK         rank RANK exits abruptly (``os._exit(17)``) on reaching POINT
+  hang@POINT:RANK         rank RANK sleeps (for an hour) on reaching POINT: a hung rank
+  perturb:PARAM           in every layout except the single-device reference, scale element 0 of the
+                          full parameter PARAM (global name, e.g. decoder.layers.2.mlp.linear_fc2.weight)
+                          by 1.5: a kernel that computes a different output from the same inputs
+  perturb-input:MODULE    same layouts: add 1 to element 0 of MODULE's input hidden states: the
+                          framework handing a module different inputs
+  nan-logits:B:S          same layouts: logit 0 of batch row B at position S becomes NaN
+
+POINTs: ``start`` (process group up, before any check), ``forward`` (before each layout's forward).
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import List, Tuple
+
+import torch
+
+ENV = "MINDSPEED_TP_TEST_FAULT"
+
+
+def _directives() -> List[Tuple[str, str]]:
+    text = os.environ.get(ENV, "").strip()
+    out = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        kind, _, arg = item.partition(":")
+        out.append((kind, arg))
+    return out
+
+
+def at_point(point: str, rank: int) -> None:
+    """exit@POINT / hang@POINT for this rank."""
+    for kind, arg in _directives():
+        action, _, where = kind.partition("@")
+        if where != point or action not in ("exit", "hang") or int(arg) != rank:
+            continue
+        if action == "exit":
+            os._exit(17)
+        time.sleep(3600)
+
+
+def apply_to_model(model, layout, tp_rank: int) -> list:
+    """perturb / perturb-input on this stage (single-device layouts are left alone). Returns hook
+    handles to remove after the forward."""
+    from ..models.weights import global_param_name
+    from .bisect import global_module_name
+
+    handles = []
+    if layout.required_world_size == 1:
+        return handles
+    for kind, arg in _directives():
+        if kind == "perturb" and tp_rank == 0:  # TP rank 0 holds element 0 of every sharded weight
+            for local_name, param in model.named_parameters():
+                if global_param_name(model, local_name) == arg:
+                    with torch.no_grad():
+                        param.view(-1)[0] = param.view(-1)[0] * 1.5
+        elif kind == "perturb-input" and tp_rank == 0:
+            for local_name, module in model.named_modules():
+                if global_module_name(model, local_name) == arg:
+                    handles.append(module.register_forward_pre_hook(_bump_input, with_kwargs=True))
+    return handles
+
+
+def _bump_input(module, args, kwargs):
+    if args:
+        x = args[0].clone()
+        x.view(-1)[0] += 1
+        return (x,) + tuple(args[1:]), kwargs
+    x = kwargs["hidden_states"].clone()
+    x.view(-1)[0] += 1
+    return args, dict(kwargs, hidden_states=x)
+
+
+def corrupt_logits(logits: torch.Tensor, layout, tp_rank: int) -> torch.Tensor:
+    """nan-logits:B:S on the rank holding vocab column 0 (GPTModel returns logits [b, s, vocab/tp])."""
+    if layout.required_world_size == 1:
+        return logits
+    for kind, arg in _directives():
+        if kind == "nan-logits" and tp_rank == 0:
+            b, s = (int(x) for x in arg.split(":"))
+            logits = logits.clone()
+            logits[b, s, 0] = float("nan")
+    return logits

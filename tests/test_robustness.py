@@ -1,0 +1,31 @@
+"""A rank that dies or hangs makes the check fail clearly (exit 3, a message naming the cause)
+within a bound, never a silent hang. Faults come from MINDSPEED_TP_TEST_FAULT (test-only, see
+mindspeed_tp/check/faults.py); the subprocess timeout is the bound: a hang fails the test."""
+from conftest import explain, explain_nodes, run_cli, run_two_nodes
+
+FAULT = "MINDSPEED_TP_TEST_FAULT"
+
+
+def test_a_rank_that_dies_on_another_node_fails_this_node():
+    """Two "nodes" on loopback; node 1's only rank exits abruptly. Node 0's torchrun does not stop
+    its rank (its own ranks are healthy): the rank must notice through its collectives and exit 3
+    naming the cause, within --timeout."""
+    res = run_two_nodes([["--tp", "2", "--seq-length", "32"]] * 2, env={FAULT: "exit@forward:1"}, check_timeout=15)
+    assert res[0][0] == 3 and res[1][0] == 3, explain_nodes(res)
+    assert "rank 0" in res[0][2] and "another rank died" in res[0][2], explain_nodes(res)
+    assert "exited without a report" in res[1][2], explain_nodes(res)
+
+
+def test_a_rank_that_hangs_fails_the_others_after_the_timeout():
+    """Rank 1 sleeps before its forward; rank 0's next collective gives up after --timeout and
+    reports it; torchrun then stops the hung rank."""
+    proc = run_cli("check", "--tp", "2", "--seq-length", "32", "--timeout", "10", timeout=240,
+                   env={FAULT: "hang@forward:1"})
+    assert proc.returncode == 3, explain(proc)
+    assert "rank 0" in proc.stderr and "--timeout=10s" in proc.stderr, explain(proc)
+    assert "local rank(s) [1]" in proc.stderr, explain(proc)
+
+
+def test_timeout_must_be_positive():
+    proc = run_cli("check", "--timeout", "0")
+    assert proc.returncode == 2 and "--timeout" in proc.stderr, explain(proc)
