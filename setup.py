@@ -37,7 +37,7 @@ setup(
     install_requires=["torch>=2.1", "numpy", "pyyaml", "safetensors", "packaging"],
     extras_require={
         "megatron": ["megatron-core>=0.12,<0.17"],
-        "test": ["pytest>=7", "transformers>=4.51"],  # transformers: the HF checkpoint tests
+        "test": ["pytest>=7", "transformers>=4.51", "matplotlib"],  # HF checkpoint tests, report plot
         "hf": ["transformers>=4.51"],
         "npu": ["torch_npu"],
         "plot": ["matplotlib"],
