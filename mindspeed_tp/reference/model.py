@@ -194,15 +194,21 @@ class ReferenceModel:
         out = []
         for seq in sequences:
             tokens = torch.tensor(seq, dtype=torch.long)
-            cache = {}
-
-            def writer(layer, seg, k, v):
-                cache[layer] = (k, v)
-
-            def reader(layer, seg):  # the whole sequence as one page
-                k, v = cache[layer]
-                return k.unsqueeze(0), v.unsqueeze(0), torch.zeros(1, dtype=torch.long), k.shape[0]
-
+            writer, reader = whole_sequence_kv()
             logits = self.forward(tokens, torch.arange(len(seq)), [(0, len(seq))], writer, reader)
             out.append(self.logprob(logits[:-1], tokens[1:]))
         return out
+
+
+def whole_sequence_kv():
+    """(kv_writer, kv_reader) for a forward of one whole sequence: its keys are one KV page."""
+    cache = {}
+
+    def writer(layer, seg, k, v):
+        cache[layer] = (k, v)
+
+    def reader(layer, seg):
+        k, v = cache[layer]
+        return k.unsqueeze(0), v.unsqueeze(0), torch.zeros(1, dtype=torch.long, device=k.device), k.shape[0]
+
+    return writer, reader

@@ -29,6 +29,7 @@ from mindspeed_tp.models.spec import load_model_spec
 from mindspeed_tp.models.weights import load_seeded_weights
 from mindspeed_tp.profile import load_profile
 from mindspeed_tp.reference import ReferenceModel
+from mindspeed_tp.reference.model import whole_sequence_kv
 
 out_prefix, model_name, layout_names, grad_layout_name = sys.argv[1:5]
 init_distributed()
@@ -52,12 +53,7 @@ def engine_logprobs(profile, dtype):
     b, s = batch.tokens.shape
     result = torch.zeros(b, s)
     for i in range(b):
-        kv = {}
-
-        def writer(layer, seg, k, v):
-            kv[layer] = (k, v)
-
-        logits = model.forward(batch.tokens[i], torch.arange(s), [(0, s)], writer, lambda layer, seg: kv[layer])
+        logits = model.forward(batch.tokens[i], torch.arange(s), [(0, s)], *whole_sequence_kv())
         result[i] = model.logprob(logits, batch.targets[i])
     return result
 
