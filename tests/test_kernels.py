@@ -162,6 +162,16 @@ def test_leaf_partials_tp_split_is_bitwise(dtype, m, k, n, tp):
     assert torch.equal(tree_fold(torch.stack(subtrees), 0), ref)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("leaves", [1, 2, 4, 8, 16])
+def test_progressive_fold_is_the_tree(dtype, leaves):
+    """folded_leaf_partials folds pairs of leaves as they are computed: the same additions as
+    tree_fold over all leaves at once."""
+    x = _randn(21, 32 * leaves, seed=22, dtype=dtype)
+    w = _randn(19, 32 * leaves, seed=23, dtype=dtype)
+    assert torch.equal(folded_leaf_partials(x, w, leaves), tree_fold(leaf_partials(x, w, leaves), 0))
+
+
 def test_leaf_partials_semantics():
     # Semantics check vs a plain fp64 product (tolerance): the tree sum is x @ w.T.
     x = _randn(9, 256, seed=18)

@@ -10,7 +10,6 @@ from typing import Optional
 import torch
 
 from ..backends import use_npu
-from ..tree import tree_fold
 
 
 def _pad_rows(x2d: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -31,6 +30,37 @@ def invariant_matmul(a: torch.Tensor, b: torch.Tensor, row_multiple: int = 16) -
     rows = a.shape[-2]
     out = torch.matmul(_pad_rows(a.float(), row_multiple), b.float())
     return out[..., :rows, :]
+
+
+class _PlainBackward(torch.autograd.Function):
+    """``compute(x, w)`` (an invariant fp32-accumulating product of x (M, K) and w (N, K)) with the
+    backward an unpatched linear has: dx = dy @ w and dw = dy^T @ x in the inputs' dtype (the wider
+    of the two, e.g. fp32 for a bf16 input to an fp32 router).
+
+    Only the forward must be bitwise layout-invariant (it gives the logprobs); letting autograd
+    differentiate the invariant kernel would keep fp32 copies of x and w and every leaf product
+    alive for the backward and run it as fp32 GEMMs, where vanilla keeps x and runs bf16 GEMMs.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, compute):
+        ctx.save_for_backward(x, weight)
+        return compute(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        dtype = torch.promote_types(x.dtype, weight.dtype)
+        grad = grad.to(dtype)
+        dx = (grad @ weight.to(dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
+        dw = (grad.t() @ x.to(dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return dx, dw, None
+
+
+def _with_plain_backward(x2d: torch.Tensor, weight: torch.Tensor, compute):
+    if torch.is_grad_enabled() and (x2d.requires_grad or weight.requires_grad):
+        return _PlainBackward.apply(x2d, weight, compute)
+    return compute(x2d, weight)
 
 
 def invariant_linear(
@@ -56,7 +86,7 @@ def invariant_linear(
         # fp32 GEMM of upcast inputs; row- and shard-invariant once rows are padded (tested).
         out = torch.matmul(_pad_rows(x2d, row_multiple), weight.t())[: x2d.shape[0]]
         return out.reshape(*lead, weight.shape[0])
-    out = invariant_matmul(x2d, weight.t(), row_multiple)
+    out = _with_plain_backward(x2d, weight, lambda a, w: invariant_matmul(a, w.t(), row_multiple))
     if bias is not None:
         out = out + bias.float()
     return out.to(out_dtype).reshape(*lead, weight.shape[0])
@@ -82,5 +112,28 @@ def leaf_partials(
 def folded_leaf_partials(
     x: torch.Tensor, weight: torch.Tensor, num_leaves: int, row_multiple: int = 16
 ) -> torch.Tensor:
-    """The local subtree: the ``num_leaves`` fp32 leaf products folded in tree order, (M, N)."""
-    return tree_fold(leaf_partials(x, weight, num_leaves, row_multiple), dim=0)
+    """The local subtree: the ``num_leaves`` fp32 leaf products folded in tree order, (M, N).
+
+    Leaves are computed two at a time and folded as they come (a binary counter: a finished
+    subtree waits on a stack for its right sibling), so at most log2(num_leaves) + 1 partial
+    products are alive instead of num_leaves; the additions are exactly tree_fold's. Backward:
+    the plain GEMMs (_PlainBackward).
+    """
+    if num_leaves < 1 or num_leaves & (num_leaves - 1):
+        raise ValueError(f"folded_leaf_partials needs a power-of-two number of leaves, got {num_leaves}")
+    return _with_plain_backward(x, weight, lambda a, w: _fold_leaves(a, w, num_leaves, row_multiple))
+
+
+def _fold_leaves(x: torch.Tensor, weight: torch.Tensor, num_leaves: int, row_multiple: int) -> torch.Tensor:
+    if num_leaves == 1:
+        return leaf_partials(x, weight, 1, row_multiple)[0]
+    kl = x.shape[-1] // num_leaves
+    stack = []  # (subtree size, its sum), sizes strictly decreasing
+    for i in range(0, num_leaves, 2):
+        cols = slice(i * kl, (i + 2) * kl)
+        pair = leaf_partials(x[:, cols], weight[:, cols], 2, row_multiple)
+        node, size = pair[0] + pair[1], 2
+        while stack and stack[-1][0] == size:
+            node, size = stack.pop()[1] + node, size * 2
+        stack.append((size, node))
+    return stack[0][1]
