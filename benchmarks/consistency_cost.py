@@ -5,7 +5,7 @@
 For each case (model, layout, sequence length) and mode it measures, interleaving the modes
 against drift: the logprob forward time and the forward+backward step time (medians), the bytes
 each rank sends through collectives per forward and per step (ring estimates, counted by wrapping
-torch.distributed), the peak resident memory a step adds, and the weight memory (parameters plus
+torch.distributed), the activation memory a step saves for backward, and the weight memory (parameters plus
 the rollout-layout mode's cached re-laid weights). Modes: vanilla, the canonical-tree profile
 (``consistent``) and the rollout-layout profile (``rollout``, default rollout-tp1). Forwards reuse the
 re-laid weight cache (weights unchanged between scoring calls); each step starts with it invalidated,
@@ -45,21 +45,33 @@ SCALING_CASES = [("tiny-dense", "tp2-sp", 128), ("tiny-dense", "tp2-sp", 1024), 
                  ("bench-dense-1024", "tp2-sp", 1024)]
 
 
-def _status_kb(field: str) -> int:
-    """A memory figure of this process from /proc/self/status (VmRSS: now, VmHWM: peak)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
+class SavedActivations:
+    """Bytes of the tensors autograd saves for backward during a forward (deduplicated by storage,
+    parameters excluded): the activation memory a training step holds at its peak, the part of
+    the peak the patches can change. Deterministic, unlike the process RSS (allocator caching)."""
 
+    def __init__(self, model):
+        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.storages = {}
 
-def _reset_peak() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
+    def _pack(self, t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self.params:
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    def __enter__(self):
+        self.storages.clear()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+    @property
+    def total(self) -> int:
+        return sum(self.storages.values())
 
 
 MODES = ("vanilla", "consistent", "rollout")
@@ -97,17 +109,16 @@ def measure(spec, layout, dtype, profiles, batch, mode, repeats, with_step):
             model.zero_grad(set_to_none=True)
             relayout.invalidate_relaid_weights()  # as after an optimizer step
             dist.barrier()
-            _reset_peak()
-            before = _status_kb("VmRSS")
             comm_counter.reset()
             t0 = time.perf_counter()
-            loss = -(forward() * scored).sum() / scored.sum()
+            with SavedActivations(model) as saved:
+                loss = -(forward() * scored).sum() / scored.sum()
             loss.backward()
             dist.barrier()
             if i:
                 out["step_s"].append(time.perf_counter() - t0)
             out["step_bytes"] = comm_counter.total()
-            out["step_peak_kb"] = _status_kb("VmHWM") - before
+            out["step_saved_bytes"] = saved.total
     del model
     relayout.invalidate_relaid_weights()
     return out
@@ -128,7 +139,7 @@ def run_case(model_name, layout_name, seq, dtype, profiles, repeats, with_step):
         }
         if with_step:
             row[mode].update(step_s=statistics.median(sum((r["step_s"] for r in rs), [])),
-                             step_bytes=rs[-1]["step_bytes"], step_peak_kb=max(r["step_peak_kb"] for r in rs))
+                             step_bytes=rs[-1]["step_bytes"], step_saved_bytes=rs[-1]["step_saved_bytes"])
     v = row["vanilla"]
 
     def ratios(mode):
@@ -161,12 +172,12 @@ def main():
         print(f"mode/vanilla ratios (median of repeats), dtype={args.dtype}, world={dist.get_world_size()}, "
               f"rollout mode: {args.rollout_profile}")
         print(f"{'model':<18}{'layout':<12}{'seq':>6}{'mode':>12}{'fwd':>8}{'step':>8}{'bytes/fwd':>11}"
-              f"{'bytes/step':>11}{'peak mem':>10}{'weights':>9}{'fwd ms (van)':>14}")
+              f"{'bytes/step':>11}{'act mem':>10}{'weights':>9}{'fwd ms (van)':>14}")
         for r in rows:
             for mode, key in (("tree", "ratios"), ("rollout", "rollout_ratios")):
                 q = r[key]
                 print(f"{r['model']:<18}{r['layout']:<12}{r['seq_length']:>6}{mode:>12}{q['forward_s']:>8.2f}"
-                      f"{q['step_s']:>8.2f}{q['forward_bytes']:>11.2f}{q['step_bytes']:>11.2f}{q['step_peak_kb']:>10.2f}"
+                      f"{q['step_s']:>8.2f}{q['forward_bytes']:>11.2f}{q['step_bytes']:>11.2f}{q['step_saved_bytes']:>10.2f}"
                       f"{q['weight_memory']:>9.2f}{r['vanilla']['forward_s'] * 1e3:>14.1f}")
         if scaling:
             print("\nscaling of the forward ratio with model size and sequence length")

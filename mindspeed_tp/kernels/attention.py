@@ -50,6 +50,73 @@ def consistent_attention(
     absolute positions, each with its own online softmax, merged in split order (what split-KV
     decode kernels do); every mode must then use the same split size.
     """
+    if use_npu(q) or not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        return _blocked_attention(q, k, v, scale, causal, q_positions, excluded, block_size, row_multiple, split_size)
+    return _RecomputeBackward.apply(q, k, v, (scale, causal, q_positions, excluded, block_size, row_multiple,
+                                              split_size))
+
+
+class _RecomputeBackward(torch.autograd.Function):
+    """The blocked forward (bitwise contract) with the gradient of plain softmax attention,
+    recomputed in backward from q, k, v (as flash attention does): nothing per key block is kept
+    for backward, and one batched attention backward replaces differentiating the block loop.
+    Only the forward must be layout-invariant; the gradient is exact attention's up to rounding."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, args):
+        ctx.save_for_backward(q, k, v)
+        ctx.args = args
+        return _blocked_attention(q, k, v, *args)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v = ctx.saved_tensors
+        scale, causal, q_positions, excluded = ctx.args[:4]
+        inputs = [t.detach().requires_grad_(need) for t, need in zip((q, k, v), ctx.needs_input_grad[:3])]
+        with torch.enable_grad():
+            out = _math_attention(*inputs, scale, causal, q_positions, excluded)
+            wanted = [t for t in inputs if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad))
+        return tuple(next(grads) if t.requires_grad else None for t in inputs) + (None,)
+
+
+def _math_attention(q, k, v, scale, causal, q_positions, excluded):
+    """softmax(q k^T * scale, hidden keys masked) v in fp32 over all keys at once; queries that see
+    no key give 0 (as the blocked kernel does)."""
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    g = hq // hkv
+    kf = k.float().repeat_interleave(g, dim=1)
+    vf = v.float().repeat_interleave(g, dim=1)
+    scores = torch.matmul(q.float(), kf.transpose(-1, -2)) * scale
+    if q_positions is None:
+        q_positions = torch.arange(sk - sq, sk, device=q.device)
+    visible = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+    if causal:
+        visible = torch.arange(sk, device=q.device).unsqueeze(0) <= q_positions.unsqueeze(1)
+    if excluded is not None:
+        visible = visible & ~excluded.to(torch.bool)[..., :sk]
+    visible = visible.expand(b, hq, sq, sk)
+    any_visible = visible.any(-1, keepdim=True)
+    scores = torch.where(visible, scores, float("-inf"))
+    scores = torch.where(any_visible, scores, 0.0)
+    probs = torch.softmax(scores, dim=-1) * any_visible
+    return torch.matmul(probs, vf).to(q.dtype)
+
+
+def _blocked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool = True,
+    q_positions: Optional[torch.Tensor] = None,
+    excluded: Optional[torch.Tensor] = None,
+    block_size: int = 128,
+    row_multiple: int = 16,
+    split_size: Optional[int] = None,
+) -> torch.Tensor:
+    """consistent_attention's forward (see there): key blocks with an online softmax."""
     if use_npu(q):  # the Ascend flash-attention kernel: its own fixed tiling, not block_size
         from . import npu
 
@@ -73,7 +140,7 @@ def consistent_attention(
             ex = excluded
             if ex is not None and ex.shape[-2] == sq:  # per-query masks follow their rows
                 ex = ex[..., start:stop, :]
-            outs.append(consistent_attention(q[:, :, start:stop], k, v, scale, causal, q_positions[start:stop], ex,
+            outs.append(_blocked_attention(q[:, :, start:stop], k, v, scale, causal, q_positions[start:stop], ex,
                                              block_size, row_multiple, split_size))
             start = stop
         return torch.cat(outs, dim=2)
