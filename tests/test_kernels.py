@@ -251,22 +251,23 @@ def test_attention_semantics(block_size, causal, masked):
         assert torch.equal(out[1, :, :7], torch.zeros_like(out[1, :, :7]))
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("masked", [False, True], ids=["nomask", "padmask"])
-def test_attention_gradient_and_forward_under_grad(masked):
+def test_attention_gradient_and_forward_under_grad(masked, causal):
     """With autograd on, the forward is still the blocked kernel's bits, and the gradient (exact
     attention's, recomputed in backward) matches fp64 attention's (semantics: tolerance); queries
     that see only padding get zero gradient, not NaN."""
     q, k, v = _qkv(torch.float32, s=150)
     ex = _padding_mask(150) if masked else None
     with torch.no_grad():
-        plain = consistent_attention(q, k, v, SCALE, excluded=ex, block_size=16)
+        plain = consistent_attention(q, k, v, SCALE, causal=causal, excluded=ex, block_size=16)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = consistent_attention(*leaves, SCALE, excluded=ex, block_size=16)
+    out = consistent_attention(*leaves, SCALE, causal=causal, excluded=ex, block_size=16)
     assert torch.equal(out.detach(), plain)
     upstream = _randn(*out.shape, seed=33)
     (out * upstream).sum().backward()
     refs = [t.double().clone().requires_grad_() for t in (q, k, v)]
-    (_ref_attention(*refs, SCALE, excluded=ex).double() * upstream.double()).sum().backward()
+    (_ref_attention(*refs, SCALE, causal=causal, excluded=ex).double() * upstream.double()).sum().backward()
     for mine, ref in zip(leaves, refs):
         assert torch.isfinite(mine.grad).all()
         torch.testing.assert_close(mine.grad.double(), ref.grad, rtol=1e-4, atol=1e-5)

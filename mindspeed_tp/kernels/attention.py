@@ -58,8 +58,8 @@ def consistent_attention(
 
 class _RecomputeBackward(torch.autograd.Function):
     """The blocked forward (bitwise contract) with the gradient of plain softmax attention,
-    recomputed in backward from q, k, v (as flash attention does): nothing per key block is kept
-    for backward, and one batched attention backward replaces differentiating the block loop.
+    recomputed in backward from q, k, v tile by tile (as flash attention does): nothing per key
+    block is kept for backward, and a few batched tile backwards replace differentiating the loop.
     Only the forward must be layout-invariant; the gradient is exact attention's up to rounding."""
 
     @staticmethod
@@ -71,13 +71,30 @@ class _RecomputeBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, k, v = ctx.saved_tensors
-        scale, causal, q_positions, excluded = ctx.args[:4]
-        inputs = [t.detach().requires_grad_(need) for t, need in zip((q, k, v), ctx.needs_input_grad[:3])]
-        with torch.enable_grad():
-            out = _math_attention(*inputs, scale, causal, q_positions, excluded)
-            wanted = [t for t in inputs if t.requires_grad]
-            grads = iter(torch.autograd.grad(out, wanted, grad))
-        return tuple(next(grads) if t.requires_grad else None for t in inputs) + (None,)
+        scale, causal, q_positions, excluded, block_size = ctx.args[:5]
+        sq, sk = q.shape[2], k.shape[2]
+        if q_positions is None:
+            q_positions = torch.arange(sk - sq, sk, device=q.device)
+        need = ctx.needs_input_grad[:3]
+        totals = [torch.zeros_like(t, dtype=torch.float32) if n else None for t, n in zip((q, k, v), need)]
+        # Query tiles of block_size rows, each over the keys up to its last position (causal):
+        # half the work of one full pass, and only a tile's scores alive at a time.
+        for start in range(0, sq, block_size):
+            stop = min(sq, start + block_size)
+            pos = q_positions[start:stop]
+            keys = int(pos.max()) + 1 if causal else sk
+            ex = excluded
+            if ex is not None:
+                ex = ex[..., start:stop, :keys] if ex.shape[-2] == sq else ex[..., :keys]
+            parts = [q[:, :, start:stop], k[:, :, :keys], v[:, :, :keys]]
+            parts = [t.detach().requires_grad_(n) for t, n in zip(parts, need)]
+            with torch.enable_grad():
+                out = _math_attention(*parts, scale, causal, pos, ex)
+                grads = iter(torch.autograd.grad(out, [t for t in parts if t.requires_grad], grad[:, :, start:stop]))
+            for total, n, rows in zip(totals, need, (slice(start, stop), slice(0, keys), slice(0, keys))):
+                if n:
+                    total[:, :, rows] += next(grads)
+        return tuple(t.to(x.dtype) if t is not None else None for t, x in zip(totals, (q, k, v))) + (None,)
 
 
 def _math_attention(q, k, v, scale, causal, q_positions, excluded):
