@@ -68,6 +68,23 @@ def explain(proc) -> str:
     return f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
 
 
+def assert_grads_match_vanilla(saved, mode: str, label: str = "") -> None:
+    """A worker's saved ``<mode>/grad/<param>`` and ``<mode>/loss`` against ``vanilla/...``.
+
+    Tolerance, not bits: the runs sum in different orders by design. 1e-4 relative is far above
+    fp32 reordering noise and far below any real gradient error; every gradient must be non-zero.
+    """
+    import torch
+
+    names = [k.split("/grad/")[1] for k in saved if k.startswith("vanilla/grad/")]
+    assert len(names) > 10
+    for name in names:
+        ours, theirs = saved[f"{mode}/grad/{name}"], saved[f"vanilla/grad/{name}"]
+        assert ours.abs().sum() > 0, name
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-6, msg=f"{label} {mode} {name}")
+    torch.testing.assert_close(saved[f"{mode}/loss"], saved["vanilla/loss"], rtol=1e-6, atol=1e-6)
+
+
 @pytest.fixture
 def torchrun():
     return run_torchrun

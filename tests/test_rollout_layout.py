@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import explain, run_cli, run_torchrun
+from conftest import assert_grads_match_vanilla, explain, run_cli, run_torchrun
 from mindspeed_tp.errors import ConfigError
 from mindspeed_tp.kernels import invariant_linear
 from mindspeed_tp.kernels.rollout import full_vocab_logprob, rollout_row_parallel
@@ -152,13 +152,7 @@ def test_gradients_match_vanilla_within_fp32_roundoff(run, mode):
     one expert-TP rank's copy of an expert output goes back to the token."""
     model, _, _, grads = run
     for t in grads:
-        names = [k.split("/grad/")[1] for k in t if k.startswith("vanilla/grad/")]
-        assert len(names) > 10
-        for name in names:
-            ours, theirs = t[f"{mode}/grad/{name}"], t[f"vanilla/grad/{name}"]
-            assert ours.abs().sum() > 0, name
-            torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-6, msg=f"{model} {mode} {name}")
-        torch.testing.assert_close(t[f"{mode}/loss"], t["vanilla/loss"], rtol=1e-6, atol=1e-6)
+        assert_grads_match_vanilla(t, mode, model)
 
 
 def test_relaid_weight_cache_follows_the_weights(run):

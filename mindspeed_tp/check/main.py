@@ -273,8 +273,8 @@ def run(ns: argparse.Namespace) -> int:
               "rollout": int(ns.rollout), "temperature": float(ns.temperature),
               "max_new_tokens": int(ns.max_new_tokens), "prompts": _digest(prompts) if prompts else None}
     verify_same_on_all_ranks(
-        {"model config": spec.to_dict(), "profile": profile.to_dict(), "inputs": inputs, "weights": weights.describe(),
-         "device": ns.device, "layouts": [l.name for l in layouts], "megatron-core version": megatron_version(),
+        {"model config": spec.to_dict(), "profile": profile.to_dict(), "inputs": inputs, "device": ns.device,
+         "layouts": [l.name for l in layouts], "megatron-core version": megatron_version(),
          "checker flags": {"bisect": ns.bisect, "vanilla": ns.vanilla, "compare_vanilla": ns.compare_vanilla,
                            "dispatcher": ns.dispatcher, "reference given": bool(ns.reference)}}
     )

@@ -5,6 +5,7 @@ columns its shard needs. Pickle-based files (``*.bin``, ``*.pt``) are refused, n
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -80,8 +81,9 @@ class SafetensorsCheckpoint:
         r = slice(*rows) if rows is not None else slice(None)
         return part[r] if cols is None else part[r, slice(*cols)]
 
+    @functools.cached_property
     def digest(self) -> str:
-        """Identifies the checkpoint without reading it all: every file's size, its safetensors
+        """Identifies the checkpoint (computed once) without reading it all: every file's size, its safetensors
         header (names, dtypes, shapes, offsets) and its first and last 64 KiB of data."""
         h = hashlib.sha256()
         for file in self.files:

@@ -15,7 +15,8 @@ from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from ..errors import ConfigError
 from ..models.spec import ModelSpec
@@ -50,15 +51,11 @@ def _assemble(parts_dir: str, world: int, spec: ModelSpec, padded_vocab: int) ->
     shards: Dict[str, Dict[int, torch.Tensor]] = {}
     rules: Dict[str, List] = {}
     for r in range(world):
-        path = os.path.join(parts_dir, f"rank{r}.safetensors")
-        from safetensors import safe_open
-
-        with safe_open(path, framework="pt") as f:
-            info = json.loads(f.metadata()["shards"])
-        tensors = load_file(path)
-        for name, (rule, size, rank) in info.items():
-            shards.setdefault(name, {}).setdefault(rank, tensors[name])
-            rules[name] = [rule, size]
+        with safe_open(os.path.join(parts_dir, f"rank{r}.safetensors"), framework="pt") as f:
+            for name, (rule, size, rank) in json.loads(f.metadata()["shards"]).items():
+                if rank not in shards.setdefault(name, {}):  # replicas are identical; keep one
+                    shards[name][rank] = f.get_tensor(name)
+                rules[name] = [rule, size]
     full = {}
     for name, shape in full_weight_shapes(spec, padded_vocab).items():
         if name.endswith("router.expert_bias"):

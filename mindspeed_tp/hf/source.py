@@ -91,10 +91,10 @@ class HFWeights:
         return self._read(name, [(0, n)], None)
 
     def describe(self) -> Dict[str, object]:
-        return {"kind": "hf", "checkpoint": self.checkpoint.digest()}
+        return {"kind": "hf", "checkpoint": self.checkpoint.digest}
 
     def digest(self, profile) -> str:
-        return self.checkpoint.digest()
+        return self.checkpoint.digest
 
 
 def open_hf_model(directory: str, profile) -> Tuple[ModelSpec, HFWeights]:

@@ -50,7 +50,11 @@ def consistent_attention(
     absolute positions, each with its own online softmax, merged in split order (what split-KV
     decode kernels do); every mode must then use the same split size.
     """
-    if use_npu(q) or not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+    if use_npu(q):  # the Ascend flash-attention kernel: its own fixed tiling, not block_size
+        from . import npu
+
+        return npu.attention(q, k, v, scale, causal, q_positions, excluded, split_size)
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         return _blocked_attention(q, k, v, scale, causal, q_positions, excluded, block_size, row_multiple, split_size)
     return _RecomputeBackward.apply(q, k, v, (scale, causal, q_positions, excluded, block_size, row_multiple,
                                               split_size))
@@ -133,11 +137,8 @@ def _blocked_attention(
     row_multiple: int = 16,
     split_size: Optional[int] = None,
 ) -> torch.Tensor:
-    """consistent_attention's forward (see there): key blocks with an online softmax."""
-    if use_npu(q):  # the Ascend flash-attention kernel: its own fixed tiling, not block_size
-        from . import npu
-
-        return npu.attention(q, k, v, scale, causal, q_positions, excluded, split_size)
+    """consistent_attention's forward on the torch backend (see there): key blocks with an online
+    softmax."""
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     if hq % hkv:

@@ -7,10 +7,12 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from grad_helpers import finalize_grads, scored_loss
+
 import mindspeed_tp
 from mindspeed_tp.backends.cpu_shims import install_cpu_shims
 from mindspeed_tp.check.batch import make_batch
-from mindspeed_tp.check.harness import _logprobs_from_logits, _pipeline_forward, _setup_parallel_state, init_distributed
+from mindspeed_tp.check.harness import _setup_parallel_state, init_distributed
 from mindspeed_tp.models.builder import build_gpt_stage
 from mindspeed_tp.models.layout import Layout
 from mindspeed_tp.models.spec import load_model_spec
@@ -22,25 +24,12 @@ model_name = sys.argv[2] if len(sys.argv) > 2 else "tiny-dense"
 layout_name = sys.argv[3] if len(sys.argv) > 3 else "tp2-sp"
 init_distributed()
 install_cpu_shims()
-from megatron.core import parallel_state  # noqa: E402
-
 spec, profile, layout = load_model_spec(model_name), load_profile(), Layout.parse(layout_name)
 batch = make_batch(spec.vocab_size, 3, 4, 64)
-scored = batch.scored.float()
 
 
 def loss_of(model):
-    logits = _pipeline_forward(model, layout, batch, spec.hidden_size, torch.float32)
-    logprobs = _logprobs_from_logits(logits, batch, spec.vocab_size)
-    return -(logprobs * scored).sum() / scored.sum()
-
-
-def finalize_grads(model):
-    # What Megatron's finalize_model_grads does for SP-replicated params (norms): sum over TP.
-    group = parallel_state.get_tensor_model_parallel_group()
-    for p in model.parameters():
-        if getattr(p, "sequence_parallel", False) and p.grad is not None:
-            dist.all_reduce(p.grad, group=group)
+    return scored_loss(model, layout, batch, spec, torch.float32)
 
 
 def fresh_model():

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from grad_helpers import finalize_grads, scored_loss
+
 import mindspeed_tp
 from mindspeed_tp import relayout, rollout_layout
 from mindspeed_tp.backends.cpu_shims import install_cpu_shims
@@ -34,7 +36,6 @@ from mindspeed_tp.reference.model import whole_sequence_kv
 out_prefix, model_name, layout_names, grad_layout_name = sys.argv[1:5]
 init_distributed()
 install_cpu_shims()
-from megatron.core import parallel_state  # noqa: E402
 
 SEED = 5
 # Several token chunks per scoring call, the last one uneven, so the chunked exchange is exercised.
@@ -90,21 +91,10 @@ for layout_name in ("tp1", "tp2-sp" if not spec.is_moe else "tp2-sp-ep2"):
 
 # fp32 gradients: rollout-layout (R=2) vs vanilla megatron-core, same weights and batch.
 grad_layout = Layout.parse(grad_layout_name)
-scored = batch.scored.float()
 
 
 def loss_of(model):
-    logits = _pipeline_forward(model, grad_layout, batch, spec.hidden_size, torch.float32)
-    lp = _logprobs_from_logits(logits, batch, spec.vocab_size)
-    return -(lp * scored).sum() / scored.sum()
-
-
-def finalize_grads(model):
-    # What Megatron's finalize_model_grads does for SP-replicated params (norms): sum over TP.
-    group = parallel_state.get_tensor_model_parallel_group()
-    for p in model.parameters():
-        if getattr(p, "sequence_parallel", False) and p.grad is not None:
-            dist.all_reduce(p.grad, group=group)
+    return scored_loss(model, grad_layout, batch, spec, torch.float32)
 
 
 grads = {}
