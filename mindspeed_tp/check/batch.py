@@ -14,6 +14,9 @@ class ScoringBatch:
     score_mask: Optional[torch.Tensor] = None
     # Positions holding real tokens (default: before each length); --bisect compares these.
     real_mask: Optional[torch.Tensor] = None
+    # Rollouts: each sequence's prompt length (a real engine's prefill; later positions were its
+    # decode steps). None: the whole sequence is one prompt.
+    prompt_lens: Optional[List[int]] = None
 
     @property
     def targets(self) -> torch.Tensor:

@@ -9,10 +9,10 @@ _registry: Optional[PatchRegistry] = None
 def registry() -> PatchRegistry:
     global _registry
     if _registry is None:
-        from . import attention, models, moe, norms, tensor_parallel
+        from . import attention, models, moe, norms, residual, tensor_parallel
 
         reg = PatchRegistry("mindspeed-tp")
-        for module in (tensor_parallel, attention, norms, models, moe):
+        for module in (tensor_parallel, attention, norms, models, moe, residual):
             module.register(reg)
         _registry = reg
     return _registry

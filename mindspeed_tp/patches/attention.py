@@ -2,6 +2,7 @@
 from .. import compat, state
 from ..backends import use_npu
 from ..errors import ConfigError
+from ..integrations.vllm import forward as vllm_forward
 from ..kernels import apply_rope, consistent_attention
 from ..patching import PatchRegistry
 
@@ -58,6 +59,8 @@ def attention_forward(
     mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
     mask_name = getattr(mask_type, "name", str(mask_type))
     causal = mask_name in _CAUSAL_TYPES
+    if vllm_forward.is_vllm(prof):  # the engine's paged attention: prompt prefill, then decode steps
+        return vllm_forward.attention(query, key, value, compat.attention_scale(self), causal)
     if use_npu(query):
         attention_mask = _npu_mask(mask_name, attention_mask)
     sq, b, np_, hn = query.shape
@@ -86,7 +89,10 @@ def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group
         raise ConfigError("multi_latent_attention is not supported with --true-on-policy")
     if mscale != 1.0:
         raise ConfigError("RoPE mscale != 1 (YaRN) is not supported with --true-on-policy")
-    return apply_rope(t, freqs, interleaved=bool(getattr(config, "rotary_interleaved", False)))
+    interleaved = bool(getattr(config, "rotary_interleaved", False))
+    if vllm_forward.is_vllm(state.profile()):  # the engine's cos/sin cache and rotary kernel
+        return vllm_forward.rope(t, interleaved)
+    return apply_rope(t, freqs, interleaved=interleaved)
 
 
 def register(reg: PatchRegistry) -> None:

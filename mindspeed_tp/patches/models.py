@@ -1,5 +1,7 @@
 """Patch of GPTModel construction: mark the LM head for fp32 logits, and refuse models built from
 modules the patch set does not cover (instead of silently running them non-invariantly)."""
+import inspect
+
 from ..errors import ConfigError
 from ..patching import PatchRegistry
 
@@ -48,9 +50,27 @@ def check_not_displaced() -> None:
         )
 
 
+def _record_engine_rope(original, self, args, kwargs) -> None:
+    """vllm-cpu profiles: the engine builds its RoPE cache from the base and max positions."""
+    from .. import state
+    from ..integrations.vllm import forward as vllm_forward
+
+    if not (state.enabled() and vllm_forward.is_vllm(state.profile())):
+        return
+    bound = inspect.signature(original).bind(self, *args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    if a.get("position_embedding_type", "rope") != "rope" or float(a.get("rotary_percent", 1.0)) != 1.0 \
+            or a.get("rope_scaling", False):
+        raise ConfigError("vllm-cpu profile: the engine's Qwen3 models use full RoPE without scaling "
+                          "(position_embedding_type='rope', rotary_percent=1.0, rope_scaling=False)")
+    vllm_forward.set_rope(a.get("rotary_base", 10000), a["max_sequence_length"])
+
+
 def gpt_model_init(original):
     def __init__(self, *args, **kwargs):
         check_not_displaced()
+        _record_engine_rope(original, self, args, kwargs)
         original(self, *args, **kwargs)
         validate_model_modules(self)
         head = getattr(self, "output_layer", None)

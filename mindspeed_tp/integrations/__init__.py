@@ -1,0 +1,1 @@
+"""Integrations with other frameworks and engines (each in its own subpackage or module)."""

@@ -1,0 +1,109 @@
+"""The patched Megatron forward under a ``vllm-cpu-*`` profile: each patched megatron-core piece
+computes what the engine's Qwen3 / Qwen3-MoE model computes at TP=R (vllm/model_executor/models/
+qwen3.py, qwen3_moe.py), through the engine's own ops (``kernels``).
+
+Operator order the engine uses and Megatron does not, and how it is reproduced:
+- residual stream: the engine's fused-add RMSNorm adds a layer's output to the residual in fp32
+  and normalises that *unrounded* sum; Megatron adds in the model dtype and normalises the
+  rounded sum. Here the bias-dropout-add returns the fp32 sum (``kernels.fused_add_residual``),
+  the norms read it, and the next add rounds it (so the hidden state between layers, and between
+  pipeline stages, is fp32 under a bf16 model);
+- logits stay in the model dtype (Megatron's patched LM head would return fp32); logprobs by the
+  engine's sampler function over the real vocab.
+Everything else (qkv and gate/up as one GEMM each, per-head QK-norm, SiLU-and-mul as torch ops,
+the vocab-parallel embedding) is the same arithmetic in both, given the engine's GEMM.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ...errors import ConfigError
+from . import kernels
+from .scoring import current_plan
+
+_ready = {}
+_rope = {"base": None, "max_positions": None}
+
+
+def is_vllm(prof) -> bool:
+    return prof is not None and prof.engine_name == "vllm"
+
+
+def check_ready(prof) -> None:
+    """At enable time: the engine the profile names is installed, and this CPU selects its kernels."""
+    key = (prof.engine.version, prof.engine.cpu_isa)
+    if key in _ready:
+        return
+    from .refusals import check_cpu_isa, require_vllm
+
+    _ready[key] = (require_vllm(prof.engine.version), check_cpu_isa(prof.engine.cpu_isa))
+
+
+def set_rope(base: float, max_positions: int) -> None:
+    """Recorded at GPTModel construction: the engine's RoPE cache is built from these."""
+    _rope.update(base=float(base), max_positions=int(max_positions))
+
+
+# ---------------------------------------------------------------- pieces the patches call
+
+def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """Column-parallel GEMM (merged qkv, gate_up, LM head): the engine's GEMM on this rank's output
+    columns, in the model dtype (the engine's logits too)."""
+    if bias is not None:
+        raise ConfigError("add_bias_linear / add_qkv_bias with a vllm-cpu profile: the engine's Qwen3 layers have no "
+                          "biases; build the model without them")
+    return kernels.engine_linear(x, weight)
+
+
+def norm(x: torch.Tensor, weight: torch.Tensor, eps: float, normalization: str) -> torch.Tensor:
+    if normalization != "RMSNorm":
+        raise ConfigError(f"normalization={normalization!r} with a vllm-cpu profile: the engine's Qwen3 models use "
+                          f"RMSNorm")
+    return kernels.rms_norm(x, weight, eps)
+
+
+def residual_add(x_with_bias, residual: torch.Tensor, prob: float, training: bool) -> torch.Tensor:
+    x, bias = x_with_bias
+    if bias is not None:
+        raise ConfigError("a bias before the residual add with a vllm-cpu profile (add_bias_linear): unset it")
+    if training and prob > 0:
+        raise ConfigError("hidden_dropout > 0 with a vllm-cpu profile: the engine has no dropout; set hidden_dropout=0")
+    return kernels.fused_add_residual(x, residual)
+
+
+def rope(t: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """RoPE on [s, b, heads, dim] at absolute positions 0..s-1 (the scored sequences start at 0)."""
+    if _rope["base"] is None:
+        raise ConfigError("vllm-cpu profile: the GPTModel was built before the patches were enabled (its RoPE base "
+                          "is unknown); enable mindspeed-tp before building the model")
+    s, b, h, d = t.shape
+    x = t.reshape(s * b, h, d)
+    positions = torch.arange(s, device=t.device).repeat_interleave(b)
+    out = kernels.rotary(x, positions, _rope["base"], max(_rope["max_positions"], s), neox=not interleaved)
+    return out.reshape(s, b, h, d)
+
+
+def attention(query, key, value, scale: float, causal: bool) -> torch.Tensor:
+    """DotProductAttention: query [sq, b, np, hn], key/value [sk, b, ng, hn] -> [sq, b, np*hn]."""
+    if not causal:
+        raise ConfigError("vllm-cpu profile: only causal self-attention is modelled (the engine's decoder)")
+    sq, b, np_, hn = query.shape
+    plan = current_plan(b)
+    if max(plan.prompt_lens) > sq:
+        raise ConfigError(f"engine_scoring: a prompt length exceeds the scored sequence length {sq}")
+    out = kernels.attention(query.permute(1, 0, 2, 3), key.permute(1, 0, 2, 3), value.permute(1, 0, 2, 3),
+                            plan, scale)
+    return out.permute(1, 0, 2, 3).reshape(sq, b, np_ * hn)
+
+
+def logprob_rows(full_vocab_logits: torch.Tensor) -> torch.Tensor:
+    """Rows of full (padded) vocab logits -> the engine's fp32 logprobs over the real vocab, padded
+    back with -inf columns (zero probability, so backward needs no special case)."""
+    vocab = current_plan().vocab_size
+    real = kernels.logprobs(full_vocab_logits[..., :vocab])
+    pad = full_vocab_logits.shape[-1] - vocab
+    if pad == 0:
+        return real
+    return torch.cat([real, real.new_full((*real.shape[:-1], pad), float("-inf"))], dim=-1)

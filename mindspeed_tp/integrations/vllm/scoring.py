@@ -1,0 +1,51 @@
+"""Which positions of a scored batch the engine computed in prefill and which as decode steps.
+
+The engine runs a prompt as prefill and every generated position as a q_len=1 decode over the KV
+blocks; its attention kernel tiles the two differently, so training must score each position
+the same way (a whole-sequence prefill re-score differs). The forward reads the plan set here:
+
+    with engine_scoring(prompt_lens=[...], vocab_size=V):
+        logits = model(tokens, positions, mask)
+
+``prompt_lens[i]``: sequence i's prompt length (positions >= it are decode steps); ``vocab_size``:
+the real vocabulary (the engine's logprobs are over it, not over Megatron's padded one).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+from ...errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ScoringPlan:
+    prompt_lens: Tuple[int, ...]
+    vocab_size: int
+
+
+_plan: Optional[ScoringPlan] = None
+
+
+@contextmanager
+def engine_scoring(prompt_lens: Sequence[int], vocab_size: int):
+    global _plan
+    if any(int(p) < 1 for p in prompt_lens):
+        raise ConfigError("engine_scoring: every prompt needs at least one token")
+    previous, _plan = _plan, ScoringPlan(tuple(int(p) for p in prompt_lens), int(vocab_size))
+    try:
+        yield _plan
+    finally:
+        _plan = previous
+
+
+def current_plan(batch: Optional[int] = None) -> ScoringPlan:
+    if _plan is None:
+        raise ConfigError("a vllm-cpu-* profile scores prompts as the engine's prefill and generated tokens as its "
+                          "decode steps: run the forward inside mindspeed_tp.integrations.vllm.scoring.engine_scoring("
+                          "prompt_lens, vocab_size)")
+    if batch is not None and batch != len(_plan.prompt_lens):
+        raise ConfigError(f"engine_scoring was given {len(_plan.prompt_lens)} prompt lengths for a batch of {batch} "
+                          f"sequences")
+    return _plan
