@@ -16,6 +16,7 @@ import torch
 from .. import compat, state
 from ..collectives import all_to_all_rows, fold_across_ranks, gather_along_rank, group_size
 from ..errors import ConfigError
+from ..integrations.vllm import forward as vllm_forward
 from ..kernels import folded_leaf_partials, invariant_linear
 from ..kernels.moe import combine_slots, route
 from ..patching import PatchRegistry
@@ -118,6 +119,8 @@ def _record_routing(layer, idx: torch.Tensor, num_experts: int) -> None:
 
 def moe_forward(self, hidden_states, *args, **kwargs):
     prof = state.profile()
+    if vllm_forward.is_vllm(prof):  # the engine's router and fused MoE kernel over every expert
+        return vllm_forward.moe(self, hidden_states, prof, _record_routing), None
     config = self.config
     shape, dtype = hidden_states.shape, hidden_states.dtype
     h = hidden_states.reshape(-1, shape[-1])

@@ -90,11 +90,12 @@ class Engine:
         return rollouts
 
     def load_weights(self, named_tensors) -> None:
-        """Weight sync in memory: (HF name, tensor) pairs into the engine's model on every worker,
-        through the engine's own ``load_weights`` (no checkpoint on disk)."""
+        """Weight sync in memory: (HF name, tensor) pairs into the running engine's model on every
+        worker through vLLM's in-place ``reload_weights`` (the model's own loader shards them for
+        its TP rank and re-runs the post-load processing, e.g. the CPU GEMM prepacking); no
+        checkpoint on disk."""
         tensors = [(name, t.detach().contiguous().cpu()) for name, t in named_tensors]
-        self.llm.collective_rpc(_load_weights_on_worker, args=(tensors,))
-        self.llm.reset_prefix_cache()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors, "is_checkpoint_format": True})
 
     def shutdown(self) -> None:
         llm, self.llm = self.llm, None
@@ -104,16 +105,6 @@ class Engine:
             if core is not None and hasattr(core, "shutdown"):
                 core.shutdown()
             del llm
-
-
-def _load_weights_on_worker(worker, tensors):
-    """Runs inside each engine worker (collective_rpc): the model's own HF-name weight loader."""
-    model = worker.model_runner.model
-    loaded = model.load_weights(iter(tensors))
-    from vllm.model_executor.model_loader.utils import process_weights_after_loading
-
-    process_weights_after_loading(model, worker.model_runner.model_config, worker.device)
-    return sorted(loaded) if loaded is not None else None
 
 
 def start_engine(model_dir: str, tp: int, dtype: str, max_model_len: int, max_num_batched_tokens: int,
@@ -129,21 +120,13 @@ def start_engine(model_dir: str, tp: int, dtype: str, max_model_len: int, max_nu
                   enable_prefix_caching=False, skip_tokenizer_init=True, max_model_len=int(max_model_len),
                   max_num_batched_tokens=int(max_num_batched_tokens), max_num_seqs=int(max_num_seqs),
                   seed=int(seed), distributed_executor_backend="mp" if tp > 1 else None,
-                  logprobs_mode="raw_logprobs", block_size=128)
+                  logprobs_mode="raw_logprobs", block_size=128,
+                  worker_extension_cls="mindspeed_tp.integrations.vllm.worker.EngineInfo")
         elapsed = time.time() - began
     return Engine(llm=llm, tp=int(tp), dtype=dtype, start_seconds=elapsed, info=_engine_info(llm))
 
 
 def _engine_info(llm) -> Dict[str, object]:
     """What the engine chose, for the report: its kernels and ISA (asked from worker 0)."""
-    try:
-        infos = llm.collective_rpc(_worker_info)
-        return infos[0] if infos else {}
-    except Exception as exc:  # noqa: BLE001 - the report says so instead of failing the run
-        return {"error": f"{type(exc).__name__}: {exc}"}
-
-
-def _worker_info(worker) -> Dict[str, object]:
-    from .kernels import describe_engine_model
-
-    return describe_engine_model(worker.model_runner.model, worker.model_runner.vllm_config)
+    infos = llm.collective_rpc("mindspeed_tp_engine_info")
+    return infos[0] if infos else {}

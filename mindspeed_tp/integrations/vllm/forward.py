@@ -107,3 +107,92 @@ def logprob_rows(full_vocab_logits: torch.Tensor) -> torch.Tensor:
     if pad == 0:
         return real
     return torch.cat([real, real.new_full((*real.shape[:-1], pad), float("-inf"))], dim=-1)
+
+
+# ---------------------------------------------------------------- MoE
+
+_EXPERTS_ATTR = "_mindspeed_tp_vllm_experts"
+
+
+class _GatherExperts(torch.autograd.Function):
+    """(E_local, ...) on every rank of the expert-parallel group -> (E, ...), experts in global
+    order; backward sums the ranks' gradients (each rank scored its own tokens) and keeps its own."""
+
+    @staticmethod
+    def forward(ctx, local, group):
+        from ...collectives import _all_gather_rows, group_rank, group_size
+
+        ctx.group, ctx.rank, ctx.n = group, group_rank(group), local.shape[0]
+        return _all_gather_rows(local, group) if group_size(group) > 1 else local
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        from ...collectives import group_size
+
+        if group_size(ctx.group) > 1:
+            grad = grad.contiguous()
+            dist.all_reduce(grad, group=ctx.group)
+        return grad[ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n], None
+
+
+def _engine_experts(layer, prof):
+    """Every expert's gate|up and down weights on this rank (the engine holds them all: it has no
+    expert parallelism), and their prepacked engine-rank slices, cached per weight version."""
+    from ... import relayout
+    from megatron.core import parallel_state as ps
+
+    experts = layer.experts.local_experts
+    w13_local = torch.stack([e.linear_fc1.weight for e in experts])
+    w2_local = torch.stack([e.linear_fc2.weight for e in experts])
+    group = ps.get_expert_model_parallel_group()
+    key = (relayout._generation,) + tuple((e.linear_fc1.weight._version, e.linear_fc1.weight.data_ptr(),
+                                           e.linear_fc2.weight._version, e.linear_fc2.weight.data_ptr())
+                                          for e in experts)
+    w13 = _GatherExperts.apply(w13_local, group)
+    w2 = _GatherExperts.apply(w2_local, group)
+    entry = getattr(layer, _EXPERTS_ATTR, None)
+    if entry is None or entry[0] != key:
+        entry = (key,) + kernels.prepack_experts(w13.detach(), w2.detach(), prof.rollout_tp)
+        setattr(layer, _EXPERTS_ATTR, entry)
+    return w13, w2, entry[1], entry[2]
+
+
+def check_moe(layer, prof) -> None:
+    config = layer.config
+    problems = []
+    if getattr(config, "moe_router_score_function", "softmax") != "softmax":
+        problems.append("moe_router_score_function must be softmax (Qwen3-MoE)")
+    if getattr(layer, "shared_experts", None) is not None:
+        problems.append("shared experts are not modelled (Qwen3-MoE has none)")
+    if getattr(config, "moe_router_enable_expert_bias", False) or getattr(config, "moe_router_topk_scaling_factor", None):
+        problems.append("expert bias / top-k scaling are not modelled")
+    etp = getattr(config, "expert_tensor_parallel_size", 1) or 1
+    if etp != 1:
+        problems.append(f"expert_tensor_parallel_size={etp}: use --etp 1 (the engine holds whole experts)")
+    if not getattr(config, "gated_linear_unit", False):
+        problems.append("experts must be SwiGLU (gated_linear_unit=True)")
+    inter = config.moe_ffn_hidden_size or config.ffn_hidden_size
+    if (inter // prof.rollout_tp) % kernels.MOE_ALIGNMENT or config.hidden_size % kernels.MOE_ALIGNMENT:
+        problems.append(f"moe_ffn_hidden_size/rollout_tp={inter // prof.rollout_tp} and hidden_size="
+                        f"{config.hidden_size} must be multiples of {kernels.MOE_ALIGNMENT} (else the engine pads)")
+    if problems:
+        raise ConfigError("vllm-cpu profile, MoE layer: " + "; ".join(problems))
+
+
+def moe(layer, hidden_states, prof, record_routing) -> torch.Tensor:
+    """MoELayer as the engine's Qwen3MoeSparseMoeBlock: router logits by the engine's GEMM (model
+    dtype), its top-k router, its fused MoE kernel over every expert for this rank's own tokens
+    (no token moves), per engine rank's intermediate slice, added as its all-reduce does."""
+    check_moe(layer, prof)
+    shape, dtype = hidden_states.shape, hidden_states.dtype
+    h = hidden_states.reshape(-1, shape[-1])
+    logits = kernels.engine_linear(h, layer.router.weight.to(dtype))
+    topk_w, topk_ids = kernels.route(logits, layer.config.moe_router_topk,
+                                     not bool(getattr(layer.config, "moe_router_pre_softmax", False)))
+    record_routing(layer, topk_ids.long(), layer.config.num_moe_experts)
+    w13, w2, packed, isa = _engine_experts(layer, prof)
+    add_dtype = torch.float32 if prof.rollout_allreduce_dtype == "float32" else dtype
+    out = kernels.fused_moe(h, topk_w, topk_ids, w13, w2, packed, isa, add_dtype)
+    return out.reshape(shape)

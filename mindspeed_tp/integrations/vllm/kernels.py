@@ -244,6 +244,87 @@ def attention(q, k, v, plan, scale: float) -> torch.Tensor:
     return _Attention.apply(q, k, v, plan, float(scale))
 
 
+# ---------------------------------------------------------------- MoE
+
+MOE_ALIGNMENT = 32  # CPUUnquantizedExperts.output_alignment: the engine pads I/R to it otherwise
+
+
+def moe_experts_isa() -> str:
+    """The CPU MoE experts class the engine selects here: AMX grouped GEMM, else the vector one."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts, X86CPUUnquantizedExperts
+
+    return X86CPUUnquantizedExperts.isa if torch.cpu._is_amx_tile_supported() else CPUUnquantizedExperts.isa
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
+    """The engine's CPU router: top-k of the logits (model dtype), softmax over the k (or the
+    full log-sum-exp without renormalising); weights fp32, ids int32."""
+    from vllm.model_executor.layers.fused_moe.router.cpu_router import _softmax_topk
+
+    return _softmax_topk(router_logits, top_k, renormalize)
+
+
+def prepack_experts(w13: torch.Tensor, w2: torch.Tensor, rollout_tp: int):
+    """Per engine rank r: its (E, 2I/R, H) gate|up and (E, H, I/R) down slices, prepacked by the
+    engine's ``prepack_moe_weight`` for the experts ISA."""
+    ops = _vllm()["ops"]
+    isa = moe_experts_isa()
+    inter = w2.shape[-1]
+    part = inter // rollout_tp
+    packed = []
+    for r in range(rollout_tp):
+        rows = slice(r * part, (r + 1) * part)
+        w13_r = torch.cat([w13[:, rows], w13[:, inter + r * part: inter + (r + 1) * part]], dim=1).contiguous()
+        w2_r = w2[:, :, rows].contiguous()
+        packed.append((ops.cpu_prepack_moe_weight(w13_r, isa), ops.cpu_prepack_moe_weight(w2_r, isa)))
+    return packed, isa
+
+
+def _moe_reference(h, topk_w, topk_ids, w13, w2):
+    """Plain fp32 MoE (for backward only): sum_j w_j * down(silu(gate) * up)."""
+    out = h.new_zeros(h.shape, dtype=torch.float32)
+    inter = w2.shape[-1]
+    for e in torch.unique(topk_ids).tolist():
+        rows, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+        a = h[rows].float() @ w13[e].float().t()
+        y = (torch.nn.functional.silu(a[:, :inter]) * a[:, inter:]) @ w2[e].float().t()
+        out = out.index_add(0, rows, y * topk_w[rows, slot].unsqueeze(-1).float())
+    return out
+
+
+class _FusedMoE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, topk_w, topk_ids, w13, w2, packed, isa, add_dtype):
+        ops = _vllm()["ops"]
+        total = None
+        x = h.detach().contiguous()
+        for w13_r, w2_r in packed:  # rank_sequential: ((p0 + p1) + p2) + ...
+            out = torch.empty_like(x)
+            ops.cpu_fused_moe(out, x, w13_r, w2_r, None, None, topk_w.detach().contiguous(),
+                              topk_ids.contiguous(), "silu", isa, False)
+            total = out if total is None else (total.to(add_dtype) + out.to(add_dtype))
+        ctx.save_for_backward(h, topk_w, topk_ids, w13, w2)
+        return total.to(h.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, topk_w, topk_ids, w13, w2 = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(t.requires_grad or t is h) for t in (h, topk_w, w13, w2)]
+            out = _moe_reference(leaves[0], leaves[1], topk_ids, leaves[2], leaves[3])
+            needed = [t for t in leaves if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, needed, grad.float(), allow_unused=True))
+        dh, dw, d13, d2 = (next(grads) if t.requires_grad else None for t in leaves)
+        cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
+        return cast(dh, h), cast(dw, topk_w), None, cast(d13, w13), cast(d2, w2), None, None, None
+
+
+def fused_moe(h, topk_w, topk_ids, w13, w2, packed, isa, add_dtype) -> torch.Tensor:
+    """The engine's MoE output for tokens ``h`` (n, H): ``_C.cpu_fused_moe`` per engine rank's
+    expert slice (each returns the model dtype), added in rank order in ``add_dtype``."""
+    return _FusedMoE.apply(h, topk_w, topk_ids, w13, w2, packed, isa, add_dtype)
+
+
 # ---------------------------------------------------------------- logprobs
 
 def logprobs(logits: torch.Tensor) -> torch.Tensor:
