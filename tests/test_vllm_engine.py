@@ -16,9 +16,9 @@ from conftest import explain, run_cli, run_torchrun
 # (id, model, dtype, engine TP, training layouts, worker flags, processes)
 CONFIGS = [
     ("dense-bf16-e1", "tiny-dense", "bf16", 1, "tp1,tp2-sp,tp2-sp-pp2", ["--long-prompt"], 4),
-    ("dense-fp32-e2", "tiny-dense", "fp32", 2, "tp1,tp2-sp-pp2", ["--sync"], 4),
-    ("moe-bf16-e2", "tiny-moe", "bf16", 2, "tp2-sp-ep2,tp1", ["--sync"], 2),
-    ("moe-fp32-e1", "tiny-moe", "fp32", 1, "tp2-sp-ep2", [], 2),
+    ("dense-fp32-e2", "tiny-dense", "fp32", 2, "tp1,tp2-sp-pp2", ["--sync", "tp2-sp"], 4),
+    ("moe-bf16-e2", "tiny-moe", "bf16", 2, "tp2-sp-ep2,tp1", ["--sync", "tp2-sp-ep2"], 2),
+    ("moe-fp32-e1", "tiny-moe", "fp32", 1, "tp2-sp-ep2", ["--from-hf"], 2),
 ]
 
 
@@ -78,9 +78,16 @@ def test_chunked_prefill_of_a_long_prompt_is_matched(tmp_path_factory):
         assert row["ours"]["bitwise"] == 1.0 and row["ours"]["tokens"] == 8, (layout, row)
 
 
+def test_a_hugging_face_checkpoint_is_scored_as_the_engine_loads_it(tmp_path_factory):
+    """moe-fp32-e1: the training side reads the model from the HF checkpoint the engine loads."""
+    _, res = engine_run("moe-fp32-e1", tmp_path_factory)
+    assert res["from_hf"]
+    assert res["sets"]["t1"]["tp2-sp-ep2"]["ours"]["bitwise"] == 1.0
+
+
 @pytest.mark.parametrize("name", ["dense-fp32-e2", "moe-bf16-e2"])
 def test_weight_sync_in_memory_keeps_the_next_rollout_bitwise(name, tmp_path_factory):
     _, res = engine_run(name, tmp_path_factory)
     sync = res["sync"]
-    assert sync["bitwise"] == 1.0 and sync["max_abs"] == 0.0, sync
+    assert sync["bitwise"] == 1.0 and sync["max_abs"] == 0.0 and sync["tokens"] >= 40, sync
     assert sync["old_weights_max_abs"] > 0, sync  # the optimizer step really changed the engine's weights

@@ -5,14 +5,13 @@ TP=--engine-tp; it generates seeded rollouts (T=1.0 and greedy; optionally a >= 
 prefilled in chunks). Every rank then scores each rollout set in each --layouts layout with the
 vllm-cpu-tp<R> profile (mindspeed-tp), vanilla megatron-core and the canonical-tree profile, and
 compares with vLLM's logprobs (bit patterns). With --sync: one SGD step on the training model
-(first layout), its weights gathered to HF names and loaded into the running engine in memory,
+(--sync LAYOUT), its weights gathered to HF names and loaded into the running engine in memory,
 a new rollout from the engine, scored by the updated training model.
 """
 import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 
 import torch
@@ -48,7 +47,9 @@ def main():
     p.add_argument("--engine-tp", type=int, required=True)
     p.add_argument("--layouts", required=True)
     p.add_argument("--long-prompt", action="store_true")
-    p.add_argument("--sync", action="store_true")
+    p.add_argument("--sync", metavar="LAYOUT", help="weight-sync round from a training model in this layout")
+    p.add_argument("--from-hf", action="store_true",
+                   help="training reads the Hugging Face checkpoint the engine loads (the --hf-checkpoint path)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     init_distributed(900)
@@ -66,14 +67,22 @@ def main():
         gen = torch.Generator().manual_seed(7)
         sets["long"] = ([torch.randint(0, spec.vocab_size, (1100,), generator=gen).tolist()], 0.0)
     out = {"sets": {}, "engine": None}
-    engine, tmp = None, None
+    engine = None
     rollouts = {}
+    tmp = os.path.join(os.path.dirname(os.path.abspath(args.out)), "hf-checkpoint")  # seen by every rank
     if dist.get_rank() == 0:
         from mindspeed_tp.integrations.vllm.checkpoint import write_hf_checkpoint
+
+        write_hf_checkpoint(spec, weights, spec.padded_vocab(profile), dtype, tmp)
+    dist.barrier()
+    if args.from_hf:
+        from mindspeed_tp.hf import open_hf_model
+
+        spec, weights = open_hf_model(tmp, profile)
+        out["from_hf"] = spec.name
+    if dist.get_rank() == 0:
         from mindspeed_tp.integrations.vllm.engine import start_engine
 
-        tmp = tempfile.mkdtemp(prefix="vllm-test-")
-        write_hf_checkpoint(spec, weights, spec.padded_vocab(profile), dtype, tmp)
         budget = 1024 if args.long_prompt else engine_budget([len(x) for x in prompts])
         engine = start_engine(tmp, args.engine_tp, {"bf16": "bfloat16", "fp32": "float32"}[args.dtype],
                               max_model_len=1280 if args.long_prompt else 256, max_num_batched_tokens=budget,
@@ -98,7 +107,7 @@ def main():
                 row[mode] = compare(lp, ref, batch.scored)
     out["score_seconds"] = round(time.time() - began, 1)
     if args.sync:
-        out["sync"] = sync_round(spec, layouts[0], dtype, profile, weights, batches["t1"], engine, prompts)
+        out["sync"] = sync_round(spec, Layout.parse(args.sync), dtype, profile, weights, batches["t1"], engine, prompts)
     if engine is not None:
         engine.shutdown()
     if dist.get_rank() == 0:
