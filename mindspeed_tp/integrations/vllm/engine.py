@@ -94,8 +94,12 @@ class Engine:
         worker through vLLM's in-place ``reload_weights`` (the model's own loader shards them for
         its TP rank and re-runs the post-load processing, e.g. the CPU GEMM prepacking); no
         checkpoint on disk."""
-        tensors = [(name, t.detach().contiguous().cpu()) for name, t in named_tensors]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors, "is_checkpoint_format": True})
+        from .worker import pack_tensors
+
+        packed = pack_tensors(named_tensors)
+        loaded = self.llm.collective_rpc("mindspeed_tp_load_weights", args=(packed,))
+        if any(n != len(packed) for n in loaded):
+            raise RuntimeError(f"weight sync: workers loaded {loaded} of {len(packed)} tensors")
 
     def shutdown(self) -> None:
         llm, self.llm = self.llm, None

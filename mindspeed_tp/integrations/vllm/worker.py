@@ -1,10 +1,40 @@
-"""Runs inside the engine's workers (``worker_extension_cls``): what the engine chose, for the report."""
+"""Runs inside the engine's workers (``worker_extension_cls``), called through
+``LLM.collective_rpc`` by method name (no pickled code): the engine's report, and the in-memory
+weight sync."""
+
+
+def pack_tensors(named_tensors):
+    """(name, tensor) -> (name, dtype, shape, bytes): what survives the engine's RPC on every path
+    (its msgpack transport decodes large tensors as views of the message buffer, which its
+    multiprocess executor then cannot pickle; plain bytes it copies)."""
+    import torch
+
+    out = []
+    for name, t in named_tensors:
+        t = t.detach().contiguous().cpu()
+        out.append((name, str(t.dtype).removeprefix("torch."), list(t.shape),
+                    t.view(-1).view(torch.uint8).numpy().tobytes()))
+    return out
+
+
+def unpack_tensors(packed):
+    import torch
+
+    return [(name, torch.frombuffer(bytearray(blob), dtype=torch.uint8).view(getattr(torch, dtype)).view(shape))
+            for name, dtype, shape, blob in packed]
 
 
 class EngineInfo:
-    """Mixed into vLLM's worker class; called through ``LLM.collective_rpc`` by name (no pickle)."""
+    """Mixed into vLLM's worker class."""
 
     def mindspeed_tp_engine_info(self):
         from .kernels import describe_engine_model
 
         return describe_engine_model(self.model_runner.model, self.vllm_config)
+
+    def mindspeed_tp_load_weights(self, packed):
+        """HF-name tensors into this worker's model by vLLM's in-place ``reload_weights`` (the
+        model's own loader shards them for this TP rank and redoes the post-load processing, e.g.
+        the CPU GEMM prepacking)."""
+        self.reload_weights(weights_iterator=unpack_tensors(packed), is_checkpoint_format=True)
+        return len(packed)
