@@ -5,7 +5,7 @@ import pytest
 
 from mindspeed_tp.errors import ConfigError
 from mindspeed_tp.integrations.vllm import refusals
-from mindspeed_tp.profile import EngineSpec, load_profile, profile_from_dict
+from mindspeed_tp.contract.profile import EngineSpec, load_profile, profile_from_dict
 
 
 @pytest.mark.parametrize("r", [1, 2])

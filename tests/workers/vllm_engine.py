@@ -18,17 +18,17 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_tp import enable
-from mindspeed_tp.backends.cpu_shims import install_cpu_shims
+from mindspeed_tp.devices.cpu_shims import install_cpu_shims
 from mindspeed_tp.check.harness import (
     _engine_scoring, _logprobs_from_logits, _pipeline_forward, _setup_parallel_state, _stage_dtype, init_distributed,
     layout_logprobs,
 )
 from mindspeed_tp.check.rollout import broadcast_json, broadcast_rollouts, engine_budget, engine_report, rollout_prompts
-from mindspeed_tp.models.builder import DTYPES, build_gpt_stage
-from mindspeed_tp.models.layout import Layout
-from mindspeed_tp.models.spec import load_model_spec
-from mindspeed_tp.models.weights import SeededWeights, load_weights
-from mindspeed_tp.profile import load_profile
+from mindspeed_tp.check.models.builder import DTYPES, build_gpt_stage
+from mindspeed_tp.check.models.layout import Layout
+from mindspeed_tp.check.models.spec import load_model_spec
+from mindspeed_tp.check.models.weights import SeededWeights, load_weights
+from mindspeed_tp.contract.profile import load_profile
 
 SEED = 1234
 NEW_TOKENS = 8

@@ -120,7 +120,7 @@ class _GatherExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, local, group):
-        from ...collectives import _all_gather_rows, group_rank, group_size
+        from ...kernels.collectives import _all_gather_rows, group_rank, group_size
 
         ctx.group, ctx.rank, ctx.n = group, group_rank(group), local.shape[0]
         return _all_gather_rows(local, group) if group_size(group) > 1 else local
@@ -129,7 +129,7 @@ class _GatherExperts(torch.autograd.Function):
     def backward(ctx, grad):
         import torch.distributed as dist
 
-        from ...collectives import group_size
+        from ...kernels.collectives import group_size
 
         if group_size(ctx.group) > 1:
             grad = grad.contiguous()
@@ -140,7 +140,7 @@ class _GatherExperts(torch.autograd.Function):
 def _engine_experts(layer, prof):
     """Every expert's gate|up and down weights on this rank (the engine holds them all: it has no
     expert parallelism), and their prepacked engine-rank slices, cached per weight version."""
-    from ... import relayout
+    from ...modes.rollout_layout import relayout
     from megatron.core import parallel_state as ps
 
     experts = layer.experts.local_experts

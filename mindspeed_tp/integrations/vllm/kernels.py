@@ -55,7 +55,7 @@ class _Holder(torch.nn.Module):
 def _engine_gemm(weight: torch.Tensor):
     """The engine's GEMM for this weight, prepacked once per weight version (an optimizer step,
     an in-place edit or a new ``.data`` re-dispatches: the packed copy would be stale)."""
-    from ... import relayout
+    from ...modes.rollout_layout import relayout
 
     key = (relayout._generation, weight._version, weight.data_ptr(), tuple(weight.shape), weight.dtype)
     entry = getattr(weight, _HOLDER_ATTR, None)

@@ -13,13 +13,13 @@ import torch
 import torch.distributed as dist
 
 from ...errors import ConfigError
-from ...models.spec import ModelSpec
-from ...models.weights import global_param_name, shard_rule, unshard
+from ...check.models.spec import ModelSpec
+from ...check.models.weights import global_param_name, shard_rule, unshard
 from .checkpoint import hf_tensors_from_full
 
 
 def _gather_tp(param: torch.Tensor, rule: str, group) -> torch.Tensor:
-    from ...collectives import group_size
+    from ...kernels.collectives import group_size
 
     world = group_size(group)
     if world == 1 or rule == "replicated":
@@ -49,7 +49,7 @@ def gathered_full_weights(model, spec: ModelSpec, layout) -> Dict[str, torch.Ten
         full[name] = _gather_tp(param, shard_rule(name), tp_group)
     if experts:
         ep_group = ps.get_expert_model_parallel_group()
-        from ...collectives import group_size
+        from ...kernels.collectives import group_size
 
         world = group_size(ep_group)
         for local_name, tensor in experts:
