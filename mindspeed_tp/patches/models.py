@@ -56,8 +56,8 @@ def _record_engine_rope(original, self, args, kwargs) -> None:
     a = bound.arguments
     if a.get("position_embedding_type", "rope") != "rope" or float(a.get("rotary_percent", 1.0)) != 1.0 \
             or a.get("rope_scaling", False):
-        raise ConfigError("vllm-cpu profile: the engine's Qwen3 models use full RoPE without scaling "
-                          "(position_embedding_type='rope', rotary_percent=1.0, rope_scaling=False)")
+        raise refuse("vllm_model_shape", what="RoPE other than full, unscaled rope", engine="full RoPE without scaling",
+                     fix="position_embedding_type='rope', rotary_percent=1.0, rope_scaling=False")
     vllm_forward.set_rope(a.get("rotary_base", 10000), a["max_sequence_length"])
 
 

@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from ...contract.refusals import refuse
 from ...errors import ConfigError
 from . import kernels
 from .scoring import current_plan
@@ -52,24 +53,25 @@ def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     """Column-parallel GEMM (merged qkv, gate_up, LM head): the engine's GEMM on this rank's output
     columns, in the model dtype (the engine's logits too)."""
     if bias is not None:
-        raise ConfigError("add_bias_linear / add_qkv_bias with a vllm-cpu profile: the engine's Qwen3 layers have no "
-                          "biases; build the model without them")
+        raise refuse("vllm_model_shape", what="add_bias_linear / add_qkv_bias", engine="no biases",
+                     fix="build the model without them")
     return kernels.engine_linear(x, weight)
 
 
 def norm(x: torch.Tensor, weight: torch.Tensor, eps: float, normalization: str) -> torch.Tensor:
     if normalization != "RMSNorm":
-        raise ConfigError(f"normalization={normalization!r} with a vllm-cpu profile: the engine's Qwen3 models use "
-                          f"RMSNorm")
+        raise refuse("vllm_model_shape", what=f"normalization={normalization!r}", engine="RMSNorm",
+                     fix="use normalization=RMSNorm")
     return kernels.rms_norm(x, weight, eps)
 
 
 def residual_add(x_with_bias, residual: torch.Tensor, prob: float, training: bool) -> torch.Tensor:
     x, bias = x_with_bias
     if bias is not None:
-        raise ConfigError("a bias before the residual add with a vllm-cpu profile (add_bias_linear): unset it")
+        raise refuse("vllm_model_shape", what="a bias before the residual add (add_bias_linear)",
+                     engine="no biases", fix="unset add_bias_linear")
     if training and prob > 0:
-        raise ConfigError("hidden_dropout > 0 with a vllm-cpu profile: the engine has no dropout; set hidden_dropout=0")
+        raise refuse("vllm_model_shape", what="hidden_dropout > 0", engine="no dropout", fix="set hidden_dropout=0")
     return kernels.fused_add_residual(x, residual)
 
 
@@ -88,7 +90,8 @@ def rope(t: torch.Tensor, interleaved: bool) -> torch.Tensor:
 def attention(query, key, value, scale: float, causal: bool) -> torch.Tensor:
     """DotProductAttention: query [sq, b, np, hn], key/value [sk, b, ng, hn] -> [sq, b, np*hn]."""
     if not causal:
-        raise ConfigError("vllm-cpu profile: only causal self-attention is modelled (the engine's decoder)")
+        raise refuse("vllm_model_shape", what="non-causal attention", engine="causal decoder attention",
+                     fix="use attn_mask_type causal")
     sq, b, np_, hn = query.shape
     plan = current_plan(b)
     if max(plan.prompt_lens) > sq:
@@ -178,7 +181,7 @@ def check_moe(layer, prof) -> None:
         problems.append(f"moe_ffn_hidden_size/rollout_tp={inter // prof.rollout_tp} and hidden_size="
                         f"{config.hidden_size} must be multiples of {kernels.MOE_ALIGNMENT} (else the engine pads)")
     if problems:
-        raise ConfigError("vllm-cpu profile, MoE layer: " + "; ".join(problems))
+        raise refuse("vllm_moe", problems="; ".join(problems))
 
 
 def moe(layer, hidden_states, prof, record_routing) -> torch.Tensor:

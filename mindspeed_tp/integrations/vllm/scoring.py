@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
+from ...contract.refusals import refuse
 from ...errors import ConfigError
 
 
@@ -42,9 +43,7 @@ def engine_scoring(prompt_lens: Sequence[int], vocab_size: int):
 
 def current_plan(batch: Optional[int] = None) -> ScoringPlan:
     if _plan is None:
-        raise ConfigError("a vllm-cpu-* profile scores prompts as the engine's prefill and generated tokens as its "
-                          "decode steps: run the forward inside mindspeed_tp.integrations.vllm.scoring.engine_scoring("
-                          "prompt_lens, vocab_size)")
+        raise refuse("vllm_scoring_plan")
     if batch is not None and batch != len(_plan.prompt_lens):
         raise ConfigError(f"engine_scoring was given {len(_plan.prompt_lens)} prompt lengths for a batch of {batch} "
                           f"sequences")

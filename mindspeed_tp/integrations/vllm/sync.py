@@ -12,7 +12,7 @@ from typing import Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
-from ...errors import ConfigError
+from ...contract.refusals import refuse
 from ...check.models.spec import ModelSpec
 from ...check.models.weights import global_param_name, shard_rule, unshard
 from .checkpoint import hf_tensors_from_full
@@ -34,9 +34,9 @@ def gathered_full_weights(model, spec: ModelSpec, layout) -> Dict[str, torch.Ten
     from megatron.core import parallel_state as ps
 
     if layout.pp > 1:
-        raise ConfigError("weight sync from a pipeline-parallel model is not implemented; sync from a layout with pp=1")
+        raise refuse("vllm_sync_source", what="a pipeline-parallel model", fix="pp=1")
     if spec.is_moe and layout.etp > 1:
-        raise ConfigError("weight sync with expert tensor parallelism (--etp > 1) is not implemented; use --etp 1")
+        raise refuse("vllm_sync_source", what="expert tensor parallelism (--etp > 1)", fix="--etp 1")
     tp_group = ps.get_tensor_model_parallel_group()
     ep_rank = ps.get_expert_model_parallel_rank() if spec.is_moe else 0
     full: Dict[str, torch.Tensor] = {}

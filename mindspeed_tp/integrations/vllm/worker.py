@@ -37,4 +37,23 @@ class EngineInfo:
         model's own loader shards them for this TP rank and redoes the post-load processing, e.g.
         the CPU GEMM prepacking)."""
         self.reload_weights(weights_iterator=unpack_tensors(packed), is_checkpoint_format=True)
+        _prepack_cpu_experts_again(self.model_runner.model)
         return len(packed)
+
+
+def _prepack_cpu_experts_again(model) -> int:
+    """vLLM 0.32: on a weight update its unquantized MoE method skips the experts' own
+    ``process_weights_after_loading`` (UnquantizedFusedMoEMethod._setup_kernel runs it on the first
+    load only), so the CPU experts keep the reloaded weights unpacked while ``cpu_fused_moe`` reads
+    them as prepacked (measured: a reload of the same weights changed every logprob). Run that step
+    of the engine's own for each CPU experts layer; vLLM itself is not modified."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    done = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            experts.process_weights_after_loading(module)
+            done += 1
+    return done
