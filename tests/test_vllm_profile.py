@@ -33,6 +33,8 @@ def test_engine_block_is_validated_by_name():
         profile_from_dict(dict(base, reduction="canonical_tree", rollout_tp=None))
     with pytest.raises(ConfigError, match="after_combine"):
         profile_from_dict(dict(base, engine=None))
+    with pytest.raises(ConfigError, match="must be after_combine"):
+        profile_from_dict(dict(base, rollout_moe_expert_reduce="per_expert"))
 
 
 def test_missing_or_other_vllm_is_refused(monkeypatch):

@@ -202,6 +202,9 @@ class Profile:
                               ("rollout_moe_expert_reduce", ROLLOUT_MOE_EXPERT_REDUCES)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"profile field {name!r} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.engine is not None and self.rollout_moe_expert_reduce != "after_combine":
+            raise ConfigError("profile field 'rollout_moe_expert_reduce' must be after_combine with an 'engine' (the "
+                              "real engine's fused MoE combines a token's experts before its one all-reduce)")
         if self.rollout_moe_expert_reduce == "after_combine" and self.engine is None:
             raise ConfigError("profile field 'rollout_moe_expert_reduce: after_combine' is implemented through a real "
                               "engine's fused MoE kernel only: set 'engine' (e.g. the vllm-cpu-* profiles) or use per_expert")

@@ -9,6 +9,7 @@ compares with vLLM's logprobs (bit patterns). With --sync: one SGD step on the t
 a new rollout from the engine, scored by the updated training model.
 """
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -55,6 +56,8 @@ def main():
     init_distributed(900)
     install_cpu_shims()
     spec = load_model_spec(args.model)
+    if args.long_prompt:  # room for the 1100-token prompt (RoPE is computed per position either way)
+        spec = dataclasses.replace(spec, max_position_embeddings=2048)
     dtype = DTYPES[args.dtype]
     profile = load_profile(f"vllm-cpu-tp{args.engine_tp}")
     canonical = load_profile("default")

@@ -79,11 +79,11 @@ def engine_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out.reshape(*lead, out.shape[-1])
 
 
-def engine_partial_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype=None) -> torch.Tensor:
+def engine_partial_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """A row-parallel partial as an engine rank computes it (its K/R slice, output in the model
-    dtype): the signature ``kernels.rollout.rollout_row_parallel`` takes for its GEMM."""
-    # The K slice of a re-laid weight is a strided view: each slice is its own engine weight.
-    return engine_linear(x.contiguous(), weight.contiguous() if not weight.is_contiguous() else weight)
+    dtype): the GEMM ``modes.rollout_layout.engine_math.rollout_row_parallel`` takes. The K slice
+    of a weight is a strided view; the engine holds it as its own contiguous weight."""
+    return engine_linear(x.contiguous(), weight.contiguous())
 
 
 # ---------------------------------------------------------------- norms
@@ -310,13 +310,13 @@ class _FusedMoE(torch.autograd.Function):
     def backward(ctx, grad):
         h, topk_w, topk_ids, w13, w2 = ctx.saved_tensors
         with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(t.requires_grad or t is h) for t in (h, topk_w, w13, w2)]
+            leaves = [t.detach().requires_grad_() for t in (h, topk_w, w13, w2)]
             out = _moe_reference(leaves[0], leaves[1], topk_ids, leaves[2], leaves[3])
-            needed = [t for t in leaves if t.requires_grad]
-            grads = iter(torch.autograd.grad(out, needed, grad.float(), allow_unused=True))
-        dh, dw, d13, d2 = (next(grads) if t.requires_grad else None for t in leaves)
-        cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
-        return cast(dh, h), cast(dw, topk_w), None, cast(d13, w13), cast(d2, w2), None, None, None
+            grads = torch.autograd.grad(out, leaves, grad.float(), allow_unused=True)
+        needs = [ctx.needs_input_grad[i] for i in (0, 1, 3, 4)]
+        dh, dw, d13, d2 = (g.to(t.dtype) if need and g is not None else None
+                           for g, t, need in zip(grads, (h, topk_w, w13, w2), needs))
+        return dh, dw, None, d13, d2, None, None, None
 
 
 def fused_moe(h, topk_w, topk_ids, w13, w2, packed, isa, add_dtype) -> torch.Tensor:
