@@ -71,3 +71,17 @@ def test_another_cpu_kernel_selection_is_refused(monkeypatch):
     monkeypatch.setattr(refusals, "machine_isa", lambda: "amx")
     with pytest.raises(ConfigError, match="built for 'avx2'"):
         refusals.check_cpu_isa("avx2")
+
+
+@pytest.mark.parametrize("argv,word", [
+    (["--engine", "vllm", "--profile", "vllm-cpu-tp1"], "give --rollout N"),
+    (["--engine", "vllm", "--rollout", "2", "--profile", "rollout-tp1"], "--profile vllm-cpu-tp1"),
+    (["--engine", "vllm", "--rollout", "2", "--profile", "vllm-cpu-tp1", "--temperature", "1.0",
+      "--engine-max-batched-tokens", "512"], "CPU Generator does not use offset"),
+    (["--engine", "vllm", "--rollout", "2", "--profile", "vllm-cpu-tp1", "--bisect"], "--bisect"),
+])
+def test_checker_engine_flags_are_checked_before_anything_starts(argv, word, capsys):
+    from mindspeed_tp.check.main import main
+
+    assert main(argv) == 2
+    assert word in capsys.readouterr().err

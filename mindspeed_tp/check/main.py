@@ -299,7 +299,7 @@ def run(ns: argparse.Namespace) -> int:
         {"model config": spec.to_dict(), "profile": profile.to_dict(), "inputs": inputs, "device": ns.device,
          "layouts": [l.name for l in layouts], "megatron-core version": megatron_version(),
          "checker flags": {"bisect": ns.bisect, "vanilla": ns.vanilla, "compare_vanilla": ns.compare_vanilla,
-                           "dispatcher": ns.dispatcher, "reference given": bool(ns.reference)}}
+                           "dispatcher": ns.dispatcher, "reference given": bool(ns.reference), "engine": ns.engine}}
     )
     rollout = int(ns.rollout) > 0
     temperature = float(ns.temperature) if rollout and float(ns.temperature) > 0 else 1.0
