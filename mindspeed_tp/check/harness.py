@@ -142,7 +142,7 @@ def _engine_scoring(profile: Profile, vanilla: bool, batch: ScoringBatch, spec: 
     from ..integrations.vllm.scoring import engine_scoring
 
     b, s = batch.tokens.shape
-    return engine_scoring(batch.prompt_lens or [s] * b, spec.vocab_size)
+    return engine_scoring(batch.prompt_lens or [s] * b, spec.vocab_size, batch.prefill_chunks)
 
 
 def _stage_dtype(profile: Profile, vanilla: bool, dtype):

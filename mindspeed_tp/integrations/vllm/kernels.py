@@ -163,9 +163,10 @@ def _paged_attention(q, k, v, plan, scale: float) -> torch.Tensor:
     """q (b, s, hq, d), k/v (b, s, hk, d) -> (b, s, hq, d) as the engine computed each position.
 
     Sequence i's K/V go into its own KV blocks (``cpu_attn_reshape_and_cache``); its prompt
-    positions are one prefill request, every position after them a q_len=1 decode request over
-    the keys up to it; all requests in one ``cpu_attention_with_kv_cache`` call (the engine batches
-    prefills and decodes together too, and a request's result does not depend on its batch)."""
+    positions are prefill requests (one per chunk the engine prefilled it in, each over the keys
+    up to its end), every position after them a q_len=1 decode request over the keys up to it;
+    all requests in one ``cpu_attention_with_kv_cache`` call (the engine batches prefills and
+    decodes together too, and a request's result does not depend on its batch)."""
     ops = _vllm()["ops"]
     b, s, hq, d = q.shape
     hk = k.shape[2]
@@ -183,10 +184,13 @@ def _paged_attention(q, k, v, plan, scale: float) -> torch.Tensor:
     q_rows, starts, seq_lens, tables = [], [0], [], []
     for i in range(b):
         prompt = int(plan.prompt_lens[i])
-        q_rows.append(q[i, :prompt])  # the prefill request
-        starts.append(starts[-1] + prompt)
-        seq_lens.append(prompt)
-        tables.append(i)
+        begin = 0
+        for end in plan.chunk_ends(i):  # the prefill requests
+            q_rows.append(q[i, begin:end])
+            starts.append(starts[-1] + end - begin)
+            seq_lens.append(end)
+            tables.append(i)
+            begin = end
         for p in range(prompt, s):  # one decode request per later position
             q_rows.append(q[i, p:p + 1])
             starts.append(starts[-1] + 1)
