@@ -95,7 +95,7 @@ def _publish_routing(layer, idx: torch.Tensor) -> None:
 def moe_forward(self, hidden_states, *args, **kwargs):
     prof = state.profile()
     if prof.engine_name == "vllm":  # the engine's router and fused MoE kernel over every expert
-        return _vllm().moe(self, hidden_states, prof, _record_routing), None
+        return _vllm().moe(self, hidden_states, prof, _publish_routing), None
     config = self.config
     shape, dtype = hidden_states.shape, hidden_states.dtype
     h = hidden_states.reshape(-1, shape[-1])

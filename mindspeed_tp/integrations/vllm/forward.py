@@ -184,7 +184,7 @@ def check_moe(layer, prof) -> None:
         raise refuse("vllm_moe", problems="; ".join(problems))
 
 
-def moe(layer, hidden_states, prof, record_routing) -> torch.Tensor:
+def moe(layer, hidden_states, prof, publish_routing) -> torch.Tensor:
     """MoELayer as the engine's Qwen3MoeSparseMoeBlock: router logits by the engine's GEMM (model
     dtype), its top-k router, its fused MoE kernel over every expert for this rank's own tokens
     (no token moves), per engine rank's intermediate slice, added as its all-reduce does."""
@@ -194,7 +194,7 @@ def moe(layer, hidden_states, prof, record_routing) -> torch.Tensor:
     logits = kernels.engine_linear(h, layer.router.weight.to(dtype))
     topk_w, topk_ids = kernels.route(logits, layer.config.moe_router_topk,
                                      not bool(getattr(layer.config, "moe_router_pre_softmax", False)))
-    record_routing(layer, topk_ids.long(), layer.config.num_moe_experts)
+    publish_routing(layer, topk_ids.long())
     w13, w2, packed, isa = _engine_experts(layer, prof)
     add_dtype = torch.float32 if prof.rollout_allreduce_dtype == "float32" else dtype
     out = kernels.fused_moe(h, topk_w, topk_ids, w13, w2, packed, isa, add_dtype)
