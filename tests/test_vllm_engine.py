@@ -7,11 +7,10 @@ conftest.py leaves this file out where vLLM is not installed.
 One engine start per configuration (a module-scoped worker run, tests/workers/vllm_engine.py),
 every assertion on its saved results."""
 import json
-import os
 
 import pytest
 
-from conftest import explain, run_cli, run_torchrun
+from conftest import explain, run_torchrun
 
 # (id, model, dtype, engine TP, training layouts, worker flags, processes)
 CONFIGS = [

@@ -15,7 +15,7 @@ import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 from .refusals import check_engine_settings, require_vllm
 

@@ -19,8 +19,7 @@ so training still gets ordinary gradients; only the forward is bitwise the engin
 from __future__ import annotations
 
 import functools
-import weakref
-from typing import Dict, List, Optional, Tuple
+from typing import Dict
 
 import torch
 
