@@ -133,9 +133,9 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], out_dt
     _check_device(a, b)
     batch, m, k = a.shape
     n = b.shape[-1]
-    out = torch.empty(batch, m, n, dtype=out_dtype, device=a.device)
+    out = torch.empty(batch, m, n, dtype=_store_dtype(out_dtype), device=a.device)
     if m == 0 or n == 0 or batch == 0:
-        return out
+        return out.to(out_dtype)
     half = a.dtype != torch.float32
     bm, bn, bk, group, warps, stages = kernels.GEMM_TILES_HALF if half else kernels.GEMM_TILES_FP32
     grid = (_cdiv(m, bm) * _cdiv(n, bn), batch)
@@ -148,7 +148,14 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], out_dt
         HAS_BIAS=bias is not None, INTERPRETED=kernels.INTERPRETED,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, num_warps=warps, num_stages=stages,
     )
-    return out
+    return out.to(out_dtype)
+
+
+def _store_dtype(out_dtype: torch.dtype) -> torch.dtype:
+    """What a kernel writes: out_dtype (the cast happens in the kernel), except under the interpreter,
+    whose fp32 -> bf16/fp16 conversion does not round to nearest even: there the kernel writes fp32
+    and torch casts (the same rounding the compiled kernel's cast does)."""
+    return torch.float32 if _kernels().INTERPRETED else out_dtype
 
 
 def _cdiv(x: int, y: int) -> int:
@@ -327,9 +334,9 @@ def _attention_launch(q, k_pages, v_pages, page_dims, positions, seqlens, table,
     if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
         k_pages, v_pages = k_pages.to(q.dtype), v_pages.to(q.dtype)
     _check_device(q, k_pages, v_pages)
-    out = torch.empty(b, hq, sq, d, dtype=q.dtype, device=q.device)
+    out = torch.empty(b, hq, sq, d, dtype=_store_dtype(q.dtype), device=q.device)
     if out.numel() == 0:
-        return out
+        return out.to(q.dtype)
     page_size = k_pages.shape[page_dims[1]]
     if excluded is None:  # nothing hidden: one byte read for every key, always 0
         ex, ex_strides, ex_width = torch.zeros(1, dtype=torch.uint8, device=q.device), (0, 0, 0), 2 ** 30
@@ -350,7 +357,7 @@ def _attention_launch(q, k_pages, v_pages, page_dims, positions, seqlens, table,
         BLOCK_Q=block_q, BLOCK_KEYS=max(16, _next_power_of_2(block_size)),
         BLOCK_D=max(16, _next_power_of_2(d)), num_warps=kernels.ATTN_WARPS, num_stages=kernels.ATTN_STAGES,
     )
-    return out
+    return out.to(q.dtype)
 
 
 def attention(

@@ -11,7 +11,8 @@ the interpreter's ``tl.dot`` is numpy's BLAS matmul, whose result for a row depe
 row sits in the tile (OpenBLAS micro-kernels), and it mishandles bf16 tiles (it multiplies their raw
 bits). So there ``tile_dot`` upcasts to fp32 and sums the products over K in order, the same for
 every element; the tiling, masking and visiting order around it are the compiled kernel's.
-Compiled, ``tile_dot`` is ``tl.dot``: bf16 tiles on the tensor cores with fp32 accumulation, fp32
+Its fp32 -> bf16 cast does not round to nearest even either, so there the kernels write fp32 and
+the wrapper casts. Compiled, ``tile_dot`` is ``tl.dot``: bf16 tiles on the tensor cores with fp32 accumulation, fp32
 tiles with ``input_precision="ieee"`` (never TF32).
 """
 import os
