@@ -8,6 +8,11 @@ _UNCOVERED = (
     ("megatron.core.extensions.transformer_engine", "Transformer Engine modules",
      "build the model with the local spec (--transformer-impl local)"),
     ("apex.", "apex fused norms", "use normalization=RMSNorm (torch norm path) or uninstall apex"),
+    # What megatron-core's local spec builds for LayerNorm when apex imports (GPU installs): the
+    # class lives in megatron's namespace, the arithmetic is apex's kernel.
+    ("megatron.core.fusions.fused_layer_norm", "megatron-core's apex-backed fused norm",
+     "build the norms as megatron.core.transformer.torch_norm.WrappedTorchNorm, which mindspeed-tp patches "
+     "(normalization=RMSNorm, a layer spec naming WrappedTorchNorm, or uninstall apex)"),
     # MindSpeed puts these under megatron's TE names (TEColumnParallelLinear, TEDotProductAttention, ...)
     ("mindspeed.te.", "MindSpeed's Transformer Engine replacements",
      "build the model with the local spec (--transformer-impl local; under verl the mindspeed_tp.verl entry does)"),
@@ -64,6 +69,6 @@ def register(reg: PatchRegistry) -> None:
     reg.register(
         "megatron.core.models.gpt.gpt_model:GPTModel.__init__",
         "marks output_layer so the LM head GEMM returns fp32 logits; rejects modules no patch covers "
-        "(Transformer Engine, apex norms, grouped-GEMM experts, MLA)",
+        "(Transformer Engine, apex norms incl. megatron's FusedLayerNorm, grouped-GEMM experts, MLA)",
         wraps=True,
     )(gpt_model_init)
