@@ -27,9 +27,10 @@ import pytest
 import torch
 
 from mindspeed_tp.errors import ConfigError
-from mindspeed_tp.kernels.attention import _blocked_attention
+from mindspeed_tp.kernels.backends import torch as torch_backend
+from mindspeed_tp.kernels.backends.torch import _blocked_attention
 from mindspeed_tp.kernels.linear import leaf_partials
-from mindspeed_tp.tree import tree_fold
+from mindspeed_tp.contract.tree import tree_fold
 
 DEVICE = os.environ.get("MINDSPEED_TP_TRITON_DEVICE", "cpu")
 
@@ -136,15 +137,15 @@ def test_linear_adds_bias_in_fp32_and_casts_once(dtype):
     w = _randn(N, K, seed=7, dtype=dtype)
     bias = _randn(N, seed=8, dtype=dtype)
     for out_dtype in (dtype, torch.float32):
-        y = tb.linear(x, w, bias, out_dtype)
+        y = tb.linear(x, w, out_dtype, bias=bias)
         assert y.dtype == out_dtype
         # Bitwise: fp32 accumulator + fp32 bias, then one cast (no intermediate rounding).
         assert torch.equal(y, (tb.matmul(x, w.t()) + bias.float()).to(out_dtype))
         for m in (1, 3, 17, 64):
-            assert torch.equal(tb.linear(x[:m], w, bias, out_dtype), y[:m]), f"M={m}"
-    assert torch.equal(tb.linear(x, w), tb.matmul(x, w.t()).to(dtype))
+            assert torch.equal(tb.linear(x[:m], w, out_dtype, bias=bias), y[:m]), f"M={m}"
+    assert torch.equal(tb.linear(x, w, dtype), tb.matmul(x, w.t()).to(dtype))
     ref = (x.float() @ w.float().t() + bias.float()).to(dtype)
-    torch.testing.assert_close(tb.linear(x, w, bias), ref, rtol=1e-5 if dtype == torch.float32 else 1e-2,
+    torch.testing.assert_close(tb.linear(x, w, dtype, bias=bias), ref, rtol=1e-5 if dtype == torch.float32 else 1e-2,
                                atol=1e-4 if dtype == torch.float32 else 1e-2)
 
 
@@ -244,15 +245,6 @@ def test_softmax_per_row():
 
 def test_gradients_follow_the_plain_formulas():
     """Backward is not part of the contract; it must still be the math of the forward."""
-    x = _randn(20, K, seed=20).requires_grad_()
-    w = _randn(N, K, seed=21).requires_grad_()
-    bias = _randn(N, seed=22).requires_grad_()
-    g = _randn(20, N, seed=23)
-    (tb.linear(x, w, bias) * g).sum().backward()
-    xr, wr, br = (t.detach().clone().requires_grad_() for t in (x, w, bias))
-    ((xr @ wr.t() + br) * g).sum().backward()
-    for ours, ref in ((x, xr), (w, wr), (bias, br)):
-        torch.testing.assert_close(ours.grad, ref.grad, rtol=1e-5, atol=1e-4)
     a = _randn(3, 5, 7, seed=24).requires_grad_()
     b = _randn(7, 4, seed=25).requires_grad_()
     tb.matmul(a, b).sum().backward()
@@ -264,8 +256,19 @@ def test_gradients_follow_the_plain_formulas():
     (torch.softmax(sr, -1) * _randn(6, 9, seed=27)).sum().backward()
     torch.testing.assert_close(s.grad, sr.grad, rtol=1e-5, atol=1e-6)
     r = _randn(4, 9, seed=28).requires_grad_()
-    tb.row_sum(r).sum().backward()
+    (tb.row_mean(r) * 9).sum().backward()
     assert torch.equal(r.grad, torch.ones_like(r))
+
+
+def test_attention_backward_is_the_reference_recompute():
+    """The recomputing backward is the torch reference's (from q, k, v only): the same gradients."""
+    q, k, v = (_randn(1, 2, 20, D, seed=s).requires_grad_() for s in (29, 30, 31))
+    g = _randn(1, 2, 20, D, seed=32)
+    (tb.attention(q, k, v, SCALE, True, block_size=16) * g).sum().backward()
+    qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    (torch_backend.attention(qr, kr, vr, SCALE, True, block_size=16) * g).sum().backward()
+    for ours, ref in ((q, qr), (k, kr), (v, vr)):
+        assert torch.equal(ours.grad, ref.grad)
 
 
 # --------------------------------------------------------------------------- attention

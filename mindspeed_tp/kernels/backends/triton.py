@@ -27,6 +27,10 @@ from typing import List, Optional
 import torch
 
 from ...errors import ConfigError
+from . import torch as torch_backend
+
+# Explicit (padding) attention masks are honoured by this backend's attention.
+EXPLICIT_MASKS = True
 
 _INSTALL = ("install it (pip install triton; CUDA builds of torch ship a matching one), or set the profile's "
             "backend: torch")
@@ -203,33 +207,13 @@ def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def matmul(a: torch.Tensor, b: torch.Tensor, row_multiple: int = 16) -> torch.Tensor:
     """fp32 ``a @ b`` for a (..., M, K) and b (K, N) or (..., K, N); row-invariant in M,
-    shard-invariant in N. A 3-D a and b (the leaves of a rank's subtree) are one launch."""
+    shard-invariant in N. A 3-D a and b (the leaves of a rank's subtree) are one launch.
+    ``row_multiple`` does not apply (fixed tiles)."""
     if _needs_grad(a, b):
         return _Matmul.apply(a, b)
     return _matmul_forward(a, b)
-
-
-class _Linear(torch.autograd.Function):
-    """linear's forward; the backward an unpatched linear has (dx = dy @ w, dw = dy^T @ x in the
-    wider input dtype, db = the column sums)."""
-
-    @staticmethod
-    def forward(ctx, x2d, weight, bias, out_dtype):
-        ctx.save_for_backward(x2d, weight)
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        return _linear_forward(x2d, weight, bias, out_dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x2d, weight = ctx.saved_tensors
-        dtype = torch.promote_types(x2d.dtype, weight.dtype)
-        g = grad.to(dtype)
-        dx = (g @ weight.to(dtype)).to(x2d.dtype) if ctx.needs_input_grad[0] else None
-        dw = (g.t() @ x2d.to(dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        db = grad.float().sum(0).to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None
-        return dx, dw, db, None
 
 
 def _linear_forward(x2d, weight, bias, out_dtype):
@@ -240,14 +224,18 @@ def _linear_forward(x2d, weight, bias, out_dtype):
     return _gemm(x2d.unsqueeze(0), weight.t().unsqueeze(0), bias, out_dtype)[0]
 
 
-def linear(x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-           out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+def linear(x2d: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype, row_multiple: int = 16,
+           bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x2d @ weight.T (+ bias)`` accumulated in fp32, the bias added in fp32, one cast to
-    ``out_dtype`` (default x2d's), all inside the kernel."""
-    out_dtype = out_dtype or x2d.dtype
-    if _needs_grad(x2d, weight, bias):
-        return _Linear.apply(x2d, weight, bias, out_dtype)
+    ``out_dtype``, all inside the kernel (forward only: the composite supplies the backward).
+    ``row_multiple`` does not apply (fixed tiles)."""
     return _linear_forward(x2d, weight, bias, out_dtype)
+
+
+def grad_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A gradient GEMM in the inputs' dtype, as an unpatched linear's (backward is outside the
+    bitwise contract; cuBLAS with TF32 off, see ``prepare``)."""
+    return a @ b
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -285,6 +273,11 @@ def row_sum(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
     if _needs_grad(x):
         return _RowSum.apply(x, keepdim)
     return _row_sum_forward(x, keepdim)
+
+
+def row_mean(x: torch.Tensor) -> torch.Tensor:
+    """Mean over the last dim, keepdim: the fixed-order row sum over the length."""
+    return row_sum(x, keepdim=True) / x.shape[-1]
 
 
 def _softmax_forward(x: torch.Tensor) -> torch.Tensor:
@@ -372,13 +365,31 @@ def attention(
     row_multiple: int = 16,
     split_size: Optional[int] = None,
 ) -> torch.Tensor:
-    """Consistent attention (forward) for q (b, hq, sq, d) over k, v (b, hkv, sk, d) -> (b, hq, sq, d).
+    """Consistent attention for q (b, hq, sq, d) over k, v (b, hkv, sk, d) -> (b, hq, sq, d).
 
     q_positions: each query's absolute position (default the last sq key positions), shared by the
     batch; excluded: bool broadcastable to (b, 1, sq, sk), True hides a key (keys past its last
     column are hidden); split_size: a multiple of block_size, or None. ``row_multiple`` is unused
-    (fixed tiles). Each sequence is one page of the kernel's paged addressing.
+    (fixed tiles). Each sequence is one page of the kernel's paged addressing. Backward: the torch
+    reference's (exact attention's gradient recomputed tile by tile from q, k, v).
     """
+    args = (scale, causal, q_positions, excluded, block_size, row_multiple, split_size)
+    if _needs_grad(q, k, v):
+        return _TritonRecompute.apply(q, k, v, args)
+    return _attention_forward(q, k, v, *args)
+
+
+class _TritonRecompute(torch_backend._RecomputeBackward):
+    """This backend's forward with the torch reference's recomputing backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, args):
+        ctx.save_for_backward(q, k, v)
+        ctx.args = args
+        return _attention_forward(q, k, v, *args)
+
+
+def _attention_forward(q, k, v, scale, causal, q_positions, excluded, block_size, row_multiple, split_size):
     b, _, sq, _ = q.shape
     sk = k.shape[2]
     device = q.device
