@@ -98,13 +98,13 @@ if [ "$dry" = 1 ]; then
   device=cpu; kernel_env=(env -u MINDSPEED_TP_TRITON_DEVICE)
   kernel_select=(-k "row_invariant_in_m or tree_of_rank or chunked_prefill or paged_decode or prepare")
   dense_layouts=tp2; moe_layouts=tp2-sp-ep2
-  gemm_args=(--device cpu --tokens 64 --model tiny-dense --warmup 0 --iters 1)
+  gemm_env=(env TRITON_INTERPRET=1); gemm_args=(--device cpu --tokens 64 --model tiny-dense --warmup 0 --iters 1)
   model_args=(--device cpu --model tiny-dense --seq-length 128 --repeats 1)
 else
   device=cuda; kernel_env=(env MINDSPEED_TP_TRITON_DEVICE=cuda)
   kernel_select=()
   dense_layouts=tp2,tp2-sp,tp4-sp-pp2; moe_layouts=tp2-sp-ep2
-  gemm_args=(--device cuda)
+  gemm_env=(env); gemm_args=(--device cuda)
   model_args=(--device cuda --model bench-dense-2048 --seq-length 4096 --repeats 3)
 fi
 
@@ -114,7 +114,7 @@ step check-tiny-dense 120 "$py" -m mindspeed_tp.cli check --device "$device" --m
   --layouts "$dense_layouts" --compare-vanilla --timeout 90 --json "$out/check-tiny-dense.json"
 step check-tiny-moe 80 "$py" -m mindspeed_tp.cli check --device "$device" --model tiny-moe --dtype bf16 \
   --layouts "$moe_layouts" --compare-vanilla --timeout 60 --json "$out/check-tiny-moe.json"
-step bench-gemm 45 "$py" benchmarks/gpu_bench.py gemm "${gemm_args[@]}" --json "$out/bench-gemm.json"
+step bench-gemm 45 "${gemm_env[@]}" "$py" benchmarks/gpu_bench.py gemm "${gemm_args[@]}" --json "$out/bench-gemm.json"
 step bench-model-tp1 60 "$py" -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/gpu_bench.py \
   model --layout tp1 "${model_args[@]}" --json "$out/bench-model-tp1.json"
 step bench-model-tp2 75 "$py" -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/gpu_bench.py \
