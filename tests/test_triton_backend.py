@@ -440,3 +440,50 @@ def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch):
     monkeypatch.setattr(tk, "INTERPRETED", False)
     with pytest.raises(ValueError, match="CUDA tensors"):
         tb.matmul(torch.ones(2, 2), torch.ones(2, 2))
+
+
+# --------------------------------------------------------------------------- through the dispatcher
+
+@pytest.fixture
+def triton_selected():
+    from mindspeed_tp.kernels import dispatch
+
+    dispatch.select("triton")  # what backend: auto picks for CUDA tensors; forced here for CPU ones
+    yield
+    dispatch.select("auto")
+
+
+def test_composite_kernels_run_on_the_triton_primitives(triton_selected, monkeypatch):
+    """The kernel interface (written once over the primitives) with every primitive from this
+    backend: same semantics as on the torch reference, the invariances kept."""
+    from mindspeed_tp.kernels import (consistent_attention, dispatch, folded_leaf_partials, invariant_linear,
+                                      rms_norm, vocab_parallel_logprob)
+    from mindspeed_tp.kernels.moe import route
+
+    calls = []
+    module = dispatch.backend_module("triton")
+    for name in dispatch.PRIMITIVES:
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    x = _randn(40, C * KL, seed=50, dtype=torch.bfloat16)
+    w = _randn(N, C * KL, seed=51, dtype=torch.bfloat16)
+    bias = _randn(N, seed=52, dtype=torch.bfloat16)
+    y = invariant_linear(x, w, bias)
+    assert torch.equal(invariant_linear(x[:7], w, bias), y[:7])
+    torch.testing.assert_close(y, (x.float() @ w.float().t() + bias.float()).to(torch.bfloat16), rtol=1e-2, atol=1e-2)
+    assert torch.equal(invariant_linear(x[5:9], w), invariant_linear(x, w)[5:9])
+    sub = folded_leaf_partials(x, w, C)
+    assert torch.equal(folded_leaf_partials(x[:3], w, C), sub[:3])
+    torch.testing.assert_close(sub, x.float() @ w.float().t(), rtol=1e-4, atol=1e-3)
+    h = _randn(30, 64, seed=53)
+    torch.testing.assert_close(rms_norm(h, None, 1e-6), h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
+    logits = _randn(12, 1024, seed=54)
+    target = torch.randint(0, 1000, (12,), generator=torch.Generator().manual_seed(55)).to(DEVICE)
+    lp = vocab_parallel_logprob(logits, target, None, canonical_shards=8, vocab_size=1000)
+    ref = torch.log_softmax(logits[:, :1000], -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(lp, ref, rtol=1e-5, atol=1e-5)
+    idx, probs = route(_randn(10, 8, seed=56), 2, "softmax", pre_softmax=True)
+    assert idx.shape == (10, 2) and torch.all(probs > 0)
+    q, k, v = (_randn(1, 2, 20, D, seed=s) for s in (57, 58, 59))
+    assert torch.equal(consistent_attention(q, k, v, SCALE, block_size=16), tb.attention(q, k, v, SCALE, block_size=16))
+    assert {"linear", "matmul", "row_sum", "row_mean", "softmax", "attention"} <= set(calls), sorted(set(calls))
