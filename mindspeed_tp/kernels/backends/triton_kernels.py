@@ -37,7 +37,9 @@ def tile_dot(x, y, acc, INTERPRETED: tl.constexpr):
     """acc + x @ y with fp32 accumulation (see the module docstring for the interpreter's form)."""
     if INTERPRETED:
         return acc + tl.sum(x.to(tl.float32)[:, :, None] * y.to(tl.float32)[None, :, :], axis=1)
-    return tl.dot(x, y, acc, input_precision="ieee")
+    if x.dtype == tl.float32:
+        return tl.dot(x, y, acc, input_precision="ieee")
+    return tl.dot(x, y, acc)
 
 
 @triton.jit(do_not_specialize=["M", "N", "stride_ab", "stride_cb"])
