@@ -37,14 +37,21 @@ def load_kernels():
     return module
 
 
+# Arguments a launch with 16-byte aligned tensors and sizes that are multiples of 16 specialises as
+# divisible by 16 (what lets Triton use cp.async pipelining): every pointer, and these sizes.
+_DIVISIBLE = ("K", "stride_am", "stride_bn", "stride_bb", "stride_cm", "s_qs", "s_ko", "s_vo", "s_os")
+
+
 def compile_one(fn, types, consts, warps, stages, target):
     signature = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n not in consts and (types[n].startswith("*") or n in _DIVISIBLE)}
     t0 = time.perf_counter()
-    out = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts), target=target,
+    out = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs), target=target,
                          options={"num_warps": warps, "num_stages": stages})
     ptx = out.asm["ptx"]
     return {"kernel": fn.__name__, "seconds": round(time.perf_counter() - t0, 1), "shared_bytes": out.metadata.shared,
-            "wgmma": "wgmma" in ptx, "local_memory": ".local" in ptx}
+            "wgmma": "wgmma" in ptx, "cp_async": "cp.async" in ptx, "local_memory": ".local" in ptx}
 
 
 def jobs(k, quick):
@@ -54,9 +61,10 @@ def jobs(k, quick):
             types = dict(a_ptr="*" + dtype, b_ptr="*" + dtype, bias_ptr="*bf16", c_ptr="*" + out,
                          **{n: I32 for n in ("M", "N", "K", "stride_ab", "stride_am", "stride_ak", "stride_bb",
                                              "stride_bk", "stride_bn", "stride_cb", "stride_cm", "stride_cn")})
+            # Unit strides as a launch specialises them (x row-major, b = weight.T, out row-major).
             yield (f"gemm {dtype} bias={bias} out={out}", k.gemm_kernel, types,
-                   dict(HAS_BIAS=bias, INTERPRETED=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group),
-                   warps, stages)
+                   dict(HAS_BIAS=bias, INTERPRETED=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group,
+                        stride_ak=1, stride_bk=1, stride_cn=1), warps, stages)
     for dtype in ("fp32", "bf16"):
         yield (f"row_sum {dtype}", k.row_sum_kernel, dict(x_ptr="*" + dtype, out_ptr="*fp32", N=I32, stride_row=I32),
                dict(BLOCK=k.ROW_BLOCK), k.ROW_WARPS, 1)
@@ -69,7 +77,7 @@ def jobs(k, quick):
                      seqlen_ptr="*i32", table_ptr="*i32", ex_ptr="*u8", scale="fp32", **{n: I32 for n in _ATTN_INTS})
         yield (f"attention {dtype} d={d} keys={keys} split={split}", k.attention_kernel, types,
                dict(D=d, CAUSAL=True, SPLIT=split, INTERPRETED=False, BLOCK_Q=k.ATTN_BLOCK_Q, BLOCK_KEYS=keys,
-                    BLOCK_D=d), k.ATTN_WARPS, k.ATTN_STAGES)
+                    BLOCK_D=d, s_qd=1, s_kd=1, s_vd=1, s_od=1), k.ATTN_WARPS, k.ATTN_STAGES)
 
 
 def main(argv=None):
@@ -83,7 +91,7 @@ def main(argv=None):
     for name, fn, types, consts, warps, stages in jobs(k, args.quick):
         r = compile_one(fn, types, consts, warps, stages, target)
         print(f"{name:<40} compiled in {r['seconds']:5.1f}s  shared {r['shared_bytes']:>7}  wgmma {r['wgmma']!s:<5}  "
-              f"local memory {r['local_memory']}", flush=True)
+              f"cp.async {r['cp_async']!s:<5}  local memory {r['local_memory']}", flush=True)
     return 0
 
 
