@@ -14,8 +14,8 @@
 #                                                       # --device cpu): checks the script, not the GPU
 #
 # No package index on the GPU machine: what is missing (megatron-core, pyyaml, safetensors, numpy,
-# packaging, pytest) is installed from wheels in scripts/.whl/ (git-ignored) into .venv-gpu, a venv
-# that sees the machine's own torch and triton. Fill it where an index is reachable (about 21 MB;
+# packaging, pytest) is installed from wheels in scripts/.whl/ (git-ignored) into .gpu-site/ (on
+# PYTHONPATH; the machine's own torch and triton are used). Fill it where an index is reachable (about 21 MB;
 # megatron-core without its dependencies, which would pull a CUDA torch):
 #   P="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
 #      --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d scripts/.whl"
@@ -29,40 +29,29 @@ wheels="$here/.whl"
 cd "$root"
 : > "$out/steps.jsonl"
 
-# ---- Python: the machine's interpreter, plus a venv over it for what is missing.
-base_py="${PYTHON:-python3}"
-py="$base_py"
-missing=()
+# ---- Python: the machine's interpreter; what it lacks goes from the wheels into .gpu-site (on
+# PYTHONPATH, so the torchrun workers see it too). No venv: the machine may lack ensurepip.
+py="${PYTHON:-python3}"
+site="$root/.gpu-site"
+export PYTHONPATH="$root:$site${PYTHONPATH:+:$PYTHONPATH}"
+missing=() mcore=()
 for pair in megatron.core:megatron-core yaml:pyyaml safetensors:safetensors numpy:numpy packaging:packaging \
             pytest:pytest triton:triton; do
-  "$base_py" -c "import ${pair%%:*}" 2>/dev/null || missing+=("${pair##*:}")
+  "$py" -c "import ${pair%%:*}" 2>/dev/null && continue
+  if [ "${pair##*:}" = megatron-core ]; then mcore=(megatron-core); else missing+=("${pair##*:}"); fi
 done
-if ((${#missing[@]})); then
-  venv="$root/.venv-gpu"
-  [ -x "$venv/bin/python" ] || "$base_py" -m venv --system-site-packages "$venv"
-  py="$venv/bin/python"
-  still=()
-  for name in "${missing[@]}"; do
-    case "$name" in megatron-core) mod=megatron.core ;; pyyaml) mod=yaml ;; *) mod="$name" ;; esac
-    "$py" -c "import $mod" 2>/dev/null || still+=("$name")
-  done
-  if ((${#still[@]})); then
-    if [ ! -d "$wheels" ]; then
-      echo "device_check: missing ${still[*]} and no wheel folder $wheels (see the pip download line in this script)" >&2
-      exit 2
-    fi
-    echo "device_check: installing ${still[*]} from $wheels"
-    plain=() mcore=()
-    for name in "${still[@]}"; do
-      if [ "$name" = megatron-core ]; then mcore=(megatron-core); else plain+=("$name"); fi
-    done
-    { if ((${#plain[@]})); then "$py" -m pip install --no-index --find-links "$wheels" "${plain[@]}"; fi &&
-      if ((${#mcore[@]})); then "$py" -m pip install --no-index --find-links "$wheels" --no-deps megatron-core; fi
-    } > "$out/install.log" 2>&1 || {
-      echo "device_check: install from $wheels failed (see $out/install.log)" >&2; exit 2; }
+if ((${#missing[@]} + ${#mcore[@]})); then
+  if [ ! -d "$wheels" ]; then
+    echo "device_check: missing ${missing[*]} ${mcore[*]} and no wheel folder $wheels (see the pip download lines" \
+         "at the top of this script)" >&2
+    exit 2
   fi
+  echo "device_check: installing ${missing[*]} ${mcore[*]} from $wheels into $site"
+  # megatron-core without its dependencies (it names torch; the machine's is used).
+  { if ((${#missing[@]})); then "$py" -m pip install --no-index --find-links "$wheels" --target "$site" "${missing[@]}"; fi &&
+    if ((${#mcore[@]})); then "$py" -m pip install --no-index --find-links "$wheels" --target "$site" --no-deps megatron-core; fi
+  } > "$out/install.log" 2>&1 || { echo "device_check: install from $wheels failed (see $out/install.log)" >&2; exit 2; }
 fi
-export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
 "$py" - "$out/env.json" <<'EOF'
