@@ -299,8 +299,8 @@ REFUSALS: Dict[str, Refusal] = {r.key: r for r in _ENTRIES}
 assert len(REFUSALS) == len(_ENTRIES), "duplicate refusal key"
 
 
-def refuse(key: str, **values) -> ConfigError:
-    """The ConfigError for refusal ``key`` (raise it)."""
+def refuse(key: str, /, **values) -> ConfigError:
+    """The ConfigError for refusal ``key`` (raise it); ``values`` fill its message."""
     return REFUSALS[key].error(**values)
 
 
