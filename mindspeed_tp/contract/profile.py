@@ -27,7 +27,7 @@ ROLLOUT_ALLREDUCE_ORDERS = ("rank_sequential",)
 # per_expert: each expert's down-proj reduced on its own; after_combine: the engine combines a
 # token's experts on each rank and all-reduces the combined partials once (vLLM fused MoE).
 ROLLOUT_MOE_EXPERT_REDUCES = ("per_expert", "after_combine")
-BACKENDS = ("auto", "torch", "npu")
+BACKENDS = ("auto", "torch", "npu", "triton")
 ENGINES = ("vllm",)
 ENGINE_CPU_ISAS = ("avx2", "avx512", "amx")
 
