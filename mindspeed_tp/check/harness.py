@@ -104,29 +104,42 @@ def _teardown_parallel_state() -> None:
     _current_layout = None
 
 
-def _setup_parallel_state(layout: Layout, seed: int) -> None:
+def _setup_parallel_state(layout: Layout, seed: int, training: bool = False) -> None:
+    """Megatron's parallel state for ``layout``. training: the train-check's world (exactly
+    tp*pp*dp processes, virtual pipeline stages, and the gloo groups megatron's optimizers use)."""
     global _current_layout
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    from .. import compat
+
     world = dist.get_world_size()
+    if training and world != layout.world_size:
+        raise ConfigError(f"training layout {layout.name} needs exactly tp*pp*dp={layout.world_size} processes; "
+                          f"launched with {world} (mindspeed-tp train-check launches one world per size)")
     if world % layout.required_world_size:
         raise ConfigError(
             f"layout {layout.name} needs a world size divisible by {layout.required_world_size} (tp*pp and "
             f"etp*ep*pp); launched with {world} processes (change --nproc or the layout)"
         )
-    if _current_layout != layout or not parallel_state.model_parallel_is_initialized():
+    key = (layout, training)
+    if _current_layout != key or not parallel_state.model_parallel_is_initialized():
         if parallel_state.model_parallel_is_initialized():
             _teardown_parallel_state()
+        kwargs = {}
+        if compat.supports_gloo_group_flag():
+            # The default backend is gloo already; megatron's optimizers also ask for its gloo groups.
+            kwargs["create_gloo_process_groups"] = training
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=layout.tp,
             pipeline_model_parallel_size=layout.pp,
+            virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
             expert_model_parallel_size=layout.ep,
             expert_tensor_parallel_size=layout.etp,
-            create_gloo_process_groups=False,  # the default backend is gloo already
             distributed_timeout_minutes=_timeout_s / 60.0,
+            **kwargs,
         )
-        _current_layout = layout
+        _current_layout = key
     model_parallel_cuda_manual_seed(seed)
 
 
