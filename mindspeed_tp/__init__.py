@@ -53,6 +53,16 @@ def disable() -> None:
         set_backend("auto")
 
 
+def set_vocab_size(vocab_size: Optional[int]) -> None:
+    """The true (unpadded) vocabulary size, so the logprob/loss patch excludes the columns Megatron
+    pads (``make_vocab_size_divisible_by`` x TP) exactly; also ``MINDSPEED_TP_VOCAB_SIZE`` or
+    ``--true-on-policy-vocab-size``. A model config with a ``vocab_size`` field (Megatron-Bridge
+    providers) states it too. None clears the setting."""
+    from . import state
+
+    state.set_vocab_size(vocab_size)
+
+
 def is_enabled() -> bool:
     from . import state
 
@@ -67,4 +77,5 @@ _install_mindspeed_hooks(_autoload.when_imported)  # our feature in MindSpeed's 
 if _autoload.env_requested():  # the package was imported explicitly: enable now
     enable(os.environ.get("MINDSPEED_TP_PROFILE") or None)
 
-__all__ = ["ConfigError", "PatchTargetError", "Profile", "disable", "enable", "is_enabled", "load_profile"]
+__all__ = ["ConfigError", "PatchTargetError", "Profile", "disable", "enable", "is_enabled", "load_profile",
+           "set_vocab_size"]

@@ -197,6 +197,19 @@ for _target, _why in _CUDA_AS_CPU:
                      reason=_why + ": allocate on the CPU and name CPU tensors by their CUDA type while it runs"))
 
 
+@_shims.register("megatron.core.fp8_utils:quantize_param_shard",
+                 "0.12.x without Transformer Engine: the distributed optimizer calls it after every step with no "
+                 "FP8 parameters and the fallback raises anyway; nothing to quantize is a no-op (as in 0.16)",
+                 wraps=True)
+def _quantize_param_shard(original):
+    def quantize_param_shard(model_params, *args, **kwargs):
+        if len(model_params) == 0:
+            return None
+        return original(model_params, *args, **kwargs)
+
+    return quantize_param_shard
+
+
 # Names megatron-core 0.16 reads without defining them when Transformer Engine is absent.
 _MISSING_NAMES = (("megatron.core.transformer.moe.moe_utils", "te_general_gemm"),)
 _defined: list = []

@@ -167,16 +167,18 @@ def _logprobs_from_logits(
 ) -> torch.Tensor:
     """Per-token logprobs through Megatron's vocab_parallel_cross_entropy (patched or vanilla).
 
-    Padded vocab columns are set to -inf first (exact, layout-independent), so both modes score
-    the true vocabulary.
+    The patch excludes padded vocab columns itself (it is told the true size, as a model config
+    tells it); vanilla megatron cannot, so for vanilla they are set to -inf first (exact).
     """
     from megatron.core import parallel_state, tensor_parallel
 
-    start = parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1]
-    logits = mask_padded_vocab(logits, vocab_size, start)
+    if not state.enabled():
+        start = parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1]
+        logits = mask_padded_vocab(logits, vocab_size, start)
     if temperature != 1.0:  # as rollout engines do: logprob of softmax(logits / T), in fp32
         logits = logits.float() / temperature
-    return -tensor_parallel.vocab_parallel_cross_entropy(logits, batch.targets.to(logits.device))
+    with state.model_vocab_size(vocab_size):
+        return -tensor_parallel.vocab_parallel_cross_entropy(logits, batch.targets.to(logits.device))
 
 
 class _RoutingCapture:

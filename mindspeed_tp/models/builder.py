@@ -76,7 +76,11 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype, disp
     if layout.vpp > 1:
         kwargs["virtual_pipeline_model_parallel_size"] = layout.vpp
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    config = TransformerConfig(**kwargs)
+    # The true vocab size, stated on the config as Megatron-Bridge's model providers do: the
+    # logprob/loss patch excludes the padded columns (GPTModel gets the padded size).
+    config.vocab_size = spec.vocab_size
+    return config
 
 
 def build_gpt_stage(
