@@ -116,12 +116,28 @@ def _record_routing(layer, idx: torch.Tensor, num_experts: int) -> None:
         recorder[getattr(layer, "layer_number", id(layer))] = chosen
 
 
+def _run_forward_pre_hooks(module) -> None:
+    """What calling ``module`` runs before its forward: its forward pre-hooks. The patch reads the
+    router's and the experts' weights without calling those modules, so it runs their hooks itself:
+    DDP's hook waits for the parameter all-gather (overlap_param_gather) and dispatches the next
+    bucket's; skipping it leaves the gather unwaited and breaks DDP's dispatch chain."""
+    for hook_id, hook in list(module._forward_pre_hooks.items()):
+        if hook_id in getattr(module, "_forward_pre_hooks_with_kwargs", {}):
+            hook(module, (), {})
+        else:
+            hook(module, ())
+
+
 def moe_forward(self, hidden_states, *args, **kwargs):
     prof = state.profile()
     config = self.config
     shape, dtype = hidden_states.shape, hidden_states.dtype
     h = hidden_states.reshape(-1, shape[-1])
     router = self.router
+    _run_forward_pre_hooks(router)
+    for expert in self.experts.local_experts:
+        _run_forward_pre_hooks(expert.linear_fc1)
+        _run_forward_pre_hooks(expert.linear_fc2)
     num_experts = config.num_moe_experts
     expert_bias = getattr(router, "expert_bias", None) if getattr(router, "enable_expert_bias", False) else None
     logits = invariant_linear(h, router.weight, out_dtype=torch.float32, row_multiple=prof.gemm_row_multiple)
