@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from conftest import explain, run_torchrun
 
-VOCABS = [1000, 1100, 15193, 151936]  # 1100, 15193 and 151936 pad to different sizes at TP 1/2/4
+VOCABS = [1000, 1100, 15193]  # 1100 and 15193 (odd, Qwen3's 151936 scaled down) pad differently at TP 1/2/4
 
 
 @pytest.fixture(scope="module")
