@@ -216,7 +216,7 @@ def test_target_without_attribute_is_rejected():
 def test_enable_disable_real_megatron():
     import mindspeed_tp
     from mindspeed_tp import state
-    from mindspeed_tp.backends import cpu_shims
+    from mindspeed_tp.devices import cpu_shims
     from mindspeed_tp.patches import registry
     from mindspeed_tp.patches import tensor_parallel as tp_patches
 

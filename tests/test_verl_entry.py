@@ -26,7 +26,7 @@ def test_fresh_process_with_only_the_environment_variable():
         "print('ENABLED', mindspeed_tp.is_enabled(), sum(p.applied for p in reg.patches) == len(reg.patches))\n"
         "print('ACTOR', megatron_actor.vocab_parallel_log_probs_from_logits.__module__)\n"
         "from mindspeed_tp.check.harness import _setup_parallel_state, init_distributed\n"
-        "from mindspeed_tp.models.layout import Layout\n"
+        "from mindspeed_tp.check.models.layout import Layout\n"
         "init_distributed(); _setup_parallel_state(Layout(), 0)  # the spec reads the pipeline rank\n"
         "from megatron.core.transformer.transformer_config import TransformerConfig\n"
         "from verl.models.mcore import model_initializer\n"
@@ -37,7 +37,7 @@ def test_fresh_process_with_only_the_environment_variable():
     proc = run_python(code, env=ENV)
     assert proc.returncode == 0, explain(proc)
     assert "ENABLED True True" in proc.stdout
-    assert "ACTOR mindspeed_tp.verl" in proc.stdout
+    assert "ACTOR mindspeed_tp.integrations.verl" in proc.stdout
     assert "SPEC DotProductAttention" in proc.stdout
 
 

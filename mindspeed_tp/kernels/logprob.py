@@ -13,10 +13,10 @@ from typing import Optional
 
 import torch
 
-from ..backends import use_npu
-from ..collectives import group_size, gather_along_rank, group_rank, max_across_ranks
-from ..errors import ConfigError
-from ..tree import tree_fold
+from . import dispatch
+from .collectives import group_size, gather_along_rank, group_rank, max_across_ranks
+from ..contract.refusals import refuse
+from ..contract.tree import tree_fold
 
 
 def mask_padded_vocab(logits: torch.Tensor, vocab_size: int, vocab_start: int = 0) -> torch.Tensor:
@@ -30,12 +30,8 @@ def mask_padded_vocab(logits: torch.Tensor, vocab_size: int, vocab_start: int = 
 
 
 def _leaf_sums(e: torch.Tensor) -> torch.Tensor:
-    """Sum of each vocab leaf (last dim); on the npu backend through the batch-invariant reduce."""
-    if use_npu(e):
-        from . import npu
-
-        return npu.row_sum(e)
-    return e.sum(-1)
+    """Sum of each vocab leaf (last dim), in the backend's fixed per-row order."""
+    return dispatch.kernel("row_sum", e)(e)
 
 
 def _power_of_two_part(n: int) -> int:
@@ -61,11 +57,7 @@ class _VocabParallelLogprob(torch.autograd.Function):
         true_vocab = v_local * world if vocab_size is None else vocab_size
         width = vocab_leaf_width(true_vocab, canonical_shards, pad_multiple)
         if v_local % width:
-            raise ConfigError(
-                f"each rank holds {v_local} vocab columns, not a multiple of the canonical vocab leaf width {width} "
-                f"(true vocab size {true_vocab}): pad the vocab to a multiple of {width} x TP (Megatron's "
-                f"make_vocab_size_divisible_by, or Profile.padded_vocab_size)"
-            )
+            raise refuse("vocab_leaf_width", v_local=v_local, width=width, vocab=true_vocab)
         vocab_start = group_rank(group) * v_local
         lf = logits.float()
         if temperature != 1.0:

@@ -1,8 +1,8 @@
 """Patches of megatron.core attention: one consistent attention function and fp32 RoPE."""
 from .. import compat, state
-from ..backends import use_npu
-from ..errors import ConfigError
-from ..kernels import apply_rope, consistent_attention
+from ..contract import refusals
+from ..contract.refusals import refuse
+from ..kernels import apply_rope, consistent_attention, dispatch
 from ..patching import PatchRegistry
 
 _CAUSAL_TYPES = ("causal", "padding_causal", "causal_bottom_right")
@@ -10,27 +10,20 @@ _CAUSAL_TYPES = ("causal", "padding_causal", "causal_bottom_right")
 
 def _check_attention_config(module) -> None:
     config = module.config
-    if getattr(config, "apply_query_key_layer_scaling", False):
-        raise ConfigError("apply_query_key_layer_scaling must be False with --true-on-policy")
-    if getattr(config, "window_size", None) is not None:
-        raise ConfigError("window_size (sliding-window attention) is not supported with --true-on-policy")
-    if getattr(config, "softmax_type", "vanilla") != "vanilla":
-        raise ConfigError(f"softmax_type={config.softmax_type!r} is not supported; use 'vanilla'")
+    refusals.check_config(refusals.ATTENTION, config)
     if module.training and getattr(config, "attention_dropout", 0.0) > 0:
-        raise ConfigError(
-            "attention_dropout must be 0 with --true-on-policy (dropout makes the forward random)"
-        )
+        raise refuse("attention_dropout")
 
 
-def _npu_mask(mask_name: str, attention_mask):
-    """The Ascend flash-attention kernels take causal or no mask, nothing explicit (as MindSpeed's
-    flash_attn_npu adaptor): Megatron's mask for attn_mask_type=causal is the kernel's own."""
+def _mask_for_maskless_kernel(mask_name: str, attention_mask, backend: str):
+    """For backends whose attention takes causal or no mask, nothing explicit (the Ascend
+    flash-attention kernels, as MindSpeed's flash_attn_npu adaptor): Megatron's mask for
+    attn_mask_type=causal is the kernel's own."""
     if mask_name == "causal":
         return None
     if mask_name == "no_mask" and attention_mask is None:
         return None
-    raise ConfigError(f"attn_mask_type={mask_name} with an explicit attention mask is not supported by the npu "
-                      f"backend (flash_attn_npu: causal or no_mask only); use attn_mask_type causal")
+    raise refuse("explicit_mask_on_maskless_backend", mask=mask_name, backend=backend)
 
 
 def attention_forward(
@@ -50,16 +43,16 @@ def attention_forward(
     inside the kernel (no repeat_interleave), and every layout runs the same per-head procedure.
     """
     if packed_seq_params is not None:
-        raise ConfigError("packed sequences (thd format) are not supported with --true-on-policy")
+        raise refuse("packed_sequences")
     if attention_bias is not None:
-        raise ConfigError("attention_bias is not supported with --true-on-policy")
+        raise refuse("attention_bias")
     _check_attention_config(self)
     prof = state.profile()
     mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
     mask_name = getattr(mask_type, "name", str(mask_type))
     causal = mask_name in _CAUSAL_TYPES
-    if use_npu(query):
-        attention_mask = _npu_mask(mask_name, attention_mask)
+    if not dispatch.backend_attribute(query, "EXPLICIT_MASKS", True):
+        attention_mask = _mask_for_maskless_kernel(mask_name, attention_mask, dispatch.backend_name(query))
     sq, b, np_, hn = query.shape
     q = query.permute(1, 2, 0, 3)
     k = key.permute(1, 2, 0, 3)
@@ -81,11 +74,11 @@ def attention_forward(
 def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None, **kwargs):
     """RoPE in fp32 from Megatron's angle table (absolute positions), one cast at the end."""
     if cu_seqlens is not None:
-        raise ConfigError("packed sequences (thd RoPE) are not supported with --true-on-policy")
+        raise refuse("packed_rope")
     if getattr(config, "multi_latent_attention", False):
-        raise ConfigError("multi_latent_attention is not supported with --true-on-policy")
+        raise refuse("multi_latent_attention")
     if mscale != 1.0:
-        raise ConfigError("RoPE mscale != 1 (YaRN) is not supported with --true-on-policy")
+        raise refuse("rope_mscale")
     return apply_rope(t, freqs, interleaved=bool(getattr(config, "rotary_interleaved", False)))
 
 

@@ -4,11 +4,11 @@ from typing import Optional
 import torch
 
 from .. import compat, state
-from ..collectives import fold_across_ranks, group_rank, group_size
-from ..errors import ConfigError
+from ..kernels.collectives import fold_across_ranks, group_rank, group_size
+from ..contract.refusals import refuse
 from ..kernels import folded_leaf_partials, invariant_linear, mask_padded_vocab, vocab_parallel_logprob
 from ..patching import PatchRegistry
-from ..rollout_layout import full_vocab_parallel_logprob, rollout_layout_linear
+from ..modes.rollout_layout.linear import full_vocab_parallel_logprob, rollout_layout_linear
 
 LAYERS = "megatron.core.tensor_parallel.layers"
 
@@ -33,9 +33,7 @@ def consistent_linear(
     Weight gradients land in ``weight.grad`` (Megatron's DDP then adds them to main_grad).
     """
     if grad_output_buffer is not None:
-        raise ConfigError(
-            "defer_embedding_wgrad_compute is not supported with --true-on-policy; unset it"
-        )
+        raise refuse("defer_embedding_wgrad_compute")
     if async_grad_allreduce is not None:  # 0.12 spelling of allreduce_dgrad
         allreduce_dgrad = allreduce_dgrad or async_grad_allreduce
     group = tp_group if tp_group is not None else compat.tp_group_of()
@@ -62,19 +60,12 @@ def row_parallel_forward(self, input_):
     if not self.input_is_parallel:
         input_ = compat.scatter_to_tensor_model_parallel_region(input_, group)
     if getattr(self, "explicit_expert_comm", False):
-        raise ConfigError(
-            "expert-parallel RowParallelLinear (explicit_expert_comm) is not covered by the dense "
-            "patches; MoE models need the MoE patch set"
-        )
+        raise refuse("explicit_expert_comm")
     k_full = self.input_size
     if prof.rollout_layout:
         return _rollout_layout_forward(self, input_, group, prof)
     if k_full % prof.canonical_shards:
-        raise ConfigError(
-            f"input size {k_full} of {type(self).__name__} (attention heads*kv_channels or "
-            f"ffn_hidden_size) is not divisible by canonical_shards={prof.canonical_shards}; change "
-            f"the model size or the profile's canonical_shards"
-        )
+        raise refuse("row_k_indivisible", k=k_full, cls=type(self).__name__, c=prof.canonical_shards)
     lead = input_.shape[:-1]
     x2d = input_.reshape(-1, input_.shape[-1])
     leaves = prof.canonical_shards // tp
@@ -90,10 +81,7 @@ def row_parallel_forward(self, input_):
 def _rollout_layout_forward(self, input_, group, prof):
     """Rollout-layout mode: the stock engine's R partials for this rank's output columns."""
     if self.bias is not None:
-        raise ConfigError(
-            f"{type(self).__name__} has a bias (add_bias_linear=True); where a rollout engine adds a row-parallel "
-            f"bias is not modelled by reduction: rollout_layout -- use add_bias_linear=False or the canonical_tree profile"
-        )
+        raise refuse("rollout_row_bias", cls=type(self).__name__)
     prof.check_rollout_k(self.input_size, f"input size of {type(self).__name__} (heads*kv_channels or ffn_hidden_size)")
     output = rollout_layout_linear(input_, self.weight, group, prof, bool(self.sequence_parallel))
     return output, None
@@ -118,7 +106,7 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=
     tp_group: the tensor-parallel group (megatron-core >= 0.19 passes it; default: the global one).
     """
     if label_smoothing:
-        raise ConfigError("label_smoothing must be 0 with --true-on-policy")
+        raise refuse("label_smoothing")
     prof = state.profile()
     group = tp_group if tp_group is not None else compat.tp_group_of()
     vocab_size = true_vocab_size(vocab_parallel_logits.shape[-1] * group_size(group))
@@ -137,19 +125,12 @@ def true_vocab_size(padded: int) -> int:
     size and padded columns inside the softmax make every logprob depend on TP."""
     explicit, from_model = state.explicit_vocab_size(), state.model_vocab()
     if explicit is not None and from_model is not None and explicit != from_model:
-        raise ConfigError(f"the true vocab size is set to {explicit} (mindspeed_tp.set_vocab_size / "
-                          f"MINDSPEED_TP_VOCAB_SIZE) but the model's config says vocab_size={from_model}; make them agree")
+        raise refuse("vocab_size_conflict", explicit=explicit, model=from_model)
     size = explicit if explicit is not None else from_model
     if size is None:
-        raise ConfigError(
-            f"the true (unpadded) vocab size is unknown: the logits have {padded} columns, and Megatron pads the "
-            f"vocabulary to a multiple of make_vocab_size_divisible_by x TP, so padded columns would enter the "
-            f"log-softmax and make logprobs depend on TP. Set it: mindspeed_tp.set_vocab_size(N), "
-            f"MINDSPEED_TP_VOCAB_SIZE=N or --true-on-policy-vocab-size N (N = the tokenizer's vocab size; "
-            f"{padded} if the vocabulary is not padded)")
+        raise refuse("vocab_size_unknown", padded=padded)
     if size > padded:
-        raise ConfigError(f"the true vocab size {size} exceeds the model's {padded} logit columns; set "
-                          f"mindspeed_tp.set_vocab_size / MINDSPEED_TP_VOCAB_SIZE to the tokenizer's vocab size")
+        raise refuse("vocab_size_exceeds_logits", vocab=size, padded=padded)
     return size
 
 

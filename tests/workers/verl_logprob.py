@@ -11,7 +11,7 @@ import verl  # noqa: F401  (imports mindspeed_tp.verl from the environment varia
 import mindspeed_tp
 from mindspeed_tp.check.harness import _setup_parallel_state, init_distributed
 from mindspeed_tp.kernels import vocab_parallel_logprob
-from mindspeed_tp.models.layout import Layout
+from mindspeed_tp.check.models.layout import Layout
 from verl.workers.actor import megatron_actor
 
 init_distributed()

@@ -23,12 +23,12 @@ import torch
 import torch.distributed as dist
 
 from ... import disable, enable
-from ...collectives import gather_along_rank
-from ...models.builder import build_gpt_chunks
-from ...models.layout import Layout
-from ...models.spec import ModelSpec
-from ...models.weights import SeededWeights, load_weights, param_shards, shard
-from ...profile import Profile
+from ...kernels.collectives import gather_along_rank
+from ..models.builder import build_gpt_chunks
+from ..models.layout import Layout
+from ..models.spec import ModelSpec
+from ..models.weights import SeededWeights, load_weights, param_shards, shard
+from ...contract.profile import Profile
 from ..batch import ScoringBatch, make_batch
 from ..harness import _setup_parallel_state, run_device
 

@@ -14,10 +14,11 @@ import math
 from functools import reduce
 from typing import Dict, List, NamedTuple, Optional
 
+from ...contract.refusals import refuse
 from ...errors import ConfigError
-from ...models.layout import Layout, validate_layout
-from ...models.spec import ModelSpec, load_model_spec
-from ...profile import Profile, load_profile
+from ..models.layout import Layout, validate_layout
+from ..models.spec import ModelSpec, load_model_spec
+from ...contract.profile import Profile, load_profile
 from ..main import _Parser, _digest, run_main, verify_same_on_all_ranks
 from .loop import RECOMPUTE, TrainSettings
 
@@ -107,13 +108,10 @@ def plan(ns: argparse.Namespace) -> Plan:
     for layout in [Layout()] + layouts:
         validate_layout(layout, spec, profile, settings.seq_length, training=True)
         if settings.global_batch_size % (settings.micro_batch_size * layout.dp):
-            raise ConfigError(
-                f"--global-batch-size={settings.global_batch_size} is not divisible by --micro-batch-size x dp = "
-                f"{settings.micro_batch_size} x {layout.dp} (layout {layout.name}); change --global-batch-size")
+            raise refuse("train_batch_indivisible", global_batch=settings.global_batch_size,
+                         micro=settings.micro_batch_size, dp=layout.dp, layout=layout.name)
         if layout.vpp > 1 and (settings.global_batch_size // (settings.micro_batch_size * layout.dp)) % layout.pp:
-            raise ConfigError(
-                f"layout {layout.name}: the interleaved schedule needs the micro-batch count "
-                f"(--global-batch-size / (--micro-batch-size x dp)) to be a multiple of pp={layout.pp}")
+            raise refuse("interleaved_microbatches", layout=layout.name, pp=layout.pp)
     if settings.seq_length > spec.max_position_embeddings:
         raise ConfigError(f"--seq-length={settings.seq_length} exceeds max_position_embeddings="
                           f"{spec.max_position_embeddings}")
@@ -142,10 +140,10 @@ def run(ns: argparse.Namespace) -> int:
 
     import torch.distributed as dist
 
-    from ...backends import accelerator_available
-    from ...backends.cpu_shims import install_cpu_shims
+    from ...devices import accelerator_available
+    from ...devices.cpu_shims import install_cpu_shims
     from ...compat import megatron_version
-    from ...models.builder import DTYPES
+    from ..models.builder import DTYPES
     from ..harness import init_distributed
     from ..progress import Progress
     from . import report
