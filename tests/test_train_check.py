@@ -30,6 +30,7 @@ def report(request, tmp_path_factory):
     proc = run_cli("train-check", "--model", model, "--layouts", ",".join(layouts), "--dtype", "fp32",
                    "--steps", "3", "--global-batch-size", "4", "--micro-batch-size", "1",
                    "--seq-length", "32", "--distributed-optimizer", "--overlap", "--compare-vanilla", "--json", str(path))
+    assert proc.returncode in (0, 1) and path.exists(), explain(proc)
     with open(path) as f:
         data = json.load(f)
     return proc, data, layouts

@@ -169,6 +169,14 @@ _ENTRIES: Tuple[Refusal, ...] = (
     Refusal("moe_shared_expert_gate", MOE, "moe_shared_expert_gate",
             "moe_shared_expert_gate={value!r} is not supported " + _T + ": the shared-expert gate is not covered; set "
             "moe_shared_expert_gate=False", "not implemented", "moe_shared_expert_gate", _set),
+    Refusal("moe_partial_forward", MOE, "CUDA graphs of the MoE layer (cuda_graph_scope with moe_router / moe_preprocess)",
+            "MoELayer.forward with intermediate_tensors / a partial fwd_execution_map (CUDA-graph partial execution) "
+            "is not supported " + _T + "; capture no MoE scope in CUDA graphs",
+            "the patch runs routing, experts and combine as one fixed-order forward"),
+    Refusal("moe_layer_recompute", MOE, "recompute_modules (moe)",
+            "recompute_modules containing 'moe' is not supported " + _T + "; recompute whole layers "
+            "(recompute_granularity=full) or other modules", "the MoE layer's own checkpointing wraps megatron's "
+            "unpatched forward path"),
     Refusal("moe_enable_deepep", MOE, "moe_enable_deepep",
             "moe_enable_deepep={value!r} is not supported " + _T + ": DeepEP dispatch is not covered; use the "
             "allgather or alltoall dispatcher", "the MoE patch moves rows itself", "moe_enable_deepep", _set),

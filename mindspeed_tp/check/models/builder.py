@@ -23,8 +23,10 @@ def _moe_kwargs(spec: ModelSpec, layout: Layout, dispatcher: str) -> dict:
         moe_router_enable_expert_bias=spec.moe_router_enable_expert_bias,
         moe_router_topk_scaling_factor=spec.moe_router_topk_scaling_factor,
         moe_shared_expert_intermediate_size=spec.moe_shared_expert_intermediate_size,
-        moe_router_load_balancing_type="aux_loss" if spec.moe_aux_loss_coeff else "none",
+        moe_router_load_balancing_type=spec.moe_router_load_balancing_type or (
+            "aux_loss" if spec.moe_aux_loss_coeff else "none"),
         moe_aux_loss_coeff=spec.moe_aux_loss_coeff,
+        moe_z_loss_coeff=spec.moe_z_loss_coeff,
         moe_expert_capacity_factor=spec.moe_expert_capacity_factor,
         moe_router_dtype="fp32",
         moe_token_dispatcher_type=dispatcher,
@@ -96,7 +98,7 @@ def build_gpt_chunks(spec: ModelSpec, layout: Layout, dtype: torch.dtype, profil
                      dispatcher: str = "alltoall", **config_overrides):
     """The model chunks this rank holds for training (one per virtual pipeline stage, ``layout.vpp``),
     in train mode, all sharing one TransformerConfig (``config_overrides`` on top)."""
-    from .. import compat
+    from ... import compat
 
     config = transformer_config(spec, layout, dtype, dispatcher, **config_overrides)
     chunks = []
