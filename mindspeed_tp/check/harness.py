@@ -13,6 +13,7 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from .. import state
 from ..contract.profile import Profile
 from ..devices.npu_runtime import import_required
 from ..errors import ConfigError

@@ -251,6 +251,24 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "where the engine adds the bias is not modelled"),
     Refusal("label_smoothing", LOSS, "label_smoothing", "label_smoothing must be 0 " + _T,
             "the smoothed loss sums over the vocab outside the canonical tree"),
+    Refusal("gradient_accumulation_fusion", MODEL, "gradient_accumulation_fusion",
+            "gradient_accumulation_fusion={value!r} is not supported " + _T + ": the patched GEMMs write weight "
+            "gradients to .grad, which megatron's DDP adds to main_grad (the fused fp32 wgrad accumulation is not "
+            "implemented); set gradient_accumulation_fusion=False (--no-gradient-accumulation-fusion)",
+            "the fused wgrad kernel is outside the patched GEMMs", "gradient_accumulation_fusion", _set),
+    Refusal("defer_embedding_wgrad_compute_config", MODEL, "defer_embedding_wgrad_compute",
+            "defer_embedding_wgrad_compute={value!r} is not supported " + _T + "; unset it",
+            "the deferred weight-gradient GEMM is outside the patched linear", "defer_embedding_wgrad_compute", _set),
+    Refusal("enable_cuda_graph", MODEL, "enable_cuda_graph / external_cuda_graph / cuda_graph_impl",
+            "enable_cuda_graph={value!r} is not supported " + _T + ": captured graphs replay kernels the patches did "
+            "not choose (and skip their host-side checks); unset it", "CUDA graphs", "enable_cuda_graph", _set),
+    Refusal("external_cuda_graph", MODEL, "enable_cuda_graph / external_cuda_graph / cuda_graph_impl",
+            "external_cuda_graph={value!r} is not supported " + _T + "; unset it", "CUDA graphs",
+            "external_cuda_graph", _set),
+    Refusal("cuda_graph_impl", MODEL, "cuda_graph_impl",
+            "cuda_graph_impl={value!r} is not supported " + _T + ": captured graphs replay kernels the patches did "
+            "not choose; set cuda_graph_impl='none'", "CUDA graphs", "cuda_graph_impl",
+            lambda v: v not in (None, "none")),
     Refusal("cross_entropy_loss_fusion", MODEL, "cross_entropy_loss_fusion",
             "cross_entropy_loss_fusion must be False " + _T + " (the fused kernel bypasses the canonical vocab "
             "reduction)", "the fused kernel sums in its own order", "cross_entropy_loss_fusion", _set),

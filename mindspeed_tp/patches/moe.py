@@ -175,8 +175,8 @@ def moe_forward(self, hidden_states, intermediate_tensors=None, padding_mask=Non
     slots = torch.zeros(h_all.shape[0], k, shape[-1], dtype=dtype, device=h.device)
     for j, expert in enumerate(experts):
         rows, slot = torch.nonzero(idx_all == ep_rank * num_local + j, as_tuple=True)
-        if rows.numel() == 0:  # the same on every expert-TP rank: they share idx_all
-            continue
+        # Also an expert no token chose runs (on zero rows), as megatron's experts do: its weights get
+        # a (zero) gradient, so DDP's per-bucket gradient-ready count completes (overlap_grad_reduce).
         y = _expert_forward(expert, h_all.index_select(0, rows), etp_group, config, prof)
         slots = slots.index_put((rows, slot), y)
     if world > 1:

@@ -26,8 +26,12 @@ from mindspeed_tp.devices.cpu_shims import install_cpu_shims
 
 init_distributed()
 install_cpu_shims()
-from megatron.core.transformer.moe.moe_utils import (  # noqa: E402
-    MoEAuxLossAutoScaler, clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker)
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, clear_aux_losses_tracker  # noqa: E402
+
+try:  # megatron-core >= 0.13 keeps the tracker in moe_utils, 0.12 in parallel_state
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+except ImportError:
+    from megatron.core.parallel_state import get_moe_layer_wise_logging_tracker
 
 profile = load_profile()
 # Unpadded vocab: vanilla megatron's loss includes padded columns in the softmax, the patch does not.
