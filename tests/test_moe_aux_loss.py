@@ -41,6 +41,8 @@ def test_router_loss_values_equal_vanilla(ranks):
             ours, theirs = _tracked(saved, variant, "consistent"), _tracked(saved, variant, "vanilla")
             assert set(ours) == set(theirs)
             name = names[variant.split("-")[0]]
+            if name not in theirs:  # megatron-core 0.12 logs the sequence aux loss as load_balancing_loss
+                name = "load_balancing_loss"
             assert (theirs[name] > 0).all(), (variant, theirs)  # one value per MoE layer, all present
             for key in theirs:
                 torch.testing.assert_close(ours[key], theirs[key], rtol=1e-5, atol=1e-7, msg=f"{variant} {key}")
