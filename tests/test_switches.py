@@ -210,18 +210,20 @@ def test_disable_reverts_the_integrations_and_the_optimizer_hook():
         def parse_args(extra_args_provider=None, ignore_unknown_args=False):
             return "vanilla"
         args_module.parse_args = parse_args
+        vanilla = {"parse_args": parse_args}  # not a module global: the registry rebinds those too
         sys.modules["megatron.training.arguments"] = args_module
         import mindspeed_tp
         from mindspeed_tp import integrations
         integrations.registry().apply_imported("megatron.training.arguments")
-        print("WRAPPED", args_module.parse_args is not parse_args)
+        print("WRAPPED", args_module.parse_args is not vanilla["parse_args"])
         hooks_before = len(opt._global_optimizer_post_hooks)
         mindspeed_tp.enable()
         print("HOOK_ON", len(opt._global_optimizer_post_hooks) - hooks_before)
         mindspeed_tp.disable()
-        print("RESTORED", args_module.parse_args is parse_args, len(opt._global_optimizer_post_hooks) - hooks_before)
+        print("RESTORED", args_module.parse_args is vanilla["parse_args"],
+              len(opt._global_optimizer_post_hooks) - hooks_before)
         mindspeed_tp.enable()
-        print("REAPPLIED", args_module.parse_args is not parse_args)
+        print("REAPPLIED", args_module.parse_args is not vanilla["parse_args"])
     """)
     lines = _applied(run_python(code))
     assert lines["WRAPPED"] == "True"
