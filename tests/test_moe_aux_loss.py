@@ -31,11 +31,13 @@ def test_every_loss_kind_and_both_coefficients_ran(ranks):
     variants = _variants(ranks[0])
     for kind in ("aux_loss", "seq_aux_loss", "z_loss"):
         assert {f"{kind}-0.01", f"{kind}-0.1"} <= set(variants), variants
+    assert "aux_and_z_loss-bundled" in variants  # the bundled tiny-moe-aux
 
 
 def test_router_loss_values_equal_vanilla(ranks):
     names = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
-             "global_aux_loss": "global_load_balancing_loss", "z_loss": "z_loss"}
+             "global_aux_loss": "global_load_balancing_loss", "z_loss": "z_loss",
+             "aux_and_z_loss": "load_balancing_loss"}
     for saved in ranks:
         for variant in _variants(saved):
             ours, theirs = _tracked(saved, variant, "consistent"), _tracked(saved, variant, "vanilla")
@@ -44,6 +46,8 @@ def test_router_loss_values_equal_vanilla(ranks):
             if name not in theirs:  # megatron-core 0.12 logs the sequence aux loss as load_balancing_loss
                 name = "load_balancing_loss"
             assert (theirs[name] > 0).all(), (variant, theirs)  # one value per MoE layer, all present
+            if variant.startswith("aux_and_z_loss"):
+                assert (theirs["z_loss"] > 0).all(), theirs
             for key in theirs:
                 torch.testing.assert_close(ours[key], theirs[key], rtol=1e-5, atol=1e-7, msg=f"{variant} {key}")
 

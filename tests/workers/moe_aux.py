@@ -34,9 +34,13 @@ except ImportError:
     from megatron.core.parallel_state import get_moe_layer_wise_logging_tracker
 
 profile = load_profile()
-# Unpadded vocab: vanilla megatron's loss includes padded columns in the softmax, the patch does not.
-base = dataclasses.replace(load_model_spec("tiny-moe"), padded_vocab_size=1000)
-VARIANTS = {"none": dict()}
+# The bundled tiny-moe-aux (aux_loss 0.01 and z-loss 0.001 together), and its variants from a base
+# with the router losses off. Unpadded vocab: vanilla megatron's loss includes padded columns in the
+# softmax, the patch does not.
+bundled = dataclasses.replace(load_model_spec("tiny-moe-aux"), padded_vocab_size=1000)
+base = dataclasses.replace(bundled, moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None, moe_router_load_balancing_type="none")
+VARIANTS = {"none": dict(), "aux_and_z_loss-bundled": {f: getattr(bundled, f) for f in (
+    "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_load_balancing_type")}}
 for coeff in (0.01, 0.1):
     for kind in ("aux_loss", "seq_aux_loss") + (("global_aux_loss",) if megatron_line() >= (0, 16) else ()):
         VARIANTS[f"{kind}-{coeff}"] = dict(moe_router_load_balancing_type=kind, moe_aux_loss_coeff=coeff)
