@@ -35,7 +35,8 @@ def _verl_logprob(original):
         if not state.enabled():
             return original(logits, labels)
         prof = state.profile()
-        return vocab_parallel_logprob(logits, labels, compat.tp_group_of(), prof.canonical_shards)
+        return vocab_parallel_logprob(logits, labels, compat.tp_group_of(), prof.canonical_shards,
+                                      pad_multiple=prof.vocab_pad_multiple)
 
     return vocab_parallel_log_probs_from_logits
 

@@ -67,6 +67,9 @@ def _record_engine_rope(original, self, args, kwargs) -> None:
 def gpt_model_init(original, registry: PatchRegistry):
     def __init__(self, *args, **kwargs):
         check_not_displaced(registry)
+        config = kwargs.get("config", args[0] if args else None)
+        if config is not None:  # before building: some refused settings fail megatron's own init on CPU
+            refusals.check_config(refusals.MODEL, config)
         _record_engine_rope(original, self, args, kwargs)
         original(self, *args, **kwargs)
         validate_model_modules(self)
