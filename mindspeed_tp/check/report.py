@@ -16,12 +16,17 @@ def _fmt_fraction(x: float) -> str:
     return f"{'n/a':>10}" if isinstance(x, float) and math.isnan(x) else f"{x * 100:>9.1f}%"
 
 
+def mode_name(r: Dict) -> str:
+    """A row's mode: vanilla, mindspeed-tp, or the profile shown alongside (e.g. canonical)."""
+    return r.get("mode") or ("vanilla" if r["vanilla"] else "mindspeed-tp")
+
+
 def format_table(results: List[Dict]) -> str:
     moe = any("routing_mismatch_fraction" in r for r in results)
     head = f"{'layout':<22}{'mode':<14}{'max|dlogp|':>12}{'mean|dlogp|':>13}{'bitwise':>9}{'max|dp|':>11}{'pearson':>10}{'tokens':>8}" + (f"{'routing!=':>10}" if moe else "")
     lines = [head, "-" * len(head)]
     for r in results:
-        mode = "vanilla" if r["vanilla"] else "mindspeed-tp"
+        mode = mode_name(r)
         if "unsupported" in r:
             lines.append(f"{r['layout']['name']:<22}{mode:<14}n/a: {r['unsupported']}")
             continue
@@ -64,7 +69,7 @@ def format_markdown(results: List[Dict], header: Dict, verdict: str) -> str:
     lines += ["", f"**Result:** {verdict}", "", "| layout | mode | max\\|dlogp\\| | mean\\|dlogp\\| | bitwise | "
               "max\\|dp\\| | pearson | tokens | NaN/inf |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
-        mode = "vanilla" if r["vanilla"] else "mindspeed-tp"
+        mode = mode_name(r)
         if "unsupported" in r:
             lines.append(f"| {r['layout']['name']} | {mode} | n/a: {r['unsupported']} ||||||| |")
             continue
@@ -75,7 +80,7 @@ def format_markdown(results: List[Dict], header: Dict, verdict: str) -> str:
         bis = r.get("bisect")
         if not bis:
             continue
-        mode = "vanilla" if r["vanilla"] else "mindspeed-tp"
+        mode = mode_name(r)
         lines += ["", f"## Bisect: {r['layout']['name']} ({mode})", ""]
         first = bis["first_divergence"]
         if first is None:

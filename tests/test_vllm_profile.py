@@ -1,0 +1,87 @@
+"""The vllm-cpu-* profiles and the settings they refuse (no engine needed: runs in every venv)."""
+import dataclasses
+
+import pytest
+
+from mindspeed_tp.errors import ConfigError
+from mindspeed_tp.integrations.vllm import refusals
+from mindspeed_tp.contract.profile import EngineSpec, load_profile, profile_from_dict
+
+
+@pytest.mark.parametrize("r", [1, 2])
+def test_engine_profiles_name_the_engine_and_its_settings(r):
+    p = load_profile(f"vllm-cpu-tp{r}")
+    assert p.reduction == "rollout_layout" and p.rollout_tp == r and p.engine_name == "vllm"
+    assert p.engine.version == "0.32.0" and p.engine.cpu_isa == "avx2" and p.engine.block_size == 128
+    settings = dict(p.engine.settings)
+    assert settings["tensor_parallel_size"] == str(r) and settings["enable_prefix_caching"] == "false"
+    assert p.rollout_moe_expert_reduce == "after_combine"
+    assert p.digest() != load_profile("rollout-tp1").digest()
+
+
+def test_engine_block_is_validated_by_name():
+    base = dataclasses.asdict(load_profile("vllm-cpu-tp1"))
+    base["engine"] = {"name": "vllm", "version": "0.32.0", "cpu_isa": "avx2"}
+    assert profile_from_dict(dict(base)).engine == EngineSpec("vllm", "0.32.0", "avx2")
+    for bad, word in (({"name": "sglang", "version": "1", "cpu_isa": "avx2"}, "engine.name"),
+                      ({"name": "vllm", "version": "0.32.0", "cpu_isa": "sse"}, "engine.cpu_isa"),
+                      ({"name": "vllm", "cpu_isa": "avx2"}, "missing"),
+                      ({"name": "vllm", "version": "0.32.0", "cpu_isa": "avx2", "threads": 2}, "unknown")):
+        with pytest.raises(ConfigError, match=word):
+            profile_from_dict(dict(base, engine=bad))
+    with pytest.raises(ConfigError, match="reduction: rollout_layout"):
+        profile_from_dict(dict(base, reduction="canonical_tree", rollout_tp=None))
+    with pytest.raises(ConfigError, match="after_combine"):
+        profile_from_dict(dict(base, engine=None))
+    with pytest.raises(ConfigError, match="must be after_combine"):
+        profile_from_dict(dict(base, rollout_moe_expert_reduce="per_expert"))
+
+
+def test_missing_or_other_vllm_is_refused(monkeypatch):
+    import importlib.metadata as md
+
+    def missing(name):
+        raise md.PackageNotFoundError(name)
+
+    monkeypatch.setattr(md, "version", missing)
+    with pytest.raises(ConfigError, match="vLLM is not installed"):
+        refusals.require_vllm("0.32.0")
+    monkeypatch.setattr(md, "version", lambda name: "0.31.1")
+    with pytest.raises(ConfigError, match="vLLM 0.31.1 is installed"):
+        refusals.require_vllm("0.32.0")
+    monkeypatch.setattr(md, "version", lambda name: "0.32.0+cpu")
+    assert refusals.require_vllm("0.32.0") == "0.32.0"
+
+
+def test_engine_settings_that_break_invariance_are_refused_by_name():
+    ok = {"OMP_NUM_THREADS": "1"}
+    refusals.check_engine_settings(ok, 1)
+    refusals.check_engine_settings({"OMP_NUM_THREADS": "4", "VLLM_CPU_ATTN_SPLIT_KV": "0"}, 2)
+    with pytest.raises(ConfigError, match="VLLM_CPU_ATTN_SPLIT_KV"):
+        refusals.check_engine_settings({"OMP_NUM_THREADS": "2"}, 1)
+    with pytest.raises(ConfigError, match="VLLM_BATCH_INVARIANT"):
+        refusals.check_engine_settings(dict(ok, VLLM_BATCH_INVARIANT="1"), 1)
+    with pytest.raises(ConfigError, match="enable_prefix_caching"):
+        refusals.check_engine_settings(ok, 1, prefix_caching=True)
+    with pytest.raises(ConfigError, match="enforce_eager"):
+        refusals.check_engine_settings(ok, 1, enforce_eager=False)
+
+
+def test_another_cpu_kernel_selection_is_refused(monkeypatch):
+    monkeypatch.setattr(refusals, "machine_isa", lambda: "amx")
+    with pytest.raises(ConfigError, match="built for 'avx2'"):
+        refusals.check_cpu_isa("avx2")
+
+
+@pytest.mark.parametrize("argv,word", [
+    (["--engine", "vllm", "--profile", "vllm-cpu-tp1"], "give --rollout N"),
+    (["--engine", "vllm", "--rollout", "2", "--profile", "rollout-tp1"], "--profile vllm-cpu-tp1"),
+    (["--engine", "vllm", "--rollout", "2", "--profile", "vllm-cpu-tp1", "--temperature", "1.0",
+      "--engine-max-batched-tokens", "512"], "CPU Generator does not use offset"),
+    (["--engine", "vllm", "--rollout", "2", "--profile", "vllm-cpu-tp1", "--bisect"], "--bisect"),
+])
+def test_checker_engine_flags_are_checked_before_anything_starts(argv, word, capsys):
+    from mindspeed_tp.check.main import main
+
+    assert main(argv) == 2
+    assert word in capsys.readouterr().err
