@@ -36,7 +36,7 @@ setup(
     # torch is the user's own (CUDA build, CPU build, or torch_npu's): any 2.x is accepted.
     install_requires=["torch>=2.1", "numpy", "pyyaml", "safetensors", "packaging"],
     extras_require={
-        "megatron": ["megatron-core>=0.12,<0.17"],
+        "megatron": ["megatron-core>=0.12,<0.20"],
         "test": ["pytest>=7", "transformers>=4.51", "matplotlib"],  # HF checkpoint tests, report plot
         "hf": ["transformers>=4.51"],
         "npu": ["torch_npu"],

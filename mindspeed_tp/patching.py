@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .errors import PatchTargetError
+from .errors import PatchImportError, PatchTargetError
 
 _MISSING = object()
 
@@ -53,9 +53,18 @@ def resolve(target: str) -> Tuple[Any, str]:
     try:
         owner = importlib.import_module(module_name)
     except ImportError as exc:
-        raise PatchTargetError(
-            f"patch target {target!r}: module {module_name!r} cannot be imported ({exc}); "
-            f"the installed megatron-core does not provide it"
+        missing = getattr(exc, "name", None)
+        if isinstance(exc, ModuleNotFoundError) and missing and (
+            module_name == missing or module_name.startswith(missing + ".")
+        ):
+            raise PatchTargetError(
+                f"patch target {target!r}: module {module_name!r} does not exist in the installed version"
+            ) from exc
+        # The module is there, but something it imports is not (megatron-core >= 0.18 imports
+        # triton without declaring it): name that import, not the target.
+        raise PatchImportError(
+            f"patch target {target!r}: importing {module_name!r} failed: {type(exc).__name__}: {exc} "
+            f"(install the missing package{f' {missing!r}' if missing else ''}; the target itself is not at fault)"
         ) from exc
     parts = qualname.split(".")
     for part in parts[:-1]:
@@ -69,7 +78,8 @@ def resolve(target: str) -> Tuple[Any, str]:
 
 def _swap_in_modules(swaps: Dict[int, Tuple[Any, Any, "Patch"]]) -> None:
     """In every loaded module, rebind each name bound to ``old`` to ``new`` (swaps: id(old) ->
-    (old, new, patch)); the patch target itself is left to the caller."""
+    (old, new, patch)); the patch target itself is left to the caller, and so is the name ``old``
+    was defined under (on revert: the replacement's own module keeps its function)."""
     if not swaps:
         return
     for module in list(sys.modules.values()):
@@ -78,8 +88,11 @@ def _swap_in_modules(swaps: Dict[int, Tuple[Any, Any, "Patch"]]) -> None:
             continue
         for name, value in list(namespace.items()):
             swap = swaps.get(id(value))
-            if swap is not None and value is swap[0] and not (module is swap[2]._owner and name == swap[2]._attr):
-                namespace[name] = swap[1]
+            if swap is None or value is not swap[0] or (module is swap[2]._owner and name == swap[2]._attr):
+                continue
+            if getattr(value, "__module__", None) == namespace.get("__name__") and getattr(value, "__name__", None) == name:
+                continue
+            namespace[name] = swap[1]
 
 
 class PatchRegistry:
@@ -146,6 +159,8 @@ class PatchRegistry:
                     continue
                 try:
                     owner, attr = resolve(p.target)
+                except PatchImportError:
+                    raise
                 except PatchTargetError:
                     if p.optional:
                         continue

@@ -17,8 +17,15 @@ pip() { "$venv/bin/python" -m pip -q --disable-pip-version-check "$@"; }
 pip install "$torch_spec"
 # megatron-core 0.12.x declares dozens of training-only dependencies a CPU run never imports;
 # 0.16.x needs only numpy and packaging. Install without them, then what both really use.
-pip install --no-deps "megatron-core==$version"
+# >= 0.17 declares Requires-Python >= 3.12 but ships a cp311 wheel (a Python 3.12 user needs no flag);
+# >= 0.18 imports triton unconditionally (transformer/moe/ops/paged_stash.py) without declaring it:
+# triton's own dependencies are GPU tooling a CPU run never loads, so install it without them.
+line="$(echo "$version" | cut -d. -f2)"
+mc_flags=()
+if [ "$line" -ge 17 ]; then mc_flags+=(--ignore-requires-python); fi
+pip install --no-deps "${mc_flags[@]}" "megatron-core==$version"
 pip install numpy packaging
+if [ "$line" -ge 18 ]; then pip install --no-deps triton; fi
 # A regular (not editable) install: it ships the .pth autoload hook (MINDSPEED_TP=1, training flags).
 pip install --force-reinstall --no-deps "$root" && pip install "$root[test]"
 echo "$want" > "$stamp"

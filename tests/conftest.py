@@ -93,3 +93,9 @@ def torchrun():
 @pytest.fixture
 def cli():
     return run_cli
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "version_lines: touches a megatron-core version difference; scripts/test.sh runs only these on "
+                   "the 0.12.x line")

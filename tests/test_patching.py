@@ -5,7 +5,7 @@ import uuid
 
 import pytest
 
-from mindspeed_tp.errors import PatchTargetError
+from mindspeed_tp.errors import PatchImportError, PatchTargetError
 from mindspeed_tp.patching import Patch, PatchRegistry
 
 
@@ -183,6 +183,21 @@ def test_missing_module_raises_naming_it():
     assert target in str(exc.value)
 
 
+@pytest.mark.parametrize("optional", [False, True])
+def test_failed_import_inside_the_target_module_is_named(tmp_path, monkeypatch, optional):
+    """A target module that exists but imports a missing package (megatron-core >= 0.18 without
+    triton): the error names that import, not the target, and an optional patch is not skipped."""
+    tag = uuid.uuid4().hex[:8]
+    (tmp_path / f"_mstp_imports_missing_{tag}.py").write_text(f"import _mstp_absent_dep_{tag}\ndef f():\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reg = PatchRegistry("t")
+    reg.register(f"_mstp_imports_missing_{tag}:f", "t", optional=optional)(lambda: None)
+    with pytest.raises(PatchImportError) as exc:
+        reg.apply()
+    assert f"_mstp_absent_dep_{tag}" in str(exc.value)
+    assert "does not exist" not in str(exc.value)
+
+
 def test_optional_missing_target_is_skipped(mods):
     reg = PatchRegistry("t")
     reg.register(f"{mods.a.__name__}:does_not_exist", "version-specific", optional=True)(lambda: None)
@@ -295,3 +310,21 @@ def test_revert_of_an_inherited_attribute_uncovers_the_base(mods):
     reg.revert()
     assert "method" not in vars(Sub)
     assert Sub.method is mods.C.method
+
+
+def test_revert_leaves_the_replacement_in_its_own_module(mods):
+    """revert() rebinds names bound to the replacement back to the original everywhere except where
+    the replacement is defined: a second enable() and the patch module's own callers still get it."""
+    home = types.ModuleType(f"_mstp_home_{uuid.uuid4().hex[:8]}")
+    exec("def f(x):\n    return ('home', x)\n", home.__dict__)
+    sys.modules[home.__name__] = home
+    try:
+        mine = home.f
+        reg = PatchRegistry("t")
+        reg.register(f"{mods.a.__name__}:f", "t")(mine)
+        reg.apply()
+        assert mods.b.f is mine
+        reg.revert()
+        assert home.f is mine and mods.b.f is mods.f
+    finally:
+        sys.modules.pop(home.__name__, None)

@@ -116,7 +116,14 @@ def _record_routing(layer, idx: torch.Tensor, num_experts: int) -> None:
         recorder[getattr(layer, "layer_number", id(layer))] = chosen
 
 
-def moe_forward(self, hidden_states, *args, **kwargs):
+def moe_forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
+    """MoELayer.forward (every argument 0.12, 0.16 and 0.19 pass): ``intermediate_tensors`` (a split
+    forward resumed from saved routing/dispatch state) refused; ``padding_mask`` ([b, s], True marks
+    padding, as megatron's router applies it) keeps padding tokens out of the expert-bias token
+    counts, which is all it changes there: a token's experts never depend on other tokens."""
+    if intermediate_tensors is not None:
+        raise ConfigError("MoELayer.forward with intermediate_tensors (a split MoE forward) is not supported with "
+                          "--true-on-policy")
     prof = state.profile()
     config = self.config
     shape, dtype = hidden_states.shape, hidden_states.dtype
@@ -133,7 +140,8 @@ def moe_forward(self, hidden_states, *args, **kwargs):
     _record_routing(self, idx, num_experts)
     if expert_bias is not None and torch.is_grad_enabled():
         with torch.no_grad():  # the bias update statistics Megatron keeps
-            router.local_tokens_per_expert += torch.bincount(idx.reshape(-1), minlength=num_experts).to(
+            counted = idx if padding_mask is None else idx[~padding_mask.transpose(0, 1).reshape(-1).bool()]
+            router.local_tokens_per_expert += torch.bincount(counted.reshape(-1), minlength=num_experts).to(
                 router.local_tokens_per_expert.dtype)
 
     tp_ep, etp_group, ep_rank = _groups()

@@ -24,17 +24,32 @@ def consistent_linear(
     wgrad_deferral_limit=None,
     async_grad_allreduce=None,
     tp_group=None,
-    **_ignored,
+    gtp_remat_size=1,
 ):
-    """Drop-in for linear_with_grad_accumulation_and_async_allreduce (column-parallel GEMMs).
+    """Drop-in for linear_with_grad_accumulation_and_async_allreduce / linear_with_frozen_weight
+    (column-parallel GEMMs), with every argument megatron-core 0.12, 0.16 and 0.19 pass:
 
-    Same communication semantics (SP all-gather forward / reduce-scatter backward, dgrad
-    all-reduce); the GEMM itself is the batch-invariant one, fp32-accumulated and cast once.
-    Weight gradients land in ``weight.grad`` (Megatron's DDP then adds them to main_grad).
+    - ``gradient_accumulation_fusion``: honoured; weight gradients land in ``weight.grad``, which
+      Megatron's DDP hook adds to ``main_grad`` (it only skips that when a fused kernel set
+      ``grad_added_to_main_grad``, which this path never does);
+    - ``allreduce_dgrad`` (0.12 also ``async_grad_allreduce``), ``sequence_parallel``, ``tp_group``
+      (0.16+): the same communication as Megatron (SP all-gather forward / reduce-scatter backward,
+      dgrad all-reduce);
+    - ``grad_output_buffer`` (defer_embedding_wgrad_compute) refused; ``wgrad_deferral_limit`` only
+      applies with that buffer, so it has nothing to do here;
+    - ``gtp_remat_size`` (0.19): above 1 the weight is sharded over a further group and gathered
+      inside Megatron's own autograd function, which this GEMM does not do: refused.
+
+    The GEMM itself is the batch-invariant one, fp32-accumulated and cast once.
     """
     if grad_output_buffer is not None:
         raise ConfigError(
             "defer_embedding_wgrad_compute is not supported with --true-on-policy; unset it"
+        )
+    if gtp_remat_size is not None and gtp_remat_size != 1:
+        raise ConfigError(
+            f"gtp_remat_size={gtp_remat_size} (weight re-materialisation over a further group) is not "
+            f"supported with --true-on-policy; set it to 1"
         )
     if async_grad_allreduce is not None:  # 0.12 spelling of allreduce_dgrad
         allreduce_dgrad = allreduce_dgrad or async_grad_allreduce
@@ -111,12 +126,15 @@ def column_parallel_forward(original):
     return forward
 
 
-def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=0.0):
-    """-logprob through the canonical vocab tree (fp32), or the full-vocab one (rollout_layout)."""
+def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=0.0, tp_group=None):
+    """-logprob through the canonical vocab tree (fp32), or the full-vocab one (rollout_layout).
+
+    ``tp_group``: the vocab's tensor-parallel group (0.19 passes the model's; older lines none:
+    the global TP group)."""
     if label_smoothing:
         raise ConfigError("label_smoothing must be 0 with --true-on-policy")
     prof = state.profile()
-    group = compat.tp_group_of()
+    group = tp_group if tp_group is not None else compat.tp_group_of()
     if prof.rollout_layout:  # the engine's one fp32 log-softmax over the whole vocab
         return -full_vocab_parallel_logprob(vocab_parallel_logits, target, group)
     return -vocab_parallel_logprob(
