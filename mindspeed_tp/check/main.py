@@ -28,7 +28,7 @@ DEFAULTS = dict(
     model=None, hf_checkpoint=None, prompts=None, profile="default", tp=1, pp=1, sp=False, ep=1, etp=1, dispatcher="alltoall", layouts=None, dtype="bf16", seed=1234,
     batch_size=4, seq_length=144, json=None, vanilla=False, compare_vanilla=False, reference=None,
     save_reference=None, dump_logprobs=None, timeout=600.0, rollout=0, temperature=0.0, max_new_tokens=16,
-    device="cpu",
+    device="cpu", packed=False,
     bisect=False, bisect_dump=None, report_md=None, plot=None,
 )
 
@@ -82,6 +82,10 @@ def build_parser(prog: str = "mindspeed-tp check") -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cpu", "npu"],
                    help="where the models run: cpu (gloo, default) or npu (each rank's Ascend NPU; HCCL for the "
                         "model's collectives; kernels by the profile's backend)")
+    p.add_argument("--packed", action="store_true", default=None,
+                   help="score the layouts' sequences packed into one row (thd, PackedSeqParams with cu_seqlens, as "
+                        "verl's use_remove_padding does); the single-device reference stays padded (bshd), so "
+                        "equality shows both packed == padded and layout invariance")
     p.add_argument("--timeout", type=float, help="seconds any collective, pipeline transfer or wait for another rank may "
                                                  "take before the check fails with exit code 3 (default 600)")
     p.add_argument("--bisect", action="store_true", default=None,
@@ -130,7 +134,24 @@ def resolve_args(argv: Optional[List[str]]) -> argparse.Namespace:
 
         require_matplotlib()
     ns.bisect = bool(ns.bisect or ns.bisect_dump or ns.plot)
+    if ns.packed:
+        _check_packed_flags(ns)
     return ns
+
+
+def _check_packed_flags(ns: argparse.Namespace) -> None:
+    """What --packed does not combine with, by name."""
+    if ns.vanilla or ns.compare_vanilla:
+        raise ConfigError("--packed with --vanilla/--compare-vanilla: megatron-core's local DotProductAttention has "
+                          "no packed-sequence path (only Transformer Engine's has); drop --packed or the vanilla run")
+    if ns.bisect:
+        raise ConfigError("--packed with --bisect/--bisect-dump/--plot: the module recorder reassembles padded "
+                          "(bshd) activations only; drop --packed to bisect")
+    if int(ns.rollout):
+        raise ConfigError("--packed with --rollout is not supported yet; score the rollouts padded (drop --packed)")
+    if ns.reference or ns.save_reference:
+        raise ConfigError("--packed with --reference/--save-reference: the reference is the in-process padded "
+                          "single-device run; drop --packed to save or load one")
 
 
 class Plan(NamedTuple):
@@ -271,7 +292,8 @@ def run(ns: argparse.Namespace) -> int:
     dtype = DTYPES[ns.dtype]
     inputs = {"seed": ns.seed, "batch_size": ns.batch_size, "seq_length": ns.seq_length, "dtype": ns.dtype,
               "rollout": int(ns.rollout), "temperature": float(ns.temperature),
-              "max_new_tokens": int(ns.max_new_tokens), "prompts": _digest(prompts) if prompts else None}
+              "max_new_tokens": int(ns.max_new_tokens), "prompts": _digest(prompts) if prompts else None,
+              "packed": bool(ns.packed)}
     verify_same_on_all_ranks(
         {"model config": spec.to_dict(), "profile": profile.to_dict(), "inputs": inputs, "device": ns.device,
          "layouts": [l.name for l in layouts], "megatron-core version": megatron_version(),
@@ -341,7 +363,7 @@ def run(ns: argparse.Namespace) -> int:
             progress.step(f"{layout.name} ({'vanilla' if vanilla else 'mindspeed-tp'})")
             diag = {"record_modules": ns.bisect}
             lp, routing = layout_logprobs(spec, layout, dtype, profile, int(ns.seed), batch, vanilla, ns.dispatcher,
-                                          temperature, weights, diagnostics=diag)
+                                          temperature, weights, diagnostics=diag, packed=bool(ns.packed))
             r = compare_logprobs(lp, refs[key], batch.scored)
             r.update(logits_nonfinite=diag["logits_nonfinite"], logits_first_nonfinite=diag["logits_first_nonfinite"])
             if spec.is_moe:
@@ -350,7 +372,7 @@ def run(ns: argparse.Namespace) -> int:
             r.update(
                 layout=layout.to_dict(), vanilla=vanilla, profile=profile.name, profile_digest=profile.digest(),
                 megatron_core_version=megatron_version(), model=spec.name, dtype=ns.dtype, seed=int(ns.seed),
-                device=ns.device,
+                device=ns.device, packed=bool(ns.packed),
                 reduction=profile.reduction, reference="rollout engine" if rollout else "single device (tp1)",
             )
             if profile.rollout_layout:  # the stock engine's TP size this run reproduces

@@ -1,7 +1,7 @@
 """Kernel interface. The torch reference backend (CPU, always tested) implements every kernel;
 the npu backend (``kernels/npu.py``: CANN batch-invariant ops, Ascend flash attention) runs behind
 the same names when ``backends.use_npu`` selects it for a call."""
-from .attention import consistent_attention, decode_attention
+from .attention import consistent_attention, decode_attention, packed_attention
 from .linear import folded_leaf_partials, invariant_linear, invariant_matmul, leaf_partials
 from .logprob import mask_padded_vocab, vocab_parallel_logprob
 from .norm import layer_norm, rms_norm
@@ -17,6 +17,7 @@ __all__ = [
     "invariant_matmul",
     "layer_norm",
     "mask_padded_vocab",
+    "packed_attention",
     "leaf_partials",
     "rms_norm",
     "rope_angles",
