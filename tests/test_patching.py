@@ -8,6 +8,8 @@ import pytest
 from mindspeed_tp.errors import PatchImportError, PatchTargetError
 from mindspeed_tp.patching import Patch, PatchRegistry
 
+pytestmark = pytest.mark.version_lines  # also run on megatron-core 0.12.x (scripts/test.sh)
+
 
 @pytest.fixture
 def mods():

@@ -92,6 +92,12 @@ def attention_forward(
     causal = mask_name in _CAUSAL_TYPES
     if packed_seq_params is not None:
         return _packed_forward(self, query, key, value, attention_mask, packed_seq_params, causal, prof)
+    if attention_mask is not None and attention_mask.dim() != 4:
+        raise ConfigError(
+            f"attention_mask of shape {tuple(attention_mask.shape)}: the patched attention takes Megatron's "
+            f"[b, 1, sq, sk] mask (True hides a key); a [b, s] padding mask (verl's bshd engine path, "
+            f"use_remove_padding=False) is not supported -- use packed sequences (use_remove_padding=True)"
+        )
     if use_npu(query):
         attention_mask = _npu_mask(mask_name, attention_mask)
     sq, b, np_, hn = query.shape
