@@ -4,8 +4,10 @@ nor the package). It only registers post-import hooks, so
 
 - ``MINDSPEED_TP=1`` enables the patches as soon as ``megatron.core`` has been imported, in any
   script (verl workers, pretrain_gpt.py, ...) without code changes;
-- ``megatron.training.arguments.parse_args`` learns ``--true-on-policy`` and
-  ``--true-on-policy-profile`` whenever a training script imports it.
+- once a training script imports ``megatron.training.arguments``, the package is imported, and its
+  integration registry wraps ``parse_args`` (``--true-on-policy``, ``--true-on-policy-profile``).
+
+``when_imported`` is also the trigger the package's integration registry uses.
 """
 import importlib.abc
 import importlib.util
@@ -70,14 +72,14 @@ def _enable_from_env(_module) -> None:
     mindspeed_tp.enable(os.environ.get("MINDSPEED_TP_PROFILE") or None)
 
 
-def _register_training_flags(module) -> None:
-    from mindspeed_tp.training_args import patch_parse_args
-
-    patch_parse_args(module)
+def _load_package(_module) -> None:
+    # Importing the package installs its integration triggers; the module is already imported,
+    # so the trigger applies the parse_args wrap at once.
+    import mindspeed_tp  # noqa: F401
 
 
 def install() -> None:
-    when_imported(_TRAINING_ARGS, _register_training_flags)
+    when_imported(_TRAINING_ARGS, _load_package)
     if env_requested():
         when_imported(_CORE, _enable_from_env)
 

@@ -16,6 +16,10 @@ import sys
 import tempfile
 from typing import Dict, List, Optional
 
+from . import integrations, patches
+from .check.main import build_parser, plan, required_world_size, resolve_args
+from .contract.refusals import markdown
+from .devices.cpu_shims import shim_registry
 from .errors import ConfigError
 
 _LAUNCH_FLAGS = ("--nproc", "--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint")
@@ -97,12 +101,10 @@ def _read_statuses(directory: str, nproc: int):
 
 
 def _check(argv: List[str]) -> int:
-    from .check.main import plan, required_world_size, resolve_args
 
     try:
         launch, rest = _split_launch_flags(argv)
         if "-h" in rest or "--help" in rest:
-            from .check.main import build_parser
 
             build_parser().print_help()
             print(_LAUNCH_HELP)
@@ -134,21 +136,27 @@ def _check(argv: List[str]) -> int:
 
 
 def _patches(argv: List[str]) -> int:
-    from .backends.cpu_shims import shim_registry
-    from .patches import registry
 
-    for title, reg in (("numerics patches", registry()), ("CPU shims (no accelerator only)", shim_registry())):
+    for title, reg in (("numerics patches (enable)", patches.registry()),
+                       ("integrations (applied when the module is imported)", integrations.registry()),
+                       ("CPU shims (no accelerator only)", shim_registry())):
         print(f"# {title}")
-        for p in reg.patches:
+        for p in reg.entries():
             print(f"- {p.target}\n    {p.reason}")
+    return 0
+
+
+def _refusals(argv: List[str]) -> int:
+
+    print(markdown())
     return 0
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"check": _check, "patches": _patches}
+    commands = {"check": _check, "patches": _patches, "refusals": _refusals}
     if not argv or argv[0] not in commands:
-        print("usage: mindspeed-tp {check,patches} [flags]   (mindspeed-tp check --help)", file=sys.stderr)
+        print(f"usage: mindspeed-tp {{{','.join(commands)}}} [flags]   (mindspeed-tp check --help)", file=sys.stderr)
         return 2
     return commands[argv[0]](argv[1:])
 

@@ -6,9 +6,14 @@ TP group); 0.16 threads ``tp_group`` through modules and mappings; 0.19 also pas
 ``vocab_parallel_cross_entropy`` and passes ``gtp_remat_size`` to the column-parallel GEMM (both
 handled by the patches' own signatures).
 """
+import os
+import warnings
 from typing import Tuple
 
 SUPPORTED_LINES: Tuple[Tuple[int, int], ...] = ((0, 12), (0, 16), (0, 19))
+# Set to 1 to silence the warning for a megatron-core line the test suite does not run.
+ALLOW_UNTESTED_ENV = "MINDSPEED_TP_ALLOW_UNTESTED_MEGATRON"
+_warned = set()
 
 
 def megatron_version() -> str:
@@ -22,6 +27,21 @@ def megatron_version() -> str:
 def megatron_line() -> Tuple[int, int]:
     major, minor = megatron_version().split(".")[:2]
     return int(major), int(minor)
+
+
+def warn_if_untested_line() -> None:
+    """enable(): warn once, naming the tested lines, when the installed megatron-core is not one."""
+    version = megatron_version()
+    if version == "not installed" or os.environ.get(ALLOW_UNTESTED_ENV, "") == "1":
+        return
+    line = megatron_line()
+    if line in SUPPORTED_LINES or line in _warned:
+        return
+    _warned.add(line)
+    tested = ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED_LINES)
+    warnings.warn(f"mindspeed-tp: megatron-core {version} is not a tested line (tested: {tested}); patch "
+                  f"targets may have moved or changed signature. Run `mindspeed-tp check` before trusting "
+                  f"bitwise results; set {ALLOW_UNTESTED_ENV}=1 to silence this", RuntimeWarning, stacklevel=3)
 
 
 def _mappings_take_group() -> bool:

@@ -3,7 +3,7 @@ import threading
 from contextlib import contextmanager
 from typing import Optional
 
-from .profile import Profile
+from .contract.profile import Profile
 
 _profile: Optional[Profile] = None
 _local = threading.local()
@@ -39,15 +39,3 @@ def fp32_output():
 def want_fp32_output() -> bool:
     return getattr(_local, "fp32_output", False)
 
-
-_routing = None
-
-
-def routing_recorder():
-    """When set (a dict), MoE layers store their chosen experts per token under their layer number."""
-    return _routing
-
-
-def set_routing_recorder(recorder) -> None:
-    global _routing
-    _routing = recorder

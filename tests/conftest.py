@@ -7,6 +7,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(ROOT, "tests", "workers")
+SUPPORT = os.path.join(ROOT, "tests", "support")
+FAULT_ENV = "MINDSPEED_TP_TEST_FAULT"
 
 
 def _env(extra=None):
@@ -16,6 +18,9 @@ def _env(extra=None):
     env.pop("MINDSPEED_TP", None)
     env.pop("MINDSPEED_TP_PROFILE", None)
     env.update(extra or {})
+    if env.get(FAULT_ENV):  # the checker loads the fault-injection plugin (tests/support)
+        env["PYTHONPATH"] = SUPPORT + os.pathsep + env["PYTHONPATH"]
+        env["MINDSPEED_TP_CHECK_PLUGINS"] = "fault_injection"
     return env
 
 

@@ -1,5 +1,5 @@
 """--bisect on real runs with a known, injected divergence (MINDSPEED_TP_TEST_FAULT, test-only:
-see mindspeed_tp/check/faults.py): the report must name the module and class it correctly."""
+see tests/support/fault_injection.py): the report must name the module and class it correctly."""
 import json
 
 import torch

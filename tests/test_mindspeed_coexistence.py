@@ -101,7 +101,7 @@ def test_mindspeed_after_enable_repatch_and_a_foreign_rebinding():
         MindSpeedPatchesManager.apply_patches()
         print("FOREIGN", [p.target for p in registry().displaced()])
         try:
-            check_not_displaced()
+            check_not_displaced(registry())
         except mindspeed_tp.ConfigError as exc:
             print("REFUSED", "mindspeed.megatron_adaptor" in str(exc) and "DotProductAttention.forward" in str(exc))
         mindspeed_tp.enable()

@@ -23,13 +23,13 @@ FAKE_MODULES = ("torch_npu", "batch_invariant_ops", "flash_attn_npu", "flash_att
 @pytest.fixture
 def npu_stack(monkeypatch):
     """The stand-in Ascend packages importable, the npu backend forced; all undone afterwards."""
-    from mindspeed_tp import backends
-    from mindspeed_tp.backends import npu
+    from mindspeed_tp.kernels import dispatch
+    from mindspeed_tp.devices import npu_runtime as npu
 
     monkeypatch.syspath_prepend(FAKES)
     had_npu = hasattr(torch, "npu")
     npu.reset()
-    backends.set_backend("npu")
+    dispatch.select("npu")
     import batch_invariant_ops
     import flash_attn_npu
     import flash_attn_npu_v3
@@ -38,7 +38,7 @@ def npu_stack(monkeypatch):
     flash_attn_npu.CALLS.clear()
     flash_attn_npu_v3.CALLS.clear()
     yield types.SimpleNamespace(bi=batch_invariant_ops.CALLS, fa=flash_attn_npu.CALLS, fa3=flash_attn_npu_v3.CALLS)
-    backends.set_backend("auto")
+    dispatch.select("auto")
     npu.reset()
     for name in FAKE_MODULES:
         sys.modules.pop(name, None)
@@ -58,9 +58,9 @@ def test_import_and_enable_without_torch_npu():
     code = (
         "import sys, dataclasses\n"
         "import mindspeed_tp\n"
-        "from mindspeed_tp import backends\n"
+        "from mindspeed_tp.kernels import dispatch\n"
         "prof = mindspeed_tp.enable()\n"
-        "print('ENABLED', mindspeed_tp.is_enabled(), backends.selected_backend())\n"
+        "print('ENABLED', mindspeed_tp.is_enabled(), dispatch.selected())\n"
         "print('IMPORTED', [m for m in ('torch_npu', 'batch_invariant_ops', 'flash_attn_npu') if m in sys.modules])\n"
         "try:\n"
         "    mindspeed_tp.enable(dataclasses.replace(prof, backend='npu'))\n"
@@ -82,7 +82,7 @@ def test_import_and_enable_without_torch_npu():
 ])
 def test_missing_piece_is_named(npu_stack, monkeypatch, hidden, named):
     from mindspeed_tp import ConfigError
-    from mindspeed_tp.backends import npu
+    from mindspeed_tp.devices import npu_runtime as npu
 
     for name in hidden:
         monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError
@@ -95,7 +95,7 @@ def test_missing_piece_is_named(npu_stack, monkeypatch, hidden, named):
 def test_v3_package_under_its_new_name(npu_stack, monkeypatch):
     """flash-attention-npu renamed flash_attn_npu_v3 to flash_attn_npu_3: either is accepted."""
     import flash_attn_npu_v3
-    from mindspeed_tp.backends import npu
+    from mindspeed_tp.devices import npu_runtime as npu
 
     monkeypatch.setitem(sys.modules, "flash_attn_npu_v3", None)
     monkeypatch.setitem(sys.modules, "flash_attn_npu_3", flash_attn_npu_v3)
@@ -104,27 +104,28 @@ def test_v3_package_under_its_new_name(npu_stack, monkeypatch):
 
 
 def test_backend_selection():
-    from mindspeed_tp import backends
+    from mindspeed_tp.kernels import dispatch
 
-    on_npu = types.SimpleNamespace(device=types.SimpleNamespace(type="npu"))  # what use_npu reads
+    on_npu = types.SimpleNamespace(device=types.SimpleNamespace(type="npu"))  # what dispatch reads
     on_cpu = torch.zeros(1)
     try:
-        backends.set_backend("auto")
-        assert backends.use_npu(on_npu) and not backends.use_npu(on_cpu)
-        backends.set_backend("torch")
-        assert not backends.use_npu(on_npu) and not backends.use_npu(on_cpu)
-        backends.set_backend("npu")
-        assert backends.use_npu(on_npu) and backends.use_npu(on_cpu)
+        dispatch.select("auto")
+        assert (dispatch.backend_name(on_npu) == 'npu') and not (dispatch.backend_name(on_cpu) == 'npu')
+        dispatch.select("torch")
+        assert not (dispatch.backend_name(on_npu) == 'npu') and not (dispatch.backend_name(on_cpu) == 'npu')
+        dispatch.select("npu")
+        assert (dispatch.backend_name(on_npu) == 'npu') and (dispatch.backend_name(on_cpu) == 'npu')
         with pytest.raises(ValueError):
-            backends.set_backend("cuda")
+            dispatch.select("cuda")
     finally:
-        backends.set_backend("auto")
+        dispatch.select("auto")
 
 
 def test_auto_prepares_npu_only_when_an_npu_is_present(npu_stack, monkeypatch):
-    from mindspeed_tp import backends
-    from mindspeed_tp.backends import npu
-    from mindspeed_tp.profile import Profile
+    from mindspeed_tp.kernels import dispatch
+    from mindspeed_tp.devices import npu_runtime as npu
+    from mindspeed_tp.contract.profile import Profile
+    from mindspeed_tp.devices import machine_device_type
 
     import torch_npu
 
@@ -132,17 +133,17 @@ def test_auto_prepares_npu_only_when_an_npu_is_present(npu_stack, monkeypatch):
     loads = []
     monkeypatch.setattr(npu, "load", lambda: loads.append(1))
     monkeypatch.setattr(torch_npu, "AVAILABLE", False)
-    assert backends.ensure_backend_ready(Profile(backend="auto")) == "torch" and not loads
-    assert backends.selected_backend() == "auto"
+    assert dispatch.prepare(Profile(backend="auto"), machine_device_type()) == "torch" and not loads
+    assert dispatch.selected() == "auto"
     monkeypatch.setattr(torch_npu, "AVAILABLE", True)
-    assert backends.ensure_backend_ready(Profile(backend="auto")) == "npu" and loads == [1]
-    assert backends.ensure_backend_ready(Profile(backend="torch")) == "torch" and loads == [1]
-    assert backends.ensure_backend_ready(Profile(backend="npu")) == "npu" and loads == [1, 1]
+    assert dispatch.prepare(Profile(backend="auto"), machine_device_type()) == "npu" and loads == [1]
+    assert dispatch.prepare(Profile(backend="torch"), machine_device_type()) == "torch" and loads == [1]
+    assert dispatch.prepare(Profile(backend="npu"), machine_device_type()) == "npu" and loads == [1, 1]
     assert os.environ["HCCL_DETERMINISTIC"] == "strict" and os.environ["LCCL_DETERMINISTIC"] == "1"
 
 
 def test_collective_environment():
-    from mindspeed_tp.backends.npu import set_collective_env
+    from mindspeed_tp.devices.npu_runtime import set_collective_env
 
     env = {}
     with warnings.catch_warnings():
@@ -158,7 +159,7 @@ def test_collective_environment():
 
 def test_profile_npu_refuses_split_kv():
     from mindspeed_tp import ConfigError
-    from mindspeed_tp.profile import Profile
+    from mindspeed_tp.contract.profile import Profile
 
     with pytest.raises(ConfigError, match="attention_split_size"):
         Profile(backend="npu", attention_split_size=256)
@@ -262,14 +263,14 @@ def test_npu_attention_mask_types():
     """The patched DotProductAttention on the npu backend: causal drops Megatron's mask (the
     kernel applies its own), no_mask passes, anything with an explicit mask is refused."""
     from mindspeed_tp import ConfigError
-    from mindspeed_tp.patches.attention import _npu_mask
+    from mindspeed_tp.patches.attention import _mask_for_maskless_kernel
 
-    assert _npu_mask("causal", torch.ones(1, 1, 4, 4, dtype=torch.bool)) is None
-    assert _npu_mask("no_mask", None) is None
+    assert _mask_for_maskless_kernel("causal", torch.ones(1, 1, 4, 4, dtype=torch.bool), "npu") is None
+    assert _mask_for_maskless_kernel("no_mask", None, "npu") is None
     for name, mask in (("padding_causal", torch.ones(1, 1, 4, 4, dtype=torch.bool)),
                        ("no_mask", torch.ones(1, 1, 4, 4, dtype=torch.bool)), ("padding", None)):
         with pytest.raises(ConfigError, match="attn_mask_type"):
-            _npu_mask(name, mask)
+            _mask_for_maskless_kernel(name, mask, "npu")
 
 
 def test_torch_decode_attention_equals_training_attention():

@@ -1,6 +1,7 @@
 """MoE models on real megatron-core (MoELayer, TopKRouter, SequentialMLP, both dispatchers):
 every EP/TP/ETP/PP layout gives logprobs and routing bitwise equal to one device with
 mindspeed-tp; vanilla megatron-core does not (bf16)."""
+import functools
 import json
 
 import pytest
@@ -25,15 +26,30 @@ def _check(tmp, *args):
     return proc, load_file(str(tmp / "logprobs.safetensors")), json.loads((tmp / "report.json").read_text())
 
 
-@pytest.fixture(scope="module", params=CASES, ids=["-".join(c) for c in CASES])
-def matrix(request, tmp_path_factory):
-    model, dispatcher, dtype = request.param
+# Vanilla is run (and claimed to differ) in bf16 only.
+BF16_CASES = [c for c in CASES if c[2] == "bf16"]
+
+
+@functools.lru_cache(maxsize=None)
+def _matrix(case, tmp_path_factory):
+    """One checker run per case, shared by every test that reads it."""
+    model, dispatcher, dtype = case
     tmp = tmp_path_factory.mktemp(f"moe-{model}-{dispatcher}-{dtype}")
     extra = ["--compare-vanilla"] if dtype == "bf16" else []
     proc, tensors, report = _check(tmp, "--model", model, "--dispatcher", dispatcher, "--dtype", dtype,
                                    "--layouts", ",".join(LAYOUTS), *extra)
     assert proc.returncode == 0, explain(proc)
-    return request.param, tensors, report
+    return case, tensors, report
+
+
+@pytest.fixture(scope="module", params=CASES, ids=["-".join(c) for c in CASES])
+def matrix(request, tmp_path_factory):
+    return _matrix(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=BF16_CASES, ids=["-".join(c) for c in BF16_CASES])
+def bf16_matrix(request, tmp_path_factory):
+    return _matrix(request.param, tmp_path_factory)
 
 
 def test_logprobs_and_routing_bitwise_equal_to_one_device(matrix):
@@ -46,10 +62,8 @@ def test_logprobs_and_routing_bitwise_equal_to_one_device(matrix):
     assert all(r["routing_mismatch_fraction"] == 0.0 and r["bitwise_equal_fraction"] == 1.0 for r in ours)
 
 
-def test_vanilla_is_not_bitwise_equal_in_bf16(matrix):
-    (model, dispatcher, dtype), t, report = matrix
-    if dtype != "bf16":
-        return  # vanilla is only run (and only claimed to differ) in bf16
+def test_vanilla_is_not_bitwise_equal_in_bf16(bf16_matrix):
+    (model, dispatcher, dtype), t, report = bf16_matrix
     scored = t["scored"]
     unsupported = {r["layout"]["name"] for r in report["results"] if "unsupported" in r}
     # Only megatron-core 0.12's own ep=etp=1, tp>1 bug may keep vanilla from running a layout.
@@ -66,7 +80,7 @@ def test_exact_router_ties_pick_the_lower_expert_id_in_every_layout(tmp_path):
     """Router rows 3==5 and 0==6: those experts score exactly equal for every token, so whenever
     the top-k boundary falls between them the tie-break decides; it must pick the lower id in
     every layout."""
-    from mindspeed_tp.models.spec import load_model_spec
+    from mindspeed_tp.check.models.spec import load_model_spec
 
     data = load_model_spec("tiny-moe").to_dict()
     data.update(name="tiny-moe-ties", tied_router_rows=[[3, 5], [0, 6]])
@@ -106,7 +120,7 @@ def test_bad_moe_flags_exit_2(args, needle):
      ({"moe_router_score_function": "sinkhorn"}, "router type")],
 )
 def test_bad_moe_model_exits_2(tmp_path, override, needle):
-    from mindspeed_tp.models.spec import load_model_spec
+    from mindspeed_tp.check.models.spec import load_model_spec
 
     data = load_model_spec("tiny-moe").to_dict()
     data.update(name="bad", **override)
@@ -119,9 +133,9 @@ def test_bad_moe_model_exits_2(tmp_path, override, needle):
 
 def test_qwen3_30b_a3b_config_validates():
     from mindspeed_tp.errors import ConfigError
-    from mindspeed_tp.models.layout import Layout, validate_layout
-    from mindspeed_tp.models.spec import load_model_spec
-    from mindspeed_tp.profile import load_profile
+    from mindspeed_tp.check.models.layout import Layout, validate_layout
+    from mindspeed_tp.check.models.spec import load_model_spec
+    from mindspeed_tp.contract.profile import load_profile
 
     spec = load_model_spec("qwen3-30b-a3b")
     assert (spec.num_layers, spec.num_experts, spec.moe_router_topk, spec.moe_ffn_hidden_size) == (48, 128, 8, 768)

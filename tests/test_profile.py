@@ -5,7 +5,7 @@ import pytest
 import yaml
 
 from mindspeed_tp.errors import ConfigError
-from mindspeed_tp.profile import Profile, load_profile, profile_from_dict
+from mindspeed_tp.contract.profile import Profile, load_profile, profile_from_dict
 
 
 def _write(tmp_path, data, name="p.yaml"):

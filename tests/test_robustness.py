@@ -1,6 +1,6 @@
 """A rank that dies or hangs makes the check fail clearly (exit 3, a message naming the cause)
 within a bound, never a silent hang. Faults come from MINDSPEED_TP_TEST_FAULT (test-only, see
-mindspeed_tp/check/faults.py); the subprocess timeout is the bound: a hang fails the test."""
+tests/support/fault_injection.py); the subprocess timeout is the bound: a hang fails the test."""
 from conftest import explain, explain_nodes, run_cli, run_two_nodes
 
 FAULT = "MINDSPEED_TP_TEST_FAULT"

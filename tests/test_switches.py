@@ -137,7 +137,7 @@ def test_disable_restores_every_original():
         import megatron.core.tensor_parallel as T
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
         # CPU shims are not numerics and stay installed; enable() would install them first.
-        from mindspeed_tp.backends.cpu_shims import install_cpu_shims
+        from mindspeed_tp.devices.cpu_shims import install_cpu_shims
         install_cpu_shims()
         before = (L.RowParallelLinear.forward, T.vocab_parallel_cross_entropy, WrappedTorchNorm.__dict__["__new__"],
                   L.linear_with_grad_accumulation_and_async_allreduce)
@@ -154,3 +154,143 @@ def test_disable_restores_every_original():
     )
     lines = _applied(run_python(code))
     assert lines["CHANGED"] == "True" and lines["RESTORED"] == "True"
+
+
+def test_enable_reentered_from_the_import_hook_records_megatrons_originals():
+    """On a machine with an accelerator no CPU shim imports megatron-core first, so enable()'s own
+    patching imports it, and the MINDSPEED_TP=1 post-import hook re-enters enable(). Simulated:
+    accelerator_available() true, the hook registered by hand. The registry must record megatron's
+    functions as the originals, so disable() restores vanilla."""
+    code = textwrap.dedent("""
+        import sys
+        import mindspeed_tp, mindspeed_tp_autoload
+        from mindspeed_tp import switch
+        switch.accelerator_available = lambda: True
+        print("MEGATRON_BEFORE", "megatron.core" in sys.modules)
+        mindspeed_tp_autoload.when_imported("megatron.core", lambda m: mindspeed_tp.enable())
+        mindspeed_tp.enable()
+        import megatron.core.tensor_parallel.layers as L
+        from mindspeed_tp.patches import registry
+        ours = [p.target for p in registry().patches if p.applied and
+                str(getattr(getattr(p._original, "__func__", p._original), "__module__", "")).startswith("mindspeed_tp")]
+        print("OURS_AS_ORIGINAL", ours)
+        mindspeed_tp.disable()
+        print("AFTER_DISABLE", L.linear_with_grad_accumulation_and_async_allreduce.__module__,
+              L.RowParallelLinear.forward.__module__)
+    """)
+    lines = _applied(run_python(code))
+    assert lines["MEGATRON_BEFORE"] == "False"
+    assert lines["OURS_AS_ORIGINAL"] == "[]"
+    assert lines["AFTER_DISABLE"] == "megatron.core.tensor_parallel.layers megatron.core.tensor_parallel.layers"
+
+
+def test_disable_leaves_mindspeed_tps_own_modules_alone():
+    """disable() rebinds the patched names in megatron's modules and in modules that imported them,
+    never in mindspeed_tp's own (they call their own functions by name)."""
+    code = textwrap.dedent("""
+        import mindspeed_tp
+        import mindspeed_tp.patches.tensor_parallel as tp
+        mindspeed_tp.enable()
+        mindspeed_tp.disable()
+        print("OWN", tp.consistent_linear.__module__, tp.vocab_parallel_cross_entropy.__module__)
+    """)
+    lines = _applied(run_python(code))
+    assert lines["OWN"] == "mindspeed_tp.patches.tensor_parallel mindspeed_tp.patches.tensor_parallel"
+
+
+def test_disable_reverts_the_integrations_and_the_optimizer_hook():
+    """The import-time patches (Megatron-LM's parse_args here, from a stand-in module registered
+    under its name) and the rollout-layout optimizer hook are registry entries: disable() removes
+    them, enable() puts them back."""
+    code = textwrap.dedent("""
+        import sys, types
+        import torch
+        import torch.optim.optimizer as opt
+        args_module = types.ModuleType("megatron.training.arguments")
+        def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+            return "vanilla"
+        args_module.parse_args = parse_args
+        vanilla = {"parse_args": parse_args}  # not a module global: the registry rebinds those too
+        sys.modules["megatron.training.arguments"] = args_module
+        import mindspeed_tp
+        from mindspeed_tp import integrations
+        integrations.registry().apply_imported("megatron.training.arguments")
+        print("WRAPPED", args_module.parse_args is not vanilla["parse_args"])
+        hooks_before = len(opt._global_optimizer_post_hooks)
+        mindspeed_tp.enable()
+        print("HOOK_ON", len(opt._global_optimizer_post_hooks) - hooks_before)
+        mindspeed_tp.disable()
+        print("RESTORED", args_module.parse_args is vanilla["parse_args"],
+              len(opt._global_optimizer_post_hooks) - hooks_before)
+        mindspeed_tp.enable()
+        print("REAPPLIED", args_module.parse_args is not vanilla["parse_args"])
+    """)
+    lines = _applied(run_python(code))
+    assert lines["WRAPPED"] == "True"
+    assert lines["HOOK_ON"] == "1"
+    assert lines["RESTORED"] == "True 0"
+    assert lines["REAPPLIED"] == "True"
+
+
+def test_cpu_shims_installed_after_enable_still_let_disable_restore_vanilla():
+    """A CPU shim and the norm patch share a target: shims installed after enable() go under the
+    numerics patches, so disable() restores the shimmed vanilla norm, not ours."""
+    code = textwrap.dedent("""
+        import mindspeed_tp
+        from mindspeed_tp import switch
+        switch.accelerator_available = lambda: True   # enable() installs no shims
+        mindspeed_tp.enable()
+        from mindspeed_tp.devices.cpu_shims import install_cpu_shims
+        install_cpu_shims()
+        import types
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+        config = types.SimpleNamespace(normalization="RMSNorm", sequence_parallel=True, persist_layer_norm=False,
+                                       layernorm_zero_centered_gamma=False, memory_efficient_layer_norm=False)
+        print("ENABLED", type(WrappedTorchNorm(config, 8)).__name__)
+        mindspeed_tp.disable()
+        print("DISABLED", type(WrappedTorchNorm(config, 8)).__name__)
+    """)
+    lines = _applied(run_python(code))
+    assert lines["ENABLED"] == "ConsistentNorm"
+    assert lines["DISABLED"] == "RMSNorm"  # torch's, built by the SP shim around vanilla
+
+
+def test_enable_on_a_cuda_machine_is_refused_until_a_cuda_backend_exists():
+    """The torch kernels on CUDA tensors would run on cuBLAS, which is not batch-invariant."""
+    code = textwrap.dedent("""
+        import torch
+        torch.cuda.is_available = lambda: True
+        import mindspeed_tp
+        try:
+            mindspeed_tp.enable()
+        except mindspeed_tp.ConfigError as exc:
+            print("REFUSED", exc)
+        print("ENABLED", mindspeed_tp.is_enabled())
+        from mindspeed_tp.kernels import dispatch
+        cuda_like = type("T", (), {"device": torch.device("cuda", 0)})()
+        dispatch.select("torch")
+        try:
+            dispatch.kernel("matmul", cuda_like)
+        except mindspeed_tp.ConfigError as exc:
+            print("TORCH_ON_CUDA", exc)
+    """)
+    lines = _applied(run_python(code))
+    assert "'triton'" in lines["REFUSED"] and "CUDA" in lines["REFUSED"]
+    assert lines["ENABLED"] == "False"
+    assert "not batch-invariant on cuda" in lines["TORCH_ON_CUDA"]
+
+
+def test_untested_megatron_line_warns_naming_the_tested_lines():
+    code = textwrap.dedent("""
+        import warnings
+        import mindspeed_tp
+        from mindspeed_tp import compat
+        compat.megatron_version = lambda: "0.99.0"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mindspeed_tp.enable()
+        print("WARNED", [str(w.message) for w in caught if "not a tested line" in str(w.message)])
+    """)
+    lines = _applied(run_python(code))
+    assert "0.99.0 is not a tested line (tested: 0.12.x, 0.16.x)" in lines["WARNED"]
+    assert "MINDSPEED_TP_ALLOW_UNTESTED_MEGATRON=1" in lines["WARNED"]

@@ -25,6 +25,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ..kernels.collectives import gather_along_rank
+from .reference import save_reference
+
 # (module name suffix, how the input is sharded over TP, how the output is sharded over TP)
 # seq: along the sequence with SP (replicated without); col: along the last dim;
 # heads: along the heads dim of [s, b, heads, head_dim]; gated: [gate | up] halves per rank.
@@ -115,7 +118,6 @@ class ModuleRecorder:
 
 def _gather_tp(x: torch.Tensor, kind: Optional[str], layout, group) -> torch.Tensor:
     """This TP rank's shard -> the full tensor (only the TP group takes part)."""
-    from ..collectives import gather_along_rank
 
     if layout.tp == 1 or kind is None or (kind == "seq" and not layout.sp):
         return x
@@ -300,7 +302,6 @@ def format_bisect(summary: Dict, title: str, max_rows: int = 8) -> str:
 
 def dump(path: str, test: ModuleTensors, ref: ModuleTensors, meta: Dict[str, str]) -> None:
     """Both runs' tensors for offline inspection (safetensors, token-major (batch, seq, features))."""
-    from .reference import save_reference
 
     tensors = {}
     for prefix, run in (("test", test), ("reference", ref)):

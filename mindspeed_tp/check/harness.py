@@ -13,16 +13,18 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import disable, enable, state
+from ..contract.profile import Profile
+from ..devices.npu_runtime import import_required
 from ..errors import ConfigError
 from ..kernels import mask_padded_vocab
-from ..models.builder import build_gpt_stage
-from ..models.layout import Layout
-from ..models.spec import ModelSpec
-from ..models.weights import SeededWeights, load_weights
-from ..profile import Profile
-from . import faults
+from ..patches import moe as moe_patch
+from ..switch import disable, enable
+from . import bisect, hooks
 from .batch import PackedBatch, ScoringBatch, pack_batch
+from .models.builder import build_gpt_stage
+from .models.layout import Layout
+from .models.spec import ModelSpec
+from .models.weights import SeededWeights, load_weights
 
 # --timeout: the world's process group and every group Megatron creates fail a collective (or a
 # pipeline send/recv) that waits longer than this, so a dead or hung peer never hangs the others.
@@ -45,7 +47,6 @@ def init_distributed(timeout_s: float = 600.0, device: str = "cpu") -> None:
         os.environ.setdefault("MASTER_PORT", str(29400 + os.getpid() % 1000))
     backend = "gloo"
     if device == "npu":
-        from ..backends.npu import import_required
 
         who, alternative = "--device npu", "; or run the checker with --device cpu"
         import_required("torch_npu", "torch_npu", who, alternative)
@@ -181,9 +182,10 @@ class _RoutingCapture:
     """Collects each MoE layer's chosen experts per local token: from the patched MoE forward
     (consistent mode) or from the TopKRouter's output (vanilla)."""
 
-    def __init__(self, model, vanilla: bool):
+    def __init__(self, model, vanilla: bool, num_experts: int):
         self.maps = {}
         self.handles = []
+        self.num_experts = num_experts
         if vanilla:
             from megatron.core.transformer.moe.router import TopKRouter
 
@@ -191,15 +193,20 @@ class _RoutingCapture:
                 if isinstance(module, TopKRouter):
                     self.handles.append(module.register_forward_hook(self._hook))
         else:
-            state.set_routing_recorder(self.maps)
+            moe_patch.add_routing_observer(self._observe)
 
     def _hook(self, module, args, output):
         self.maps[module.layer_number] = output[1].reshape(-1, output[1].shape[-1]).bool()
 
+    def _observe(self, layer, idx):
+        chosen = torch.zeros(idx.shape[0], self.num_experts, dtype=torch.bool, device=idx.device)
+        chosen.scatter_(1, idx, True)
+        self.maps[getattr(layer, "layer_number", id(layer))] = chosen
+
     def close(self):
         for h in self.handles:
             h.remove()
-        state.set_routing_recorder(None)
+        moe_patch.remove_routing_observer(self._observe)
 
 
 def _full_routing(maps, layout: Layout, spec: ModelSpec, tokens: int) -> torch.Tensor:
@@ -243,9 +250,8 @@ def layout_logprobs(
     is unpacked to the padded (b, s) layout."""
     from megatron.core import parallel_state
 
-    from . import bisect
 
-    faults.at_point("forward", dist.get_rank())
+    hooks.at_point("forward", dist.get_rank())
     record = bool(diagnostics and diagnostics.get("record_modules"))
 
     if vanilla:
@@ -264,14 +270,14 @@ def layout_logprobs(
         model = build_gpt_stage(spec, layout, dtype, profile, dispatcher)
         load_weights(model, spec, layout, weights or SeededWeights(spec, seed))
         model.to(_device)
-        hooks = faults.apply_to_model(model, layout, parallel_state.get_tensor_model_parallel_rank())
-        capture = _RoutingCapture(model, vanilla) if spec.is_moe else None
+        handles = hooks.before_forward(model, layout, parallel_state.get_tensor_model_parallel_rank())
+        capture = _RoutingCapture(model, vanilla, spec.num_experts) if spec.is_moe else None
         recorder = bisect.ModuleRecorder(model, spec.num_layers) if record else None
         try:
             with torch.no_grad():
                 out = _pipeline_forward(model, layout, batch, spec.hidden_size, dtype, packing)
         finally:
-            for h in hooks:
+            for h in handles:
                 h.remove()
             if recorder is not None:
                 recorder.close()
@@ -279,7 +285,7 @@ def layout_logprobs(
                 capture.close()
                 maps = capture.maps
         if out is not None:
-            out = faults.corrupt_logits(out, layout, parallel_state.get_tensor_model_parallel_rank())
+            out = hooks.on_logits(out, layout, parallel_state.get_tensor_model_parallel_rank())
             if parallel_state.get_data_parallel_rank() == 0:
                 nonfinite = _count_nonfinite_logits(out, spec.vocab_size)
                 if packed:  # first packed column -> flat index in the padded (b, s) layout

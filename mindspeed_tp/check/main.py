@@ -18,10 +18,28 @@ from typing import Dict, List, NamedTuple, Optional
 
 import yaml
 
+from ..compat import megatron_version, vanilla_layout_problem
+from ..contract.profile import Profile, load_profile
+from ..devices import accelerator_available
+from ..devices.cpu_shims import install_cpu_shims
+from ..contract.refusals import refuse
 from ..errors import ConfigError
-from ..models.layout import Layout, validate_layout
-from ..models.spec import ModelSpec, load_model_spec
-from ..profile import Profile, load_profile
+from ..hf import open_hf_model
+from ..kernels.collectives import gather_along_rank
+from . import bisect, hooks
+from .batch import make_batch
+from .harness import init_distributed, layout_logprobs, run_device
+from .metrics import compare_logprobs
+from .models.builder import DTYPES
+from .models.layout import Layout, validate_layout
+from .models.spec import ModelSpec, load_model_spec
+from .models.weights import SeededWeights
+from .outputs import write_reports
+from .progress import Progress
+from .prompts import batch_from_prompts, load_prompts
+from .reference import load_reference, save_reference
+from .report import format_table, write_json_atomic
+from .rollout import make_rollouts
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs")
 DEFAULTS = dict(
@@ -141,17 +159,17 @@ def resolve_args(argv: Optional[List[str]]) -> argparse.Namespace:
 
 def _check_packed_flags(ns: argparse.Namespace) -> None:
     """What --packed does not combine with, by name."""
-    if ns.vanilla or ns.compare_vanilla:
-        raise ConfigError("--packed with --vanilla/--compare-vanilla: megatron-core's local DotProductAttention has "
-                          "no packed-sequence path (only Transformer Engine's has); drop --packed or the vanilla run")
-    if ns.bisect:
-        raise ConfigError("--packed with --bisect/--bisect-dump/--plot: the module recorder reassembles padded "
-                          "(bshd) activations only; drop --packed to bisect")
-    if int(ns.rollout):
-        raise ConfigError("--packed with --rollout is not supported yet; score the rollouts padded (drop --packed)")
-    if ns.reference or ns.save_reference:
-        raise ConfigError("--packed with --reference/--save-reference: the reference is the in-process padded "
-                          "single-device run; drop --packed to save or load one")
+    combos = (
+        (ns.vanilla or ns.compare_vanilla, "--vanilla/--compare-vanilla",
+         "megatron-core's local DotProductAttention has no packed-sequence path (only Transformer Engine's has)"),
+        (ns.bisect, "--bisect/--bisect-dump/--plot", "the module recorder reassembles padded (bshd) activations only"),
+        (int(ns.rollout), "--rollout", "score the rollouts padded (drop --packed)"),
+        (ns.reference or ns.save_reference, "--reference/--save-reference",
+         "the reference is the in-process padded single-device run"),
+    )
+    for bad, flag, why in combos:
+        if bad:
+            raise refuse("packed_checker_combination", flag=flag, why=why)
 
 
 class Plan(NamedTuple):
@@ -165,14 +183,12 @@ class Plan(NamedTuple):
 
 def plan(ns: argparse.Namespace) -> Plan:
     """Static validation of everything the run needs: model, weights, profile, prompts, layouts."""
-    from ..models.weights import SeededWeights
 
     profile = load_profile(ns.profile)
     if ns.hf_checkpoint:
         if ns.model:
             raise ConfigError("--model and --hf-checkpoint both given: the checkpoint's config.json defines the "
                               "model; drop --model")
-        from ..hf import open_hf_model
 
         spec, weights = open_hf_model(ns.hf_checkpoint, profile)
     else:
@@ -184,7 +200,6 @@ def plan(ns: argparse.Namespace) -> Plan:
         layouts = [Layout(tp=int(ns.tp), pp=int(ns.pp), sp=bool(ns.sp), ep=int(ns.ep), etp=int(ns.etp))]
     prompts = None
     if ns.prompts:
-        from .prompts import load_prompts
 
         prompts = load_prompts(ns.prompts, spec, ns.hf_checkpoint)
         if not int(ns.rollout):  # scored as given: the batch is as long as the longest prompt
@@ -216,7 +231,6 @@ def verify_same_on_all_ranks(fields: Dict[str, object]) -> None:
     import torch
     import torch.distributed as dist
 
-    from ..collectives import gather_along_rank
 
     names = sorted(fields)
     mine = torch.tensor([int(_digest(fields[n]), 16) & ((1 << 62) - 1) for n in names], dtype=torch.int64)
@@ -266,29 +280,16 @@ def run(ns: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from ..backends import accelerator_available
-    from ..backends.cpu_shims import install_cpu_shims
-    from ..compat import megatron_version, vanilla_layout_problem
-    from . import bisect, faults
-    from .batch import make_batch
-    from .prompts import batch_from_prompts
-    from .rollout import make_rollouts
-    from .harness import init_distributed, layout_logprobs, run_device
-    from .metrics import compare_logprobs
-    from .outputs import write_reports
-    from .progress import Progress
-    from .reference import load_reference, save_reference
-    from .report import format_table, write_json_atomic
-    from ..models.builder import DTYPES
 
     spec, profile, layouts, modes, weights, prompts = plan(ns)
     # torch deprecates the collective names megatron-core calls; not ours to fix, only noise here.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    hooks.load_plugins()
     init_distributed(float(ns.timeout), ns.device)
     if not accelerator_available():
         install_cpu_shims()
     rank = dist.get_rank()
-    faults.at_point("start", rank)
+    hooks.at_point("start", rank)
     dtype = DTYPES[ns.dtype]
     inputs = {"seed": ns.seed, "batch_size": ns.batch_size, "seq_length": ns.seq_length, "dtype": ns.dtype,
               "rollout": int(ns.rollout), "temperature": float(ns.temperature),

@@ -3,9 +3,9 @@ the token sequences and the engine's logprobs (tensors, no pickle) to score them
 import torch
 import torch.distributed as dist
 
-from ..models.spec import ModelSpec
-from ..models.weights import SeededWeights
-from ..profile import Profile
+from .models.spec import ModelSpec
+from .models.weights import SeededWeights
+from ..contract.profile import Profile
 from ..reference import ReferenceEngine, ReferenceModel, Request
 from .batch import ScoringBatch
 

@@ -5,8 +5,9 @@ import json
 import os
 from typing import Any, Dict
 
+from ..contract.refusals import refuse
 from ..errors import ConfigError
-from ..models.spec import ModelSpec
+from ..check.models.spec import ModelSpec
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 
@@ -30,8 +31,7 @@ def _rope_theta(cfg: Dict[str, Any], where: str) -> float:
     for block, key in ((params, "rope_parameters"), (scaling, "rope_scaling")):
         kind = block.get("rope_type", block.get("type", "default"))
         if kind not in (None, "default"):
-            raise ConfigError(f"{where}: {key}.rope_type={kind!r} is not implemented (only plain RoPE, "
-                              f"rope_type 'default'); remove the RoPE scaling from config.json")
+            raise refuse("hf_rope_scaling", where=where, key=key, kind=kind)
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     if float(theta) != int(theta):
         raise ConfigError(f"{where}: rope_theta={theta} must be an integer (Megatron's rotary_base is an int)")
@@ -43,30 +43,27 @@ def _first_k_dense(cfg: Dict[str, Any], layers: int, where: str) -> int:
     Megatron model here supports dense layers only as a leading block (moe_layer_freq)."""
     step = int(cfg.get("decoder_sparse_step", 1) or 1)
     if step != 1:
-        raise ConfigError(f"{where}: decoder_sparse_step={step} is not supported (MoE in every layer after the "
-                          f"leading dense ones); use decoder_sparse_step 1")
+        raise refuse("hf_sparse_step", where=where, step=step)
     dense = sorted(int(i) for i in cfg.get("mlp_only_layers") or [])
     if dense != list(range(len(dense))) or len(dense) >= layers:
-        raise ConfigError(f"{where}: mlp_only_layers={dense} is not supported: only a leading block of dense "
-                          f"layers [0, 1, ..., k-1] with k < num_hidden_layers")
+        raise refuse("hf_dense_layers", where=where, dense=dense)
     return len(dense)
 
 
 def spec_from_hf_config(cfg: Dict[str, Any], name: str, where: str = "config.json") -> ModelSpec:
     archs = cfg.get("architectures") or []
     if len(archs) != 1 or archs[0] not in ARCHITECTURES:
-        raise ConfigError(f"{where}: architectures={archs} is not supported; supported: {sorted(ARCHITECTURES)}")
+        raise refuse("hf_architecture", where=where, archs=archs, supported=sorted(ARCHITECTURES))
     arch = ARCHITECTURES[archs[0]]
     if cfg.get("model_type", arch) != arch:
         raise ConfigError(f"{where}: model_type={cfg.get('model_type')!r} does not match architecture {archs[0]}")
     if cfg.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"{where}: hidden_act={cfg.get('hidden_act')!r} is not supported (SwiGLU with silu only)")
+        raise refuse("hf_hidden_act", where=where, act=cfg.get("hidden_act"))
     if cfg.get("attention_bias"):
-        raise ConfigError(f"{where}: attention_bias=true is not supported (Qwen3 has no QKV bias)")
+        raise refuse("hf_attention_bias", where=where)
     sliding = cfg.get("use_sliding_window") or any(t != "full_attention" for t in cfg.get("layer_types") or [])
     if sliding:
-        raise ConfigError(f"{where}: sliding-window attention (use_sliding_window / layer_types) is not implemented; "
-                          f"only full causal attention")
+        raise refuse("hf_sliding_window", where=where)
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     layers = int(cfg["num_hidden_layers"])

@@ -1,12 +1,14 @@
-"""Kernel interface. The torch reference backend (CPU, always tested) implements every kernel;
-the npu backend (``kernels/npu.py``: CANN batch-invariant ops, Ascend flash attention) runs behind
-the same names when ``backends.use_npu`` selects it for a call."""
+"""Kernel interface: the kernels the patches call, written once over the backend primitives.
+
+``dispatch`` picks the backend module (``backends/torch.py``, the CPU reference; ``backends/npu.py``)
+per call from the profile's ``backend`` and the tensor's device; ``collectives`` moves data between
+ranks and folds cross-rank sums in canonical order."""
 from .attention import consistent_attention, decode_attention, packed_attention
 from .linear import folded_leaf_partials, invariant_linear, invariant_matmul, leaf_partials
 from .logprob import mask_padded_vocab, vocab_parallel_logprob
 from .norm import layer_norm, rms_norm
 from .rope import apply_rope, rope_angles, rope_inv_freq
-from ..tree import tree_fold
+from ..contract.tree import tree_fold
 
 __all__ = [
     "apply_rope",

@@ -1,33 +1,14 @@
-"""Consistent attention (torch reference backend).
+"""Consistent attention: one per-query procedure for training, chunked prefill and paged decode.
 
-Per query and head: fp32 scores, keys visited in fixed blocks of ``block_size`` aligned to
-absolute key positions, online softmax in fp32, invisible keys excluded by select (never a large
-negative additive mask), one final division and one cast. A fully invisible block contributes
-exactly nothing (rescale factor exp(0) = 1, zero probabilities), so a caller that stops early at
-the last visible block -- a decode step -- gets the same bits as the training forward.
+The procedure (fp32 scores, key blocks aligned to absolute positions, fp32 online softmax,
+invisible keys excluded by select) is each backend's ``attention`` / ``decode_attention``
+primitive; the torch reference (``backends/torch.py``) states it in code.
 """
 from typing import Optional
 
 import torch
 
-from ..backends import use_npu
-from .linear import invariant_matmul
-
-
-def _pad_keys(t: torch.Tensor, length: int) -> torch.Tensor:
-    if t.shape[-2] == length:
-        return t
-    pad = t.new_zeros(*t.shape[:-2], length - t.shape[-2], t.shape[-1])
-    return torch.cat([t, pad], dim=-2)
-
-
-def _merge(a, b):
-    """Merge two online-softmax states (m, l, acc) over disjoint key sets, a before b."""
-    (m1, l1, acc1), (m2, l2, acc2) = a, b
-    m = torch.maximum(m1, m2)
-    m_safe = torch.where(m == float("-inf"), 0.0, m)
-    s1, s2 = torch.exp(m1 - m_safe), torch.exp(m2 - m_safe)
-    return m, l1 * s1 + l2 * s2, acc1 * s1.unsqueeze(-1) + acc2 * s2.unsqueeze(-1)
+from . import dispatch
 
 
 def consistent_attention(
@@ -50,172 +31,8 @@ def consistent_attention(
     absolute positions, each with its own online softmax, merged in split order (what split-KV
     decode kernels do); every mode must then use the same split size.
     """
-    if use_npu(q):  # the Ascend flash-attention kernel: its own fixed tiling, not block_size
-        from . import npu
-
-        return npu.attention(q, k, v, scale, causal, q_positions, excluded, split_size)
-    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
-        return _blocked_attention(q, k, v, scale, causal, q_positions, excluded, block_size, row_multiple, split_size)
-    return _RecomputeBackward.apply(q, k, v, (scale, causal, q_positions, excluded, block_size, row_multiple,
-                                              split_size))
-
-
-class _RecomputeBackward(torch.autograd.Function):
-    """The blocked forward (bitwise contract) with the gradient of plain softmax attention,
-    recomputed in backward from q, k, v tile by tile (as flash attention does): nothing per key
-    block is kept for backward, and a few batched tile backwards replace differentiating the loop.
-    Only the forward must be layout-invariant; the gradient is exact attention's up to rounding."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, args):
-        ctx.save_for_backward(q, k, v)
-        ctx.args = args
-        return _blocked_attention(q, k, v, *args)
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v = ctx.saved_tensors
-        scale, causal, q_positions, excluded, block_size = ctx.args[:5]
-        sq, sk = q.shape[2], k.shape[2]
-        if q_positions is None:
-            q_positions = torch.arange(sk - sq, sk, device=q.device)
-        need = ctx.needs_input_grad[:3]
-        totals = [torch.zeros_like(t, dtype=torch.float32) if n else None for t, n in zip((q, k, v), need)]
-        # Query tiles of block_size rows, each over the keys up to its last position (causal):
-        # half the work of one full pass, and only a tile's scores alive at a time.
-        for start in range(0, sq, block_size):
-            stop = min(sq, start + block_size)
-            pos = q_positions[start:stop]
-            keys = int(pos.max()) + 1 if causal else sk
-            ex = excluded
-            if ex is not None:
-                ex = ex[..., start:stop, :keys] if ex.shape[-2] == sq else ex[..., :keys]
-            parts = [q[:, :, start:stop], k[:, :, :keys], v[:, :, :keys]]
-            parts = [t.detach().requires_grad_(n) for t, n in zip(parts, need)]
-            with torch.enable_grad():
-                out = _math_attention(*parts, scale, causal, pos, ex)
-                grads = iter(torch.autograd.grad(out, [t for t in parts if t.requires_grad], grad[:, :, start:stop]))
-            for total, n, rows in zip(totals, need, (slice(start, stop), slice(0, keys), slice(0, keys))):
-                if n:
-                    total[:, :, rows] += next(grads)
-        return tuple(t.to(x.dtype) if t is not None else None for t, x in zip(totals, (q, k, v))) + (None,)
-
-
-def _math_attention(q, k, v, scale, causal, q_positions, excluded):
-    """softmax(q k^T * scale, hidden keys masked) v in fp32 over all keys at once; queries that see
-    no key give 0 (as the blocked kernel does)."""
-    b, hq, sq, d = q.shape
-    hkv, sk = k.shape[1], k.shape[2]
-    g = hq // hkv
-    kf = k.float().repeat_interleave(g, dim=1)
-    vf = v.float().repeat_interleave(g, dim=1)
-    scores = torch.matmul(q.float(), kf.transpose(-1, -2)) * scale
-    if q_positions is None:
-        q_positions = torch.arange(sk - sq, sk, device=q.device)
-    visible = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
-    if causal:
-        visible = torch.arange(sk, device=q.device).unsqueeze(0) <= q_positions.unsqueeze(1)
-    if excluded is not None:
-        visible = visible & ~excluded.to(torch.bool)[..., :sk]
-    visible = visible.expand(b, hq, sq, sk)
-    any_visible = visible.any(-1, keepdim=True)
-    scores = torch.where(visible, scores, float("-inf"))
-    scores = torch.where(any_visible, scores, 0.0)
-    probs = torch.softmax(scores, dim=-1) * any_visible
-    return torch.matmul(probs, vf).to(q.dtype)
-
-
-def _blocked_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    scale: float,
-    causal: bool = True,
-    q_positions: Optional[torch.Tensor] = None,
-    excluded: Optional[torch.Tensor] = None,
-    block_size: int = 128,
-    row_multiple: int = 16,
-    split_size: Optional[int] = None,
-) -> torch.Tensor:
-    """consistent_attention's forward on the torch backend (see there): key blocks with an online
-    softmax."""
-    b, hq, sq, d = q.shape
-    hkv, sk = k.shape[1], k.shape[2]
-    if hq % hkv:
-        raise ValueError(f"query heads {hq} not divisible by key/value heads {hkv}")
-    g = hq // hkv
-    device = q.device
-    if q_positions is None:
-        q_positions = torch.arange(sk - sq, sk, device=device)
-    if causal and sq > block_size and bool((q_positions[1:] >= q_positions[:-1]).all()):
-        # Tile the queries by key block: a query never visits blocks past its own position, so
-        # each tile stops early. Per-row results are unchanged (row-invariant GEMMs, and an
-        # invisible block contributes exactly nothing), the work for a causal pass halves.
-        tiles = torch.div(q_positions, block_size, rounding_mode="floor")
-        outs, start = [], 0
-        for tile in torch.unique_consecutive(tiles).tolist():
-            stop = start + int((tiles == tile).sum())
-            ex = excluded
-            if ex is not None and ex.shape[-2] == sq:  # per-query masks follow their rows
-                ex = ex[..., start:stop, :]
-            outs.append(_blocked_attention(q[:, :, start:stop], k, v, scale, causal, q_positions[start:stop], ex,
-                                             block_size, row_multiple, split_size))
-            start = stop
-        return torch.cat(outs, dim=2)
-    nblk = -(-sk // block_size)
-    if causal:  # blocks past the last query's position hold no visible key
-        nblk = min(nblk, int(q_positions.max()) // block_size + 1)
-    span = nblk * block_size
-    kp = _pad_keys(k[:, :, :span], span).reshape(b * hkv, span, d)
-    vp = _pad_keys(v[:, :, :span], span).reshape(b * hkv, span, d)
-    # Rows are (group member, query): query head h uses key/value head h // g.
-    qf = q.reshape(b * hkv, g * sq, d)
-    rows = g * sq
-    if excluded is not None:
-        excluded = excluded.to(torch.bool)
-        excluded = excluded[..., :span]
-        if excluded.shape[-1] < span:
-            pad = excluded.new_ones(*excluded.shape[:-1], span - excluded.shape[-1])
-            excluded = torch.cat([excluded, pad], dim=-1)
-
-    if split_size is not None and (split_size < block_size or split_size % block_size):
-        raise ValueError(f"split_size={split_size} must be a positive multiple of block_size={block_size}")
-    per_split = nblk if split_size is None else split_size // block_size
-
-    def fresh():
-        return (torch.full((b * hkv, rows), float("-inf"), device=device),
-                torch.zeros((b * hkv, rows), device=device),
-                torch.zeros((b * hkv, rows, d), device=device))
-
-    m, l, acc = fresh()
-    total = None
-    for j in range(nblk):
-        if j and j % per_split == 0:  # close a split: merge it into the running total, in order
-            total = (m, l, acc) if total is None else _merge(total, (m, l, acc))
-            m, l, acc = fresh()
-        lo, hi = j * block_size, (j + 1) * block_size
-        key_pos = torch.arange(lo, hi, device=device)
-        visible = (key_pos < sk).unsqueeze(0).expand(sq, block_size)
-        if causal:
-            visible = visible & (key_pos.unsqueeze(0) <= q_positions.unsqueeze(1))
-        visible = visible.repeat(g, 1).unsqueeze(0)  # (1, rows, B)
-        if excluded is not None:
-            ex = excluded[..., lo:hi].expand(b, 1, sq, block_size)
-            ex = ex.unsqueeze(2).expand(b, hkv, g, sq, block_size).reshape(b * hkv, rows, block_size)
-            visible = visible & ~ex
-        scores = invariant_matmul(qf, kp[:, lo:hi].transpose(-1, -2), row_multiple) * scale
-        scores = torch.where(visible, scores, float("-inf"))
-        m_new = torch.maximum(m, scores.amax(-1))
-        m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)
-        p = torch.exp(scores - m_safe.unsqueeze(-1))
-        alpha = torch.exp(m - m_safe)
-        l = l * alpha + p.sum(-1)
-        acc = acc * alpha.unsqueeze(-1) + invariant_matmul(p, vp[:, lo:hi], row_multiple)
-        m = m_new
-    if total is not None:
-        m, l, acc = _merge(total, (m, l, acc))
-    out = torch.where(l.unsqueeze(-1) > 0, acc / l.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1), 0.0)
-    return out.reshape(b, hq, sq, d).to(q.dtype)
+    attend = dispatch.kernel("attention", q)
+    return attend(q, k, v, scale, causal, q_positions, excluded, block_size, row_multiple, split_size)
 
 
 def decode_attention(
@@ -233,24 +50,12 @@ def decode_attention(
 
     q (b, hq, sq, d): the last sq tokens of each request; k_cache/v_cache (num_pages, page_size,
     hkv, d); page_table (b, pages per request) page ids in order; cache_seqlens (b,) keys held per
-    request, the new tokens included. Returns (b, hq, sq, d). The torch backend gathers each
-    request's keys and runs ``consistent_attention``, so it equals the training forward bitwise;
-    the npu backend calls the v3 ``flash_attn_with_kvcache`` with num_splits=1.
+    request, the new tokens included. Returns (b, hq, sq, d), bitwise what ``consistent_attention``
+    gives for the same queries (torch backend; the npu backend calls the v3
+    ``flash_attn_with_kvcache`` with num_splits=1).
     """
-    if use_npu(q):
-        from . import npu
-
-        return npu.decode_attention(q, k_cache, v_cache, cache_seqlens, page_table, scale)
-    page_size = k_cache.shape[1]
-    outs = []
-    for i in range(q.shape[0]):
-        n = int(cache_seqlens[i])
-        pages = page_table[i, : -(-n // page_size)].long()
-        keys = k_cache[pages].reshape(-1, *k_cache.shape[2:])[:n].permute(1, 0, 2).unsqueeze(0)
-        values = v_cache[pages].reshape(-1, *v_cache.shape[2:])[:n].permute(1, 0, 2).unsqueeze(0)
-        outs.append(consistent_attention(q[i : i + 1], keys, values, scale, causal=True, block_size=block_size,
-                                         row_multiple=row_multiple, split_size=split_size))
-    return torch.cat(outs, dim=0)
+    decode = dispatch.kernel("decode_attention", q)
+    return decode(q, k_cache, v_cache, cache_seqlens, page_table, scale, block_size, row_multiple, split_size)
 
 
 def packed_attention(

@@ -1,35 +1,20 @@
-"""Batch- and shard-invariant GEMMs (torch reference backend).
+"""Batch- and shard-invariant GEMMs and the canonical-tree leaves of row-parallel layers.
 
 A row of the output depends only on that row of the input and on the weights: never on how many
-rows were computed together, nor on which column shard of the weight a rank holds. On CPU BLAS
-this holds once the row count is padded to a fixed multiple (MKL switches code path, and so its
-K order, for small or odd M); measured in tests/test_linear_kernels.py.
+rows were computed together, nor on which column shard of the weight a rank holds (each backend's
+``matmul`` / ``linear`` primitive promises it). One backward policy for every backend: the plain
+GEMMs an unpatched linear runs, through the backend's ``grad_matmul``.
 """
 from typing import Optional
 
 import torch
 
-from ..backends import use_npu
-
-
-def _pad_rows(x2d: torch.Tensor, multiple: int) -> torch.Tensor:
-    rows = x2d.shape[-2]
-    padded = -(-rows // multiple) * multiple
-    if padded == rows:
-        return x2d
-    pad = x2d.new_zeros(*x2d.shape[:-2], padded - rows, x2d.shape[-1])
-    return torch.cat([x2d, pad], dim=-2)
+from . import dispatch
 
 
 def invariant_matmul(a: torch.Tensor, b: torch.Tensor, row_multiple: int = 16) -> torch.Tensor:
     """fp32 ``a @ b`` for ``a`` (..., M, K) and ``b`` (..., K, N), row-invariant in M."""
-    if use_npu(a):
-        from . import npu
-
-        return npu.matmul(a, b)
-    rows = a.shape[-2]
-    out = torch.matmul(_pad_rows(a.float(), row_multiple), b.float())
-    return out[..., :rows, :]
+    return dispatch.kernel("matmul", a)(a, b, row_multiple)
 
 
 class _PlainBackward(torch.autograd.Function):
@@ -52,8 +37,9 @@ class _PlainBackward(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         dtype = torch.promote_types(x.dtype, weight.dtype)
         grad = grad.to(dtype)
-        dx = (grad @ weight.to(dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
-        dw = (grad.t() @ x.to(dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        gemm = dispatch.kernel("grad_matmul", grad)
+        dx = gemm(grad, weight.to(dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
+        dw = gemm(grad.t(), x.to(dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
         return dx, dw, None
 
 
@@ -74,22 +60,13 @@ def invariant_linear(
     out_dtype = out_dtype or x.dtype
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1])
-    if use_npu(x):
-        from . import npu
-
-        out = npu.matmul(x2d, weight.t())
-        if bias is not None:
-            out = out + bias.float()
-        return out.to(out_dtype).reshape(*lead, weight.shape[0])
-    if (bias is None and x.dtype == weight.dtype == out_dtype == torch.bfloat16 and x.device.type == "cpu"):
-        # CPU bf16: oneDNN's bf16 GEMM accumulates in fp32 and rounds once, 2-2.5x faster than an
-        # fp32 GEMM of upcast inputs; row- and shard-invariant once rows are padded (tested).
-        out = torch.matmul(_pad_rows(x2d, row_multiple), weight.t())[: x2d.shape[0]]
+    if bias is None:
+        linear = dispatch.kernel("linear", x2d)
+        out = _with_plain_backward(x2d, weight, lambda a, w: linear(a, w, out_dtype, row_multiple))
         return out.reshape(*lead, weight.shape[0])
-    out = _with_plain_backward(x2d, weight, lambda a, w: invariant_matmul(a, w.t(), row_multiple))
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(out_dtype).reshape(*lead, weight.shape[0])
+    matmul = dispatch.kernel("matmul", x2d)
+    out = _with_plain_backward(x2d, weight, lambda a, w: matmul(a, w.t(), row_multiple))
+    return (out + bias.float()).to(out_dtype).reshape(*lead, weight.shape[0])
 
 
 def leaf_partials(

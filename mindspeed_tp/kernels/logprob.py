@@ -8,10 +8,10 @@ from typing import Optional
 
 import torch
 
-from ..backends import use_npu
-from ..collectives import group_size, gather_along_rank, group_rank, max_across_ranks
-from ..errors import ConfigError
-from ..tree import tree_fold
+from . import dispatch
+from .collectives import group_size, gather_along_rank, group_rank, max_across_ranks
+from ..contract.refusals import refuse
+from ..contract.tree import tree_fold
 
 
 def mask_padded_vocab(logits: torch.Tensor, vocab_size: int, vocab_start: int = 0) -> torch.Tensor:
@@ -25,12 +25,8 @@ def mask_padded_vocab(logits: torch.Tensor, vocab_size: int, vocab_start: int = 
 
 
 def _leaf_sums(e: torch.Tensor) -> torch.Tensor:
-    """Sum of each vocab leaf (last dim); on the npu backend through the batch-invariant reduce."""
-    if use_npu(e):
-        from . import npu
-
-        return npu.row_sum(e)
-    return e.sum(-1)
+    """Sum of each vocab leaf (last dim), in the backend's fixed per-row order."""
+    return dispatch.kernel("row_sum", e)(e)
 
 
 class _VocabParallelLogprob(torch.autograd.Function):
@@ -39,15 +35,11 @@ class _VocabParallelLogprob(torch.autograd.Function):
         world = group_size(group)
         v_local = logits.shape[-1]
         if canonical_shards % world:
-            raise ConfigError(
-                f"tensor_model_parallel_size={world} does not divide canonical_shards={canonical_shards}"
-            )
+            raise refuse("tp_not_power_of_two_dividing_c", setting="tensor_model_parallel_size", tp=world,
+                         c=canonical_shards)
         leaves = canonical_shards // world
         if v_local % leaves:
-            raise ConfigError(
-                f"vocab size {v_local * world} is not divisible by canonical_shards={canonical_shards}; "
-                f"pad the vocab with Profile.padded_vocab_size (vocab_pad_multiple)"
-            )
+            raise refuse("vocab_indivisible", v=v_local * world, c=canonical_shards)
         vocab_start = group_rank(group) * v_local
         lf = logits.float()
         if temperature != 1.0:

@@ -1,4 +1,4 @@
-"""MoE routing and combine (torch reference backend), row-local and layout-independent.
+"""MoE routing and combine, row-local and layout-independent.
 
 Router scores in fp32; top-k in descending score order with ties broken by the lower expert id;
 normalisation and the weighted combine summed over the k slots in slot order, in fp32.
@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..backends import use_npu
+from . import dispatch
 
 
 def _slot_sum(x: torch.Tensor) -> torch.Tensor:
@@ -19,12 +19,8 @@ def _slot_sum(x: torch.Tensor) -> torch.Tensor:
 
 
 def _softmax(x: torch.Tensor) -> torch.Tensor:
-    """Row softmax in fp32; on the npu backend exp of the batch-invariant log-softmax."""
-    if use_npu(x):
-        from . import npu
-
-        return torch.exp(npu.log_softmax(x, -1))
-    return torch.softmax(x, dim=-1)
+    """Row softmax in fp32 (the backend's ``softmax`` primitive)."""
+    return dispatch.kernel("softmax", x)(x)
 
 
 def topk_lowest_id_on_ties(scores: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,10 @@
-"""The megatron-core patch set. ``registry()`` builds it once; enable()/disable() apply/revert it."""
+"""The megatron-core numerics patch set. ``registry()`` builds it once; enable()/disable() apply
+and revert it. Each module registers its targets with their reasons."""
 from typing import Optional
 
+from ..modes import rollout_layout
 from ..patching import PatchRegistry
+from . import attention, models, moe, norms, tensor_parallel
 
 _registry: Optional[PatchRegistry] = None
 
@@ -9,10 +12,8 @@ _registry: Optional[PatchRegistry] = None
 def registry() -> PatchRegistry:
     global _registry
     if _registry is None:
-        from . import attention, models, moe, norms, tensor_parallel
-
         reg = PatchRegistry("mindspeed-tp")
-        for module in (tensor_parallel, attention, norms, models, moe):
+        for module in (tensor_parallel, attention, norms, models, moe, rollout_layout):
             module.register(reg)
         _registry = reg
     return _registry

@@ -1,44 +1,37 @@
 """Patch of GPTModel construction: mark the LM head for fp32 logits, and refuse models built from
 modules the patch set does not cover (instead of silently running them non-invariantly)."""
+from ..contract import refusals
+from ..contract.refusals import refuse
 from ..errors import ConfigError
 from ..patching import PatchRegistry
 
-# Module families whose numerics no patch here controls, with the setting that avoids them.
+# Module families whose numerics no patch here controls: (module prefix, refusal).
 _UNCOVERED = (
-    ("megatron.core.extensions.transformer_engine", "Transformer Engine modules",
-     "build the model with the local spec (--transformer-impl local)"),
-    ("apex.", "apex fused norms", "use normalization=RMSNorm (torch norm path) or uninstall apex"),
+    ("megatron.core.extensions.transformer_engine", "transformer_engine"),
+    ("apex.", "apex"),
     # MindSpeed puts these under megatron's TE names (TEColumnParallelLinear, TEDotProductAttention, ...)
-    ("mindspeed.te.", "MindSpeed's Transformer Engine replacements",
-     "build the model with the local spec (--transformer-impl local; under verl the mindspeed_tp.verl entry does)"),
+    ("mindspeed.te.", "mindspeed_te"),
 )
-_UNCOVERED_CLASSES = {
-    "GroupedMLP": "grouped-GEMM experts are not covered (moe_grouped_gemm=False)",
-    "MLASelfAttention": "multi-latent attention is not supported (multi_latent_attention=False)",
-}
+_UNCOVERED_CLASSES = {"GroupedMLP": "grouped_mlp", "MLASelfAttention": "mla_module"}
 
 
 def validate_model_modules(model) -> None:
     config = getattr(model, "config", None)
-    if getattr(config, "cross_entropy_loss_fusion", False):
-        raise ConfigError("cross_entropy_loss_fusion must be False with --true-on-policy (the fused kernel "
-                          "bypasses the canonical vocab reduction)")
+    if config is not None:
+        refusals.check_config(refusals.MODEL, config)
     for name, module in model.named_modules():
         cls = type(module)
-        for prefix, what, fix in _UNCOVERED:
+        for prefix, key in _UNCOVERED:
             if cls.__module__.startswith(prefix):
-                raise ConfigError(f"{name or 'model'} is a {cls.__name__} ({what}), which mindspeed-tp does not "
-                                  f"make layout-invariant: {fix}")
+                raise refuse(key, name=name or "model", cls=cls.__name__)
         if cls.__name__ in _UNCOVERED_CLASSES:
-            raise ConfigError(f"{name}: {_UNCOVERED_CLASSES[cls.__name__]}")
+            raise refuse(_UNCOVERED_CLASSES[cls.__name__], name=name)
 
 
-def check_not_displaced() -> None:
+def check_not_displaced(registry: PatchRegistry) -> None:
     """Refuse to build a model while another patcher holds some of our targets: MindSpeed's patch
     manager, imported or re-applied (``repatch``) after mindspeed-tp, rebinds the same names."""
-    from . import registry
-
-    displaced = [p.target for p in registry().displaced()]
+    displaced = [p.target for p in registry.displaced()]
     if displaced:
         raise ConfigError(
             f"mindspeed-tp patches were replaced after they were enabled ({', '.join(displaced)}), e.g. by "
@@ -48,9 +41,9 @@ def check_not_displaced() -> None:
         )
 
 
-def gpt_model_init(original):
+def gpt_model_init(original, registry: PatchRegistry):
     def __init__(self, *args, **kwargs):
-        check_not_displaced()
+        check_not_displaced(registry)
         original(self, *args, **kwargs)
         validate_model_modules(self)
         head = getattr(self, "output_layer", None)
@@ -66,4 +59,4 @@ def register(reg: PatchRegistry) -> None:
         "marks output_layer so the LM head GEMM returns fp32 logits; rejects modules no patch covers "
         "(Transformer Engine, apex norms, grouped-GEMM experts, MLA)",
         wraps=True,
-    )(gpt_model_init)
+    )(lambda original: gpt_model_init(original, reg))

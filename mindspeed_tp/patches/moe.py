@@ -14,62 +14,20 @@ The dispatcher type (allgather or alltoall) therefore no longer changes any valu
 import torch
 
 from .. import compat, state
-from ..collectives import all_to_all_rows, fold_across_ranks, gather_along_rank, group_size
-from ..errors import ConfigError
+from ..kernels.collectives import all_to_all_rows, fold_across_ranks, gather_along_rank, group_size
+from ..contract import refusals
 from ..kernels import folded_leaf_partials, invariant_linear
 from ..kernels.moe import combine_slots, route
 from ..patching import PatchRegistry
-from ..rollout_layout import rollout_layout_linear
-
-_REJECT = (
-    ("moe_expert_capacity_factor", lambda v: v is not None,
-     "capacity factor / token dropping is decided on local token counts and cannot be layout-invariant; "
-     "unset moe_expert_capacity_factor (dropless)"),
-    ("moe_pad_expert_input_to_capacity", bool, "unset moe_pad_expert_input_to_capacity (dropless only)"),
-    ("moe_input_jitter_eps", lambda v: v not in (None, 0, 0.0), "moe_input_jitter_eps adds noise to routing; unset it"),
-    ("moe_router_topk_limited_devices", bool, "device-limited routing depends on the EP size; unset it"),
-    ("moe_router_num_groups", bool, "group-limited routing is not supported; unset moe_router_num_groups"),
-    ("moe_router_group_topk", bool, "group-limited routing is not supported; unset moe_router_group_topk"),
-    ("moe_grouped_gemm", bool, "grouped GEMM experts are not covered; set moe_grouped_gemm=False (SequentialMLP)"),
-    ("moe_permute_fusion", bool, "fused permutation is not covered; set moe_permute_fusion=False"),
-    ("moe_router_fusion", bool, "fused routing is not covered; set moe_router_fusion=False"),
-    ("moe_shared_expert_overlap", bool, "set moe_shared_expert_overlap=False"),
-    ("moe_apply_probs_on_input", bool, "set moe_apply_probs_on_input=False"),
-    ("moe_shared_expert_gate", bool, "the shared-expert gate is not covered; set moe_shared_expert_gate=False"),
-    ("moe_enable_deepep", bool, "DeepEP dispatch is not covered; use the allgather or alltoall dispatcher"),
-    ("moe_latent_size", lambda v: v is not None, "latent MoE projections are not covered; unset moe_latent_size"),
-    ("moe_router_force_load_balancing", bool, "forced load balancing makes routing random; unset it"),
-    ("moe_enable_routing_replay", bool, "routing replay is not supported; unset it"),
-)
-
+from ..modes.rollout_layout.linear import rollout_layout_linear
 
 def check_moe_config(config) -> None:
     """Reject every MoE setting whose result depends on the layout, naming it."""
-    for name, bad, why in _REJECT:
-        value = getattr(config, name, None)
-        if value is not None and bad(value):
-            raise ConfigError(f"{name}={value!r} is not supported with --true-on-policy: {why}")
-    score = getattr(config, "moe_router_score_function", "softmax")
-    if score not in ("softmax", "sigmoid"):
-        raise ConfigError(f"moe_router_score_function={score!r} is not supported; use softmax or sigmoid")
-    if getattr(config, "moe_router_load_balancing_type", "aux_loss") == "sinkhorn":
-        raise ConfigError("moe_router_load_balancing_type='sinkhorn' is not supported; use aux_loss, seq_aux_loss or none")
-    dispatcher = getattr(config, "moe_token_dispatcher_type", "allgather")
-    if dispatcher not in ("allgather", "alltoall"):
-        raise ConfigError(f"moe_token_dispatcher_type={dispatcher!r} is not supported; use allgather or alltoall")
-    if getattr(config, "add_bias_linear", False):
-        raise ConfigError("add_bias_linear=True is not supported for MoE layers with --true-on-policy")
+    refusals.check_config(refusals.MOE, config)
     prof = state.profile()
     etp = getattr(config, "expert_tensor_parallel_size", None) or config.tensor_model_parallel_size
     prof.check_tp(etp, setting="expert_tensor_parallel_size (--etp)")
-    ffn = config.moe_ffn_hidden_size or config.ffn_hidden_size
-    if prof.rollout_layout:
-        prof.check_rollout_k(ffn, "moe_ffn_hidden_size")
-    elif ffn % prof.canonical_shards:
-        raise ConfigError(
-            f"moe_ffn_hidden_size={ffn} is not divisible by canonical_shards={prof.canonical_shards}; "
-            f"change the expert size or the profile"
-        )
+    prof.check_moe_ffn(config.moe_ffn_hidden_size or config.ffn_hidden_size)
 
 
 def _groups():
@@ -108,12 +66,23 @@ def _expert_forward(expert, x: torch.Tensor, etp_group, config, prof) -> torch.T
     return fold_across_ranks(partial, etp_group, x.dtype, replicated_output=False)
 
 
-def _record_routing(layer, idx: torch.Tensor, num_experts: int) -> None:
-    recorder = state.routing_recorder()
-    if recorder is not None:
-        chosen = torch.zeros(idx.shape[0], num_experts, dtype=torch.bool, device=idx.device)
-        chosen.scatter_(1, idx, True)
-        recorder[getattr(layer, "layer_number", id(layer))] = chosen
+# Callables (layer, expert indices (tokens, k)) told of every routing decision (the checker's
+# bisect records them); empty unless someone observes.
+_routing_observers: list = []
+
+
+def add_routing_observer(observer) -> None:
+    _routing_observers.append(observer)
+
+
+def remove_routing_observer(observer) -> None:
+    if observer in _routing_observers:
+        _routing_observers.remove(observer)
+
+
+def _publish_routing(layer, idx: torch.Tensor) -> None:
+    for observer in _routing_observers:
+        observer(layer, idx)
 
 
 def moe_forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
@@ -122,8 +91,7 @@ def moe_forward(self, hidden_states, intermediate_tensors=None, padding_mask=Non
     padding, as megatron's router applies it) keeps padding tokens out of the expert-bias token
     counts, which is all it changes there: a token's experts never depend on other tokens."""
     if intermediate_tensors is not None:
-        raise ConfigError("MoELayer.forward with intermediate_tensors (a split MoE forward) is not supported with "
-                          "--true-on-policy")
+        raise refusals.refuse("moe_intermediate_tensors")
     prof = state.profile()
     config = self.config
     shape, dtype = hidden_states.shape, hidden_states.dtype
@@ -137,7 +105,7 @@ def moe_forward(self, hidden_states, intermediate_tensors=None, padding_mask=Non
         bool(getattr(config, "moe_router_pre_softmax", False)), expert_bias,
         getattr(config, "moe_router_topk_scaling_factor", None),
     )
-    _record_routing(self, idx, num_experts)
+    _publish_routing(self, idx)
     if expert_bias is not None and torch.is_grad_enabled():
         with torch.no_grad():  # the bias update statistics Megatron keeps
             counted = idx if padding_mask is None else idx[~padding_mask.transpose(0, 1).reshape(-1).bool()]

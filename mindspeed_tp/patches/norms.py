@@ -5,7 +5,8 @@ are tagged ``sequence_parallel`` so Megatron all-reduces their gradients across 
 """
 import torch
 
-from ..errors import ConfigError
+from ..contract import refusals
+from ..contract.refusals import refuse
 from ..kernels import layer_norm, rms_norm
 from ..patching import PatchRegistry
 
@@ -14,7 +15,7 @@ class ConsistentNorm(torch.nn.Module):
     def __init__(self, hidden_size: int, eps: float, normalization: str, sequence_parallel: bool):
         super().__init__()
         if normalization not in ("RMSNorm", "LayerNorm"):
-            raise ConfigError(f"normalization={normalization!r} is not supported; use RMSNorm or LayerNorm")
+            raise refuse("normalization", value=normalization)
         self.normalization = normalization
         self.eps = eps
         self.normalized_shape = (hidden_size,)
@@ -33,8 +34,7 @@ class ConsistentNorm(torch.nn.Module):
 
 
 def wrapped_torch_norm_new(cls, config, hidden_size, eps=1e-5, *args, **kwargs):
-    if getattr(config, "layernorm_zero_centered_gamma", False):
-        raise ConfigError("layernorm_zero_centered_gamma is not supported with --true-on-policy")
+    refusals.check_config(refusals.NORM, config)
     return ConsistentNorm(
         hidden_size, eps, config.normalization, bool(getattr(config, "sequence_parallel", False))
     )

@@ -4,11 +4,11 @@ from typing import Optional
 import torch
 
 from .. import compat, state
-from ..collectives import group_size, fold_across_ranks
-from ..errors import ConfigError
+from ..kernels.collectives import group_size, fold_across_ranks
+from ..contract.refusals import refuse
 from ..kernels import folded_leaf_partials, invariant_linear, vocab_parallel_logprob
 from ..patching import PatchRegistry
-from ..rollout_layout import full_vocab_parallel_logprob, rollout_layout_linear
+from ..modes.rollout_layout.linear import full_vocab_parallel_logprob, rollout_layout_linear
 
 LAYERS = "megatron.core.tensor_parallel.layers"
 
@@ -43,14 +43,9 @@ def consistent_linear(
     The GEMM itself is the batch-invariant one, fp32-accumulated and cast once.
     """
     if grad_output_buffer is not None:
-        raise ConfigError(
-            "defer_embedding_wgrad_compute is not supported with --true-on-policy; unset it"
-        )
+        raise refuse("defer_embedding_wgrad_compute")
     if gtp_remat_size is not None and gtp_remat_size != 1:
-        raise ConfigError(
-            f"gtp_remat_size={gtp_remat_size} (weight re-materialisation over a further group) is not "
-            f"supported with --true-on-policy; set it to 1"
-        )
+        raise refuse("gtp_remat_size", value=gtp_remat_size)
     if async_grad_allreduce is not None:  # 0.12 spelling of allreduce_dgrad
         allreduce_dgrad = allreduce_dgrad or async_grad_allreduce
     group = tp_group if tp_group is not None else compat.tp_group_of()
@@ -77,19 +72,12 @@ def row_parallel_forward(self, input_):
     if not self.input_is_parallel:
         input_ = compat.scatter_to_tensor_model_parallel_region(input_, group)
     if getattr(self, "explicit_expert_comm", False):
-        raise ConfigError(
-            "expert-parallel RowParallelLinear (explicit_expert_comm) is not covered by the dense "
-            "patches; MoE models need the MoE patch set"
-        )
+        raise refuse("explicit_expert_comm")
     k_full = self.input_size
     if prof.rollout_layout:
         return _rollout_layout_forward(self, input_, group, prof)
     if k_full % prof.canonical_shards:
-        raise ConfigError(
-            f"input size {k_full} of {type(self).__name__} (attention heads*kv_channels or "
-            f"ffn_hidden_size) is not divisible by canonical_shards={prof.canonical_shards}; change "
-            f"the model size or the profile's canonical_shards"
-        )
+        raise refuse("row_k_indivisible", k=k_full, cls=type(self).__name__, c=prof.canonical_shards)
     lead = input_.shape[:-1]
     x2d = input_.reshape(-1, input_.shape[-1])
     leaves = prof.canonical_shards // tp
@@ -105,10 +93,7 @@ def row_parallel_forward(self, input_):
 def _rollout_layout_forward(self, input_, group, prof):
     """Rollout-layout mode: the stock engine's R partials for this rank's output columns."""
     if self.bias is not None:
-        raise ConfigError(
-            f"{type(self).__name__} has a bias (add_bias_linear=True); where a rollout engine adds a row-parallel "
-            f"bias is not modelled by reduction: rollout_layout -- use add_bias_linear=False or the canonical_tree profile"
-        )
+        raise refuse("rollout_row_bias", cls=type(self).__name__)
     prof.check_rollout_k(self.input_size, f"input size of {type(self).__name__} (heads*kv_channels or ffn_hidden_size)")
     output = rollout_layout_linear(input_, self.weight, group, prof, bool(self.sequence_parallel))
     return output, None
@@ -132,7 +117,7 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=
     ``tp_group``: the vocab's tensor-parallel group (0.19 passes the model's; older lines none:
     the global TP group)."""
     if label_smoothing:
-        raise ConfigError("label_smoothing must be 0 with --true-on-policy")
+        raise refuse("label_smoothing")
     prof = state.profile()
     group = tp_group if tp_group is not None else compat.tp_group_of()
     if prof.rollout_layout:  # the engine's one fp32 log-softmax over the whole vocab

@@ -18,10 +18,10 @@ from ..kernels import (
     vocab_parallel_logprob,
 )
 from ..kernels.moe import combine_slots, route
-from ..kernels.rollout import full_vocab_logprob, rollout_row_parallel
-from ..models.spec import ModelSpec
-from ..models.weights import full_weights, seeded_full_weights
-from ..profile import Profile
+from ..modes.rollout_layout.engine_math import full_vocab_logprob, rollout_row_parallel
+from ..check.models.spec import ModelSpec
+from ..check.models.weights import full_weights, seeded_full_weights
+from ..contract.profile import Profile
 
 
 class ReferenceModel:

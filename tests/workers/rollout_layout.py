@@ -20,16 +20,16 @@ from grad_helpers import finalize_grads, scored_loss
 
 import mindspeed_tp
 from mindspeed_tp import relayout, rollout_layout
-from mindspeed_tp.backends.cpu_shims import install_cpu_shims
+from mindspeed_tp.devices.cpu_shims import install_cpu_shims
 from mindspeed_tp.check.batch import make_batch
 from mindspeed_tp.check.harness import (
     _logprobs_from_logits, _pipeline_forward, _setup_parallel_state, init_distributed, layout_logprobs,
 )
-from mindspeed_tp.models.builder import build_gpt_stage
-from mindspeed_tp.models.layout import Layout
-from mindspeed_tp.models.spec import load_model_spec
-from mindspeed_tp.models.weights import load_seeded_weights
-from mindspeed_tp.profile import load_profile
+from mindspeed_tp.check.models.builder import build_gpt_stage
+from mindspeed_tp.check.models.layout import Layout
+from mindspeed_tp.check.models.spec import load_model_spec
+from mindspeed_tp.check.models.weights import load_seeded_weights
+from mindspeed_tp.contract.profile import load_profile
 from mindspeed_tp.reference import ReferenceModel
 from mindspeed_tp.reference.model import whole_sequence_kv
 

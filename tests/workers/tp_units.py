@@ -7,7 +7,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 import mindspeed_tp
-from mindspeed_tp.backends.cpu_shims import install_cpu_shims
+from mindspeed_tp.devices.cpu_shims import install_cpu_shims
 from mindspeed_tp.check.harness import init_distributed
 from mindspeed_tp.kernels import vocab_parallel_logprob
 

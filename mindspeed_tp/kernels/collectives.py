@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .tree import tree_fold
+from ..contract.tree import tree_fold
 
 
 def group_size(group) -> int:

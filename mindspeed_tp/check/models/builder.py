@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..profile import Profile
+from ...contract.profile import Profile
 from .layout import Layout
 from .spec import ModelSpec
 

@@ -14,9 +14,10 @@ from typing import Any, Dict, Optional
 
 import yaml
 
-from .errors import ConfigError
+from ..errors import ConfigError
+from . import refusals
 
-PROFILE_DIR = os.path.join(os.path.dirname(__file__), "configs", "profiles")
+PROFILE_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "profiles")
 CONTRACT_VERSION = 1
 REDUCTION_MODES = ("canonical_tree", "rollout_layout")
 # rollout_layout: how the stock rollout engine rounds a rank's row-parallel partial, and in which
@@ -149,10 +150,14 @@ class Profile:
     def check_rollout_k(self, k: int, what: str) -> None:
         """The rollout engine splits K of a row-parallel layer into rollout_tp equal parts."""
         if k % self.rollout_tp:
-            raise ConfigError(
-                f"{what}={k} is not divisible by the profile's rollout_tp={self.rollout_tp}; the rollout engine "
-                f"cannot run at that TP size (change rollout_tp or the model size)"
-            )
+            raise refusals.refuse("rollout_k_indivisible", what=what, k=k, r=self.rollout_tp)
+
+    def check_moe_ffn(self, ffn: int) -> None:
+        """K of an expert's fc2: rollout_tp parts (rollout_layout) or C canonical leaves."""
+        if self.rollout_layout:
+            self.check_rollout_k(ffn, "moe_ffn_hidden_size")
+        elif ffn % self.canonical_shards:
+            raise refusals.refuse("moe_ffn_indivisible", ffn=ffn, c=self.canonical_shards)
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -164,10 +169,7 @@ class Profile:
 
     def check_tp(self, tp: int, setting: str = "tensor_model_parallel_size") -> None:
         if not _is_power_of_two(tp) or self.canonical_shards % tp != 0:
-            raise ConfigError(
-                f"{setting}={tp} is not supported: it must be a power of two dividing the profile's "
-                f"canonical_shards={self.canonical_shards} (change {setting}, or canonical_shards)"
-            )
+            raise refusals.refuse("tp_not_power_of_two_dividing_c", setting=setting, tp=tp, c=self.canonical_shards)
 
     def padded_vocab_size(self, vocab_size: int) -> int:
         multiple = self.vocab_pad_multiple * self.canonical_shards

@@ -1,6 +1,6 @@
-"""The npu kernel backend: the kernel interface through CANN's batch-invariant ops and the Ascend
-consistent flash-attention kernels. The torch kernels call into here when ``backends.use_npu``
-says so; these functions only shape the calls. That a row's result does not depend on the rows
+"""The npu kernel backend: the primitive kernels (``kernels/dispatch.py``) through CANN's
+batch-invariant ops and the Ascend consistent flash-attention kernels; these functions only shape
+the calls. That a row's result does not depend on the rows
 computed with it is the kernels' promise, verified on an NPU (README, "Ascend").
 
 Signatures used (sources named in ``mindspeed_tp/backends/npu.py``):
@@ -30,54 +30,52 @@ from typing import Optional
 
 import torch
 
-from ..errors import ConfigError
+from ...devices import npu_runtime
+from ...contract.refusals import refuse
+
+# The Ascend flash-attention kernels take causal or no mask, nothing explicit (as MindSpeed's
+# flash_attn_npu adaptor): the attention patch drops Megatron's causal mask tensor for them.
+EXPLICIT_MASKS = False
 
 
-def _ops():
-    from ..backends.npu import load
-
-    return load()
+def prepare(profile) -> None:
+    """enable(): load the Ascend packages and fix the collective environment."""
+    npu_runtime.prepare()
 
 
 def _mm_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    ops = _ops()
+    ops = npu_runtime.load()
     if a.dim() == 2 and b.dim() == 2:
         return ops.mm(a.contiguous(), b.contiguous())
     return ops.matmul(a.contiguous(), b.contiguous())
 
 
-class _BatchInvariantMatmul(torch.autograd.Function):
-    """a @ b through the batch-invariant ops, also for the gradients (batch-invariant backward)."""
-
-    @staticmethod
-    def forward(ctx, a, b):
-        ctx.save_for_backward(a, b)
-        return _mm_op(a, b)
-
-    @staticmethod
-    def backward(ctx, grad):
-        a, b = ctx.saved_tensors
-        grad_a = _mm_op(grad, b.transpose(-1, -2)) if ctx.needs_input_grad[0] else None
-        grad_b = _mm_op(a.transpose(-1, -2), grad) if ctx.needs_input_grad[1] else None
-        return grad_a, grad_b
-
-
-def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """fp32 ``a @ b`` for a (..., M, K) and b (K, N) or b with a's leading dims (..., K, N)."""
+def matmul(a: torch.Tensor, b: torch.Tensor, row_multiple: int = 16) -> torch.Tensor:
+    """fp32 ``a @ b`` for a (..., M, K) and b (K, N) or b with a's leading dims (..., K, N);
+    ``row_multiple`` does not apply (the ops tile by themselves)."""
     a, b = a.float(), b.float()
     if b.dim() == 2 and a.dim() > 2:
         lead = a.shape[:-1]
-        return _BatchInvariantMatmul.apply(a.reshape(-1, a.shape[-1]), b).reshape(*lead, b.shape[-1])
+        return _mm_op(a.reshape(-1, a.shape[-1]), b).reshape(*lead, b.shape[-1])
     if b.dim() != 2 and a.shape[:-2] != b.shape[:-2]:
         raise ValueError(f"npu matmul: leading dims of {tuple(a.shape)} and {tuple(b.shape)} must match")
-    return _BatchInvariantMatmul.apply(a, b)
+    return _mm_op(a, b)
+
+
+def linear(x2d: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype, row_multiple: int = 16) -> torch.Tensor:
+    return matmul(x2d, weight.t()).to(out_dtype)
+
+
+def grad_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Gradient GEMMs through the batch-invariant op too (fp32 in, cast back to the inputs' dtype)."""
+    return _mm_op(a.float(), b.float()).to(torch.promote_types(a.dtype, b.dtype))
 
 
 class _RowSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, keepdim):
         ctx.shape, ctx.keepdim = x.shape, keepdim
-        return _ops().reduce_sum(x.contiguous(), x.dim() - 1, keepdim)
+        return npu_runtime.load().reduce_sum(x.contiguous(), x.dim() - 1, keepdim)
 
     @staticmethod
     def backward(ctx, grad):
@@ -91,9 +89,13 @@ def row_sum(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
     return _RowSum.apply(x, keepdim)
 
 
-def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Row log-softmax through the batch-invariant op (no autograd: routing and sampling only)."""
-    return _ops().log_softmax(x.contiguous(), dim if dim >= 0 else x.dim() + dim)
+def row_mean(x: torch.Tensor) -> torch.Tensor:
+    return row_sum(x, keepdim=True) / x.shape[-1]
+
+
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    """Row softmax as exp of the batch-invariant log-softmax (routing only: no autograd)."""
+    return torch.exp(npu_runtime.load().log_softmax(x.contiguous(), x.dim() - 1))
 
 
 def attention(
@@ -104,23 +106,24 @@ def attention(
     causal: bool,
     q_positions: Optional[torch.Tensor] = None,
     excluded: Optional[torch.Tensor] = None,
+    block_size: int = 128,
+    row_multiple: int = 16,
     split_size: Optional[int] = None,
 ) -> torch.Tensor:
     """Training / prefill attention through ``flash_attn_npu.flash_attn_func``.
 
     q (b, hq, sq, d), k/v (b, hkv, sk, d) -> (b, hq, sq, d). The kernel's causal mask is
-    bottom-right aligned, i.e. queries are the last sq key positions.
+    bottom-right aligned, i.e. queries are the last sq key positions. ``block_size`` and
+    ``row_multiple`` do not apply (the kernel's own fixed tiling).
     """
     if excluded is not None:
-        raise ConfigError("the npu backend's attention supports causal or no-mask attention only (flash_attn_npu "
-                          "takes no explicit mask): use attn_mask_type causal without padding masks")
+        raise refuse("npu_explicit_mask")
     if split_size is not None:
-        raise ConfigError("profile field 'attention_split_size' must be empty with the npu backend (num_splits=1)")
+        raise refuse("npu_split_kv")
     sq, sk = q.shape[2], k.shape[2]
     if q_positions is not None and not torch.equal(q_positions.cpu(), torch.arange(sk - sq, sk)):
-        raise ConfigError("the npu backend's attention needs queries at the last key positions (bottom-right "
-                          "causal alignment); chunked prefill must read all of the request's keys so far")
-    out = _ops().flash_attn_func(
+        raise refuse("npu_query_alignment")
+    out = npu_runtime.load().flash_attn_func(
         q.transpose(1, 2).contiguous(),
         k.transpose(1, 2).contiguous(),
         v.transpose(1, 2).contiguous(),
@@ -143,10 +146,15 @@ def decode_attention(
     cache_seqlens: torch.Tensor,
     page_table: torch.Tensor,
     scale: float,
+    block_size: int = 128,
+    row_multiple: int = 16,
+    split_size: Optional[int] = None,
 ) -> torch.Tensor:
-    """Decode over a paged KV cache through the v3 ``flash_attn_with_kvcache``; see
+    """Decode over a paged KV cache through the v3 ``flash_attn_with_kvcache`` (num_splits=1); see
     ``kernels.attention.decode_attention`` for the shapes."""
-    out = _ops().flash_attn_with_kvcache(
+    if split_size is not None:
+        raise refuse("npu_split_kv")
+    out = npu_runtime.load().flash_attn_with_kvcache(
         q.transpose(1, 2).contiguous(),
         k_cache,
         v_cache,

@@ -6,7 +6,7 @@ obtained by one all-to-all of weight blocks. The result is cached on the paramet
 until the weight changes: the cache key holds a process-wide generation (bumped by every
 ``torch.optim`` step and by ``invalidate_relaid_weights()``), the parameter's in-place version
 counter and its storage, so an optimizer step, an in-place edit or a new ``param.data`` all force
-a recompute. Autograd: gradients of the re-laid weight go back through the inverse all-to-all to
+a recompute (the optimizer hook is installed while the patches are enabled). Autograd: gradients of the re-laid weight go back through the inverse all-to-all to
 the original shard (the parameter itself), cached or not.
 
 Every rank of the group must see the same cache state (the recompute is a collective): weights
@@ -18,7 +18,7 @@ import weakref
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .collectives import _all_to_all_rows, group_rank, group_size
+from ...kernels.collectives import _all_to_all_rows, group_rank, group_size
 
 _ATTR = "_mindspeed_tp_relaid"
 _generation = 0
@@ -59,7 +59,10 @@ def _on_optimizer_step(optimizer, args, kwargs) -> None:
     _generation += 1
 
 
-register_optimizer_step_post_hook(_on_optimizer_step)  # fires for every torch optimizer's step
+def install_optimizer_hook():
+    """Bump the generation after every torch optimizer's step (a registry Hook: enable() installs
+    it, disable() removes it); returns the handle."""
+    return register_optimizer_step_post_hook(_on_optimizer_step)
 
 
 def _relay(weight: torch.Tensor, group) -> torch.Tensor:

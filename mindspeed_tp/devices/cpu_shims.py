@@ -2,13 +2,14 @@
 
 Each shim replaces a CUDA-only call with its CPU equivalent and changes no arithmetic; they are
 installed only when no accelerator is present (by ``enable()`` and by the checker, which needs them
-for vanilla runs too). See ../shared/MEGATRON_ON_CPU.md for the failures each one answers.
+for vanilla runs too). docs/CONTRACT.md, "megatron-core on CPU", lists the failure each answers.
 """
 import contextlib
 import functools
 
 import torch
 
+from ..patches import registry as numerics_registry
 from ..patching import Patch, PatchRegistry
 
 _shims = PatchRegistry("cpu-shims")
@@ -131,29 +132,28 @@ def _gather_along_first_dim(original):
     return gather
 
 
-# Names megatron-core 0.16 reads without defining them when Transformer Engine is absent.
-_MISSING_NAMES = (("megatron.core.transformer.moe.moe_utils", "te_general_gemm"),)
-_defined: list = []
+# megatron-core 0.16 reads this name without defining it when Transformer Engine is absent.
+_shims.add(Patch(target="megatron.core.transformer.moe.moe_utils:te_general_gemm", replacement=None,
+                 define_if_absent=True, reason="megatron-core 0.16 MoE router gating reads te_general_gemm "
+                 "(Transformer Engine) without defining it when TE is absent"))
 
 
 def install_cpu_shims() -> None:
-    """Install every CPU shim (idempotent)."""
-    import importlib
-
-    _shims.apply()
-    for module_name, name in _MISSING_NAMES:
-        module = importlib.import_module(module_name)
-        if not hasattr(module, name):
-            setattr(module, name, None)
-            _defined.append((module, name))
+    """Install every CPU shim (idempotent). Shims go under the numerics patches: where a shim's
+    target is also a numerics target that is applied, the numerics patches are lifted and put back
+    on top, so disable() still restores the shimmed original."""
+    numerics = numerics_registry()
+    pending = {p.target for p in _shims.patches if not p.applied}
+    if pending & {p.target for p in numerics.patches if p.applied}:
+        numerics.revert()
+        _shims.apply()
+        numerics.apply()
+    else:
+        _shims.apply()
 
 
 def remove_cpu_shims() -> None:
     _shims.revert()
-    while _defined:
-        module, name = _defined.pop()
-        if getattr(module, name, "x") is None:
-            delattr(module, name)
 
 
 def shim_registry() -> PatchRegistry:

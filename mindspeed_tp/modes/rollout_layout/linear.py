@@ -10,10 +10,10 @@ slice of a chunk's tokens, and one fp32 log-softmax over the full vocab scores t
 """
 import torch
 
-from .collectives import (
+from ...kernels.collectives import (
     _all_gather_rows, _all_to_all_rows, columns_to_rows, gather_last_dim, group_rank, group_size,
 )
-from .kernels.rollout import full_vocab_log_softmax, rollout_row_parallel
+from .engine_math import full_vocab_log_softmax, rollout_row_parallel
 from .relayout import relaid_weight
 
 # Tokens per exchange when scoring: bounds the full-vocab buffer to (chunk / T) x V per rank.

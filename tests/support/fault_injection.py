@@ -1,7 +1,9 @@
-"""TEST-ONLY fault injection for the checker's own tests. Never set it in a real run.
+"""Fault injection for the checker's own tests: a checker plugin (mindspeed_tp/check/hooks.py),
+loaded by ``MINDSPEED_TP_CHECK_PLUGINS=fault_injection`` with tests/support on PYTHONPATH (the
+tests' launch helpers in conftest.py set both whenever a test sets ``MINDSPEED_TP_TEST_FAULT``).
 
-``MINDSPEED_TP_TEST_FAULT`` holds comma-separated directives; unset (the normal case) nothing here
-does anything. The tests use it to prove that the checker's diagnostics work on real runs:
+``MINDSPEED_TP_TEST_FAULT`` holds comma-separated directives. The tests use it to prove that the
+checker's diagnostics work on real runs:
 
   exit@POINT:RANK         rank RANK exits abruptly (``os._exit(17)``) on reaching POINT
   hang@POINT:RANK         rank RANK sleeps (for an hour) on reaching POINT: a hung rank
@@ -48,8 +50,8 @@ def at_point(point: str, rank: int) -> None:
 def apply_to_model(model, layout, tp_rank: int) -> list:
     """perturb / perturb-input on this stage (single-device layouts are left alone). Returns hook
     handles to remove after the forward."""
-    from ..models.weights import global_param_name
-    from .bisect import global_module_name
+    from mindspeed_tp.check.models.weights import global_param_name
+    from mindspeed_tp.check.bisect import global_module_name
 
     handles = []
     if layout.required_world_size == 1:
@@ -87,3 +89,10 @@ def corrupt_logits(logits: torch.Tensor, layout, tp_rank: int) -> torch.Tensor:
             logits = logits.clone()
             logits[b, s, 0] = float("nan")
     return logits
+
+
+def register(hooks) -> None:
+    """The checker plugin entry (mindspeed_tp/check/hooks.py)."""
+    hooks.add("point", lambda name, rank: at_point(name, rank))
+    hooks.add("before_forward", apply_to_model)
+    hooks.add("logits", corrupt_logits)

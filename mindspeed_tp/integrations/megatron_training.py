@@ -1,11 +1,16 @@
 """Megatron-style training-script flags: ``--true-on-policy`` and ``--true-on-policy-profile``.
 
-``add_true_on_policy_args`` can be passed as Megatron's ``extra_args_provider``; the package also
-wraps ``megatron.training.arguments.parse_args`` (when a training script imports it) so the flags
-exist without any change to the script, and enables the patches once the flags are parsed.
+``add_true_on_policy_args`` can be passed as Megatron's ``extra_args_provider``; the integration
+registry also wraps ``megatron.training.arguments.parse_args`` (once a training script imports it)
+so the flags exist without any change to the script, and enables the patches once they are parsed.
 """
 import argparse
 import functools
+
+from .. import switch
+from ..patching import Patch, PatchRegistry
+
+PARSE_ARGS = "megatron.training.arguments:parse_args"
 
 
 def add_true_on_policy_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -23,18 +28,13 @@ def apply_true_on_policy_args(args) -> bool:
     """Enable the patches if the parsed args ask for it; returns whether they did."""
     profile = getattr(args, "true_on_policy_profile", None)
     if getattr(args, "true_on_policy", False) or profile:
-        import mindspeed_tp
-
-        mindspeed_tp.enable(profile)
+        switch.enable(profile)
         return True
     return False
 
 
-def patch_parse_args(arguments_module) -> None:
-    """Wrap Megatron's ``parse_args(extra_args_provider=None, ignore_unknown_args=False)``."""
-    original = arguments_module.parse_args
-    if getattr(original, "_mindspeed_tp", False):
-        return
+def wrap_parse_args(original):
+    """Megatron's ``parse_args(extra_args_provider=None, ignore_unknown_args=False)`` with our flags."""
 
     @functools.wraps(original)
     def parse_args(extra_args_provider=None, *args, **kwargs):
@@ -47,5 +47,10 @@ def patch_parse_args(arguments_module) -> None:
         apply_true_on_policy_args(parsed)
         return parsed
 
-    parse_args._mindspeed_tp = True
-    arguments_module.parse_args = parse_args
+    return parse_args
+
+
+def register(reg: PatchRegistry) -> None:
+    reg.add(Patch(target=PARSE_ARGS, replacement=wrap_parse_args, wraps=True, on_import=True,
+                  reason="Megatron-LM training scripts: adds --true-on-policy / --true-on-policy-profile and "
+                         "enables the patches once the arguments are parsed"))

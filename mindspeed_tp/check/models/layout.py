@@ -5,8 +5,10 @@ import math
 import re
 from dataclasses import dataclass
 
-from ..errors import ConfigError
-from ..profile import Profile
+from ...contract import refusals
+from ...contract.refusals import refuse
+from ...errors import ConfigError
+from ...contract.profile import Profile
 from .spec import ModelSpec
 
 _TOKEN = re.compile(r"^(tp|pp|ep|etp)(\d+)$|^sp$")
@@ -71,7 +73,7 @@ def validate_layout(layout: Layout, spec: ModelSpec, profile: Profile, seq_lengt
             raise ConfigError(f"{flag} must be >= 1, got {value}")
     profile.check_tp(layout.tp, setting="--tp (tensor_model_parallel_size)")
     if layout.sp and layout.tp == 1:
-        raise ConfigError("--sp (sequence parallel) needs --tp > 1")
+        raise refuse("sp_without_tp")
     checks = [
         ("num_attention_heads", spec.num_attention_heads, layout.tp, "--tp"),
         ("num_query_groups", spec.num_query_groups, layout.tp, "--tp"),
@@ -82,37 +84,22 @@ def validate_layout(layout: Layout, spec: ModelSpec, profile: Profile, seq_lengt
     ]
     for what, size, divisor, setting in checks:
         if size % divisor:
-            raise ConfigError(
-                f"model {spec.name}: {what}={size} is not divisible by {setting}={divisor}; change {setting} "
-                f"or the model size"
-            )
+            raise refuse("layout_size_indivisible", model=spec.name, what=what, size=size, setting=setting,
+                         divisor=divisor)
     spec.padded_vocab(profile)
     if spec.is_moe:
-        if spec.moe_expert_capacity_factor is not None:
-            raise ConfigError(
-                f"model {spec.name}: moe_expert_capacity_factor={spec.moe_expert_capacity_factor} (token dropping) "
-                f"is decided on local token counts and cannot be layout-invariant; unset it (dropless)"
-            )
+        refusals.check_config(refusals.MOE, spec)  # the MoE settings MoELayer would refuse, named early
         if spec.num_experts % layout.ep:
-            raise ConfigError(
-                f"--ep={layout.ep} does not divide num_experts={spec.num_experts} of model {spec.name}; change --ep"
-            )
+            raise refuse("ep_indivisible", ep=layout.ep, experts=spec.num_experts, model=spec.name)
         profile.check_tp(layout.etp, setting="--etp (expert_tensor_parallel_size)")
         ffn = spec.moe_ffn_hidden_size or spec.ffn_hidden_size
-        if ffn % profile.canonical_shards:
-            raise ConfigError(
-                f"model {spec.name}: moe_ffn_hidden_size={ffn} is not divisible by canonical_shards="
-                f"{profile.canonical_shards}; change the model size or canonical_shards"
-            )
+        if ffn % profile.canonical_shards:  # checked early, in both modes, for the model's name
+            raise refuse("moe_ffn_indivisible", ffn=ffn, c=profile.canonical_shards)
         if spec.moe_shared_expert_intermediate_size and spec.moe_shared_expert_intermediate_size % profile.canonical_shards:
-            raise ConfigError(
-                f"model {spec.name}: moe_shared_expert_intermediate_size is not divisible by canonical_shards="
-                f"{profile.canonical_shards}"
-            )
+            raise refuse("shared_expert_indivisible", model=spec.name, c=profile.canonical_shards)
         if layout.tp > 1 and layout.ep > 1 and not layout.sp:
-            raise ConfigError("--sp is required when --tp > 1 and --ep > 1 (megatron-core requires sequence "
-                              "parallelism with expert parallelism)")
+            raise refuse("ep_tp_without_sp")
     elif layout.ep > 1 or layout.etp > 1:
-        raise ConfigError(f"--ep/--etp need a MoE model; {spec.name} is dense")
+        raise refuse("ep_without_moe", model=spec.name)
     if layout.sp and seq_length % layout.tp:
-        raise ConfigError(f"--seq-length={seq_length} is not divisible by --tp={layout.tp} (needed for --sp)")
+        raise refuse("sp_seq_indivisible", seq=seq_length, tp=layout.tp)

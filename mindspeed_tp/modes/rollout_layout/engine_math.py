@@ -8,7 +8,7 @@ columns. Log-probabilities: one fp32 log-softmax over the whole vocab per token.
 """
 import torch
 
-from .linear import invariant_linear
+from ...kernels.linear import invariant_linear
 
 _DTYPES = {"float32": torch.float32}
 

@@ -1,0 +1,365 @@
+"""Every setting mindspeed-tp refuses, in one table: where it is detected, the message, the reason.
+
+A refusal is a ConfigError at startup (enable, model construction, the first forward of a module,
+the checker's plan) instead of a silent fallback to a non-invariant path. Code paths raise
+``refuse(key, **values)``; settings read off a config object are checked in bulk by
+``check_config(where, config)`` from entries that carry an ``attr`` and a ``bad`` predicate. The
+README's "Refused" list is ``markdown()`` (tests/test_refusals.py keeps the two in step;
+``mindspeed-tp refusals`` prints it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+
+from ..errors import ConfigError
+
+# Where a refusal is detected.
+LAYOUT = "layout (checker / train-check plan)"
+PROFILE = "profile / TP size"
+MOE = "MoELayer construction"
+MODEL = "GPTModel construction"
+ATTENTION = "attention forward"
+LINEAR = "linear layers"
+NORM = "norm construction"
+LOSS = "logprob / cross entropy"
+MINDSPEED = "MindSpeed arguments (enable, its feature)"
+HF = "Hugging Face config.json"
+BACKEND = "kernel backend"
+VERL = "verl / mbridge (integrations.verl)"
+
+
+@dataclass(frozen=True)
+class Refusal:
+    key: str
+    where: str
+    setting: str  # what the user changes
+    message: str  # str.format template; the error text (names the setting)
+    reason: str  # why it cannot keep the contract
+    attr: Optional[str] = None  # for check_config: the config attribute read
+    bad: Optional[Callable[[Any], bool]] = None  # for check_config: True when the value is refused
+
+    def error(self, **values) -> ConfigError:
+        return ConfigError(self.message.format(**values))
+
+
+def _set(v) -> bool:
+    return v is not None and bool(v)
+
+
+def _not_none(v) -> bool:
+    return v is not None
+
+
+def _nonzero(v) -> bool:
+    return v not in (None, 0, 0.0)
+
+
+_T = "with --true-on-policy"
+_ENTRIES: Tuple[Refusal, ...] = (
+    # ---- the profile / TP sizes ----
+    Refusal("tp_not_power_of_two_dividing_c", PROFILE, "tensor_model_parallel_size (--tp), expert_tensor_parallel_size",
+            "{setting}={tp} is not supported: it must be a power of two dividing the profile's canonical_shards="
+            "{c} (change {setting}, or canonical_shards)",
+            "a TP rank must own a whole subtree of the C canonical leaves"),
+    Refusal("rollout_k_indivisible", PROFILE, "rollout_tp / model size",
+            "{what}={k} is not divisible by the profile's rollout_tp={r}; the rollout engine cannot run at that TP "
+            "size (change rollout_tp or the model size)",
+            "the engine splits K of a row-parallel layer into rollout_tp equal parts"),
+    Refusal("row_k_indivisible", LINEAR, "canonical_shards / model size",
+            "input size {k} of {cls} (attention heads*kv_channels or ffn_hidden_size) is not divisible by "
+            "canonical_shards={c}; change the model size or the profile's canonical_shards",
+            "K of a row-parallel GEMM is cut into C equal leaves"),
+    Refusal("vocab_indivisible", LOSS, "vocab padding (vocab_pad_multiple)",
+            "vocab size {v} is not divisible by canonical_shards={c}; pad the vocab with Profile.padded_vocab_size "
+            "(vocab_pad_multiple)",
+            "the vocab's exp-sum is cut into C equal leaves"),
+    # ---- layouts (the checker's plan) ----
+    Refusal("layout_size_indivisible", LAYOUT, "--tp / --pp / canonical_shards / model size",
+            "model {model}: {what}={size} is not divisible by {setting}={divisor}; change {setting} or the model size",
+            "heads, query groups and layers split evenly; row-parallel K splits into C leaves"),
+    Refusal("sp_without_tp", LAYOUT, "--sp", "--sp (sequence parallel) needs --tp > 1",
+            "sequence parallelism shards over the TP group"),
+    Refusal("sp_seq_indivisible", LAYOUT, "--seq-length", "--seq-length={seq} is not divisible by --tp={tp} (needed for --sp)",
+            "SP slices the sequence evenly over TP"),
+    Refusal("ep_indivisible", LAYOUT, "--ep", "--ep={ep} does not divide num_experts={experts} of model {model}; change --ep",
+            "each EP rank holds the same number of experts"),
+    Refusal("ep_without_moe", LAYOUT, "--ep / --etp", "--ep/--etp need a MoE model; {model} is dense",
+            "expert parallelism needs experts"),
+    Refusal("ep_tp_without_sp", LAYOUT, "--sp",
+            "--sp is required when --tp > 1 and --ep > 1 (megatron-core requires sequence parallelism with expert "
+            "parallelism)", "megatron-core's own requirement"),
+    Refusal("moe_ffn_indivisible", MOE, "moe_ffn_hidden_size / canonical_shards",
+            "moe_ffn_hidden_size={ffn} is not divisible by canonical_shards={c}; change the expert size or the profile",
+            "expert-TP fc2 follows the canonical tree over C leaves of K"),
+    Refusal("shared_expert_indivisible", LAYOUT, "moe_shared_expert_intermediate_size / canonical_shards",
+            "model {model}: moe_shared_expert_intermediate_size is not divisible by canonical_shards={c}",
+            "the shared expert's fc2 is a row-parallel layer cut into C leaves"),
+    # ---- MoE settings (MoELayer construction; the layout check reads the same entries) ----
+    Refusal("moe_expert_capacity_factor", MOE, "moe_expert_capacity_factor",
+            "moe_expert_capacity_factor={value!r} is not supported " + _T + ": capacity factor / token dropping is "
+            "decided on local token counts and cannot be layout-invariant; unset moe_expert_capacity_factor (dropless)",
+            "which tokens are dropped depends on how many tokens each rank holds", "moe_expert_capacity_factor",
+            _not_none),
+    Refusal("moe_pad_expert_input_to_capacity", MOE, "moe_pad_expert_input_to_capacity",
+            "moe_pad_expert_input_to_capacity={value!r} is not supported " + _T + ": unset "
+            "moe_pad_expert_input_to_capacity (dropless only)", "capacity padding goes with token dropping",
+            "moe_pad_expert_input_to_capacity", _set),
+    Refusal("moe_input_jitter_eps", MOE, "moe_input_jitter_eps",
+            "moe_input_jitter_eps={value!r} is not supported " + _T + ": moe_input_jitter_eps adds noise to routing; "
+            "unset it", "random noise on the router input", "moe_input_jitter_eps", _nonzero),
+    Refusal("moe_router_topk_limited_devices", MOE, "moe_router_topk_limited_devices",
+            "moe_router_topk_limited_devices={value!r} is not supported " + _T + ": device-limited routing depends on "
+            "the EP size; unset it", "the experts a token may use depend on the EP layout",
+            "moe_router_topk_limited_devices", _set),
+    Refusal("moe_router_num_groups", MOE, "moe_router_num_groups",
+            "moe_router_num_groups={value!r} is not supported " + _T + ": group-limited routing is not supported; "
+            "unset moe_router_num_groups", "not implemented by the fixed-order router", "moe_router_num_groups", _set),
+    Refusal("moe_router_group_topk", MOE, "moe_router_group_topk",
+            "moe_router_group_topk={value!r} is not supported " + _T + ": group-limited routing is not supported; "
+            "unset moe_router_group_topk", "not implemented by the fixed-order router", "moe_router_group_topk", _set),
+    Refusal("moe_grouped_gemm", MOE, "moe_grouped_gemm",
+            "moe_grouped_gemm={value!r} is not supported " + _T + ": grouped GEMM experts are not covered; set "
+            "moe_grouped_gemm=False (SequentialMLP)", "a grouped GEMM's reduction order depends on the tokens per "
+            "expert", "moe_grouped_gemm", _set),
+    Refusal("moe_permute_fusion", MOE, "moe_permute_fusion",
+            "moe_permute_fusion={value!r} is not supported " + _T + ": fused permutation is not covered; set "
+            "moe_permute_fusion=False", "the MoE patch dispatches rows itself", "moe_permute_fusion", _set),
+    Refusal("moe_router_fusion", MOE, "moe_router_fusion",
+            "moe_router_fusion={value!r} is not supported " + _T + ": fused routing is not covered; set "
+            "moe_router_fusion=False", "the router runs in fp32 with the lowest-id tie-break", "moe_router_fusion", _set),
+    Refusal("moe_shared_expert_overlap", MOE, "moe_shared_expert_overlap",
+            "moe_shared_expert_overlap={value!r} is not supported " + _T + ": set moe_shared_expert_overlap=False",
+            "the shared expert is added after the fp32 slot-order combine", "moe_shared_expert_overlap", _set),
+    Refusal("moe_apply_probs_on_input", MOE, "moe_apply_probs_on_input",
+            "moe_apply_probs_on_input={value!r} is not supported " + _T + ": set moe_apply_probs_on_input=False",
+            "probabilities are applied in the fp32 combine", "moe_apply_probs_on_input", _set),
+    Refusal("moe_shared_expert_gate", MOE, "moe_shared_expert_gate",
+            "moe_shared_expert_gate={value!r} is not supported " + _T + ": the shared-expert gate is not covered; set "
+            "moe_shared_expert_gate=False", "not implemented", "moe_shared_expert_gate", _set),
+    Refusal("moe_enable_deepep", MOE, "moe_enable_deepep",
+            "moe_enable_deepep={value!r} is not supported " + _T + ": DeepEP dispatch is not covered; use the "
+            "allgather or alltoall dispatcher", "the MoE patch moves rows itself", "moe_enable_deepep", _set),
+    Refusal("moe_latent_size", MOE, "moe_latent_size",
+            "moe_latent_size={value!r} is not supported " + _T + ": latent MoE projections are not covered; unset "
+            "moe_latent_size", "not implemented", "moe_latent_size", _not_none),
+    Refusal("moe_router_force_load_balancing", MOE, "moe_router_force_load_balancing",
+            "moe_router_force_load_balancing={value!r} is not supported " + _T + ": forced load balancing makes "
+            "routing random; unset it", "random routing", "moe_router_force_load_balancing", _set),
+    Refusal("moe_enable_routing_replay", MOE, "moe_enable_routing_replay",
+            "moe_enable_routing_replay={value!r} is not supported " + _T + ": routing replay is not supported; unset it",
+            "not implemented", "moe_enable_routing_replay", _set),
+    Refusal("moe_router_score_function", MOE, "moe_router_score_function",
+            "moe_router_score_function={value!r} is not supported; use softmax or sigmoid", "not implemented",
+            "moe_router_score_function", lambda v: v not in (None, "softmax", "sigmoid")),
+    Refusal("moe_sinkhorn", MOE, "moe_router_load_balancing_type",
+            "moe_router_load_balancing_type='sinkhorn' is not supported; use aux_loss, seq_aux_loss or none",
+            "sinkhorn routing is iterative over the whole batch", "moe_router_load_balancing_type",
+            lambda v: v == "sinkhorn"),
+    Refusal("moe_token_dispatcher_type", MOE, "moe_token_dispatcher_type",
+            "moe_token_dispatcher_type={value!r} is not supported; use allgather or alltoall", "the flex dispatcher is "
+            "not covered", "moe_token_dispatcher_type", lambda v: v not in (None, "allgather", "alltoall")),
+    Refusal("moe_add_bias_linear", MOE, "add_bias_linear",
+            "add_bias_linear=True is not supported for MoE layers " + _T, "expert biases are not covered",
+            "add_bias_linear", _set),
+    # ---- attention ----
+    Refusal("apply_query_key_layer_scaling", ATTENTION, "apply_query_key_layer_scaling",
+            "apply_query_key_layer_scaling must be False " + _T, "rescales scores in the activation dtype",
+            "apply_query_key_layer_scaling", _set),
+    Refusal("window_size", ATTENTION, "window_size",
+            "window_size (sliding-window attention) is not supported " + _T, "not implemented by the consistent "
+            "attention", "window_size", _not_none),
+    Refusal("softmax_type", ATTENTION, "softmax_type", "softmax_type={value!r} is not supported; use 'vanilla'",
+            "off-by-one / learnable softmax are not implemented", "softmax_type",
+            lambda v: v not in (None, "vanilla")),
+    Refusal("attention_dropout", ATTENTION, "attention_dropout",
+            "attention_dropout must be 0 " + _T + " (dropout makes the forward random)", "random"),
+    Refusal("packed_qkv_format", ATTENTION, "packed_seq_params.qkv_format",
+            "packed_seq_params.qkv_format={value!r} is not supported " + _T + "; use 'thd'",
+            "only one packed row (thd) is implemented"),
+    Refusal("packed_without_cu_seqlens", ATTENTION, "packed_seq_params.cu_seqlens_q",
+            "packed_seq_params.cu_seqlens_q is required for packed (thd) sequences", "the boundaries are the mask"),
+    Refusal("packed_boundaries_differ", ATTENTION, "cu_seqlens_kv / cu_seqlens_*_padded",
+            "packed_seq_params.{name} differs from cu_seqlens_q: padding between packed sequences (or separate key "
+            "boundaries) is not supported " + _T + "; pad each sequence at its end and give one set of boundaries",
+            "a sequence's keys must be its own tokens from position 0"),
+    Refusal("packed_bad_boundaries", ATTENTION, "packed_seq_params.cu_seqlens_q",
+            "packed_seq_params.cu_seqlens_q={bounds} must rise from 0 to the packed length {total}",
+            "malformed boundaries"),
+    Refusal("packed_pad_between_seqs", ATTENTION, "packed_seq_params.pad_between_seqs",
+            "packed_seq_params.pad_between_seqs is not supported " + _T, "padding between sequences is not modelled"),
+    Refusal("packed_explicit_mask", ATTENTION, "attention_mask with packed_seq_params",
+            "an explicit attention_mask with packed (thd) sequences is not supported " + _T + ": the boundaries in "
+            "cu_seqlens are the mask", "the boundaries are the mask"),
+    Refusal("packed_batch", ATTENTION, "packed (thd) query shape",
+            "packed (thd) query of shape {shape}: expected one packed row", "one packed row"),
+    Refusal("padding_mask_2d", ATTENTION, "use_remove_padding=False (verl) / a [b, s] attention mask",
+            "attention_mask of shape {shape}: the patched attention takes Megatron's [b, 1, sq, sk] mask (True hides "
+            "a key); a [b, s] padding mask (verl's bshd engine path, use_remove_padding=False) is not supported -- "
+            "use packed sequences (use_remove_padding=True)", "a [b, s] mask's meaning differs between callers"),
+    Refusal("context_parallel", ATTENTION, "context_parallel_size",
+            "context parallelism is not supported " + _T + "; set context_parallel_size=1",
+            "keys split over ranks are not covered by the consistent attention"),
+    Refusal("attention_bias", ATTENTION, "attention_bias", "attention_bias is not supported " + _T,
+            "an additive bias is not part of the consistent attention"),
+    Refusal("multi_latent_attention", ATTENTION, "multi_latent_attention",
+            "multi_latent_attention is not supported " + _T, "MLA is not implemented"),
+    Refusal("rope_mscale", ATTENTION, "RoPE mscale (YaRN)", "RoPE mscale != 1 (YaRN) is not supported " + _T,
+            "not implemented"),
+    Refusal("explicit_mask_on_maskless_backend", BACKEND, "attn_mask_type",
+            "attn_mask_type={mask} with an explicit attention mask is not supported by the {backend} backend "
+            "(causal or no_mask only); use attn_mask_type causal",
+            "the Ascend flash-attention kernels take causal or no mask"),
+    Refusal("npu_explicit_mask", BACKEND, "attention mask (npu backend)",
+            "the npu backend's attention supports causal or no-mask attention only (flash_attn_npu takes no explicit "
+            "mask): use attn_mask_type causal without padding masks", "flash_attn_npu takes no explicit mask"),
+    Refusal("npu_split_kv", BACKEND, "attention_split_size (npu backend)",
+            "profile field 'attention_split_size' must be empty with the npu backend (num_splits=1)",
+            "the Ascend kernels are called with one split"),
+    Refusal("npu_query_alignment", BACKEND, "chunked prefill (npu backend)",
+            "the npu backend's attention needs queries at the last key positions (bottom-right causal alignment); "
+            "chunked prefill must read all of the request's keys so far", "flash_attn_npu aligns causal masks "
+            "bottom-right"),
+    Refusal("moe_intermediate_tensors", MOE, "MoELayer.forward(intermediate_tensors=...)",
+            "MoELayer.forward with intermediate_tensors (a split MoE forward) is not supported " + _T,
+            "a forward resumed from saved routing/dispatch state bypasses the MoE patch's order"),
+    Refusal("verl_fused_kernels", VERL, "actor_rollout_ref.model.use_fused_kernels",
+            "actor_rollout_ref.model.use_fused_kernels=True (also ref.*/critic.*): verl's fused logprob kernel "
+            "bypasses mindspeed-tp's vocab reduction; set use_fused_kernels=False",
+            "the fused kernel computes logprobs in its own order"),
+    Refusal("mbridge_local_experts_parallel", VERL, "tensor/expert/expert-tensor parallel size with mbridge MoE",
+            "mbridge with the local spec's SequentialMLP experts ({sizes}): mbridge splits and scatters expert weights "
+            "by its grouped-GEMM names only, so with mindspeed-tp it loads MoE checkpoints at tensor/expert/"
+            "expert-tensor parallel size 1 only; load them with mindspeed_tp.hf instead",
+            "mbridge's expert loader only knows grouped-GEMM experts"),
+    Refusal("packed_checker_combination", LAYOUT, "--packed with --vanilla/--bisect/--rollout/--reference",
+            "--packed with {flag}: {why}", "not implemented for packed scoring"),
+    # ---- linear layers, loss, norms ----
+    Refusal("defer_embedding_wgrad_compute", LINEAR, "defer_embedding_wgrad_compute",
+            "defer_embedding_wgrad_compute is not supported " + _T + "; unset it",
+            "the deferred weight-gradient GEMM is outside the patched linear"),
+    Refusal("gtp_remat_size", LINEAR, "gtp_remat_size (megatron-core 0.19)",
+            "gtp_remat_size={value} (weight re-materialisation over a further group) is not supported " + _T +
+            "; set it to 1", "the weight is gathered inside Megatron's own autograd function, outside the patched GEMM"),
+    Refusal("explicit_expert_comm", LINEAR, "expert-parallel RowParallelLinear",
+            "expert-parallel RowParallelLinear (explicit_expert_comm) is not covered by the dense patches; MoE models "
+            "need the MoE patch set", "experts run inside the MoE patch"),
+    Refusal("rollout_row_bias", LINEAR, "add_bias_linear (rollout_layout)",
+            "{cls} has a bias (add_bias_linear=True); where a rollout engine adds a row-parallel bias is not modelled "
+            "by reduction: rollout_layout -- use add_bias_linear=False or the canonical_tree profile",
+            "where the engine adds the bias is not modelled"),
+    Refusal("label_smoothing", LOSS, "label_smoothing", "label_smoothing must be 0 " + _T,
+            "the smoothed loss sums over the vocab outside the canonical tree"),
+    Refusal("cross_entropy_loss_fusion", MODEL, "cross_entropy_loss_fusion",
+            "cross_entropy_loss_fusion must be False " + _T + " (the fused kernel bypasses the canonical vocab "
+            "reduction)", "the fused kernel sums in its own order", "cross_entropy_loss_fusion", _set),
+    Refusal("normalization", NORM, "normalization",
+            "normalization={value!r} is not supported; use RMSNorm or LayerNorm", "not implemented"),
+    Refusal("layernorm_zero_centered_gamma", NORM, "layernorm_zero_centered_gamma",
+            "layernorm_zero_centered_gamma is not supported " + _T, "not implemented",
+            "layernorm_zero_centered_gamma", _set),
+    # ---- modules no patch covers (GPTModel construction) ----
+    Refusal("transformer_engine", MODEL, "--transformer-impl local",
+            "{name} is a {cls} (Transformer Engine modules), which mindspeed-tp does not make layout-invariant: build "
+            "the model with the local spec (--transformer-impl local)", "TE GEMMs and norms are not patched"),
+    Refusal("apex", MODEL, "normalization / apex",
+            "{name} is a {cls} (apex fused norms), which mindspeed-tp does not make layout-invariant: use "
+            "normalization=RMSNorm (torch norm path) or uninstall apex", "apex's fused kernels are not patched"),
+    Refusal("mindspeed_te", MODEL, "--transformer-impl local (MindSpeed)",
+            "{name} is a {cls} (MindSpeed's Transformer Engine replacements), which mindspeed-tp does not make "
+            "layout-invariant: build the model with the local spec (--transformer-impl local; under verl the "
+            "mindspeed_tp.verl entry does)", "MindSpeed's TE stand-ins are not patched"),
+    Refusal("grouped_mlp", MODEL, "moe_grouped_gemm", "{name}: grouped-GEMM experts are not covered (moe_grouped_gemm=False)",
+            "a grouped GEMM's reduction order depends on the tokens per expert"),
+    Refusal("mla_module", MODEL, "multi_latent_attention",
+            "{name}: multi-latent attention is not supported (multi_latent_attention=False)", "MLA is not implemented"),
+    # ---- MindSpeed flags ----
+    Refusal("use_ascend_mc2", MINDSPEED, "--use-ascend-mc2", "--use-ascend-mc2",
+            "MC2 replaces Column/RowParallelLinear with fused matmul+all-gather/reduce-scatter kernels: partial sums are "
+            "added inside the collective, not in the canonical tree", "use_ascend_mc2", _set),
+    Refusal("use_ascend_coc", MINDSPEED, "--use-ascend-coc", "--use-ascend-coc",
+            "CoC replaces the TP linears with chunked GEMMs overlapped with reduce-scatter/all-reduce: the collective "
+            "does the sum", "use_ascend_coc", _set),
+    Refusal("unaligned_linear", MINDSPEED, "--unaligned-linear", "--unaligned-linear",
+            "unaligned TP linears give ranks shards that are not whole canonical leaves", "unaligned_linear", _set),
+    Refusal("tp_2d", MINDSPEED, "--tp-2d", "--tp-2d",
+            "2-D tensor parallelism replaces linears, norms and embeddings and sums over two groups", "tp_2d", _set),
+    Refusal("use_fused_rmsnorm", MINDSPEED, "--use-fused-rmsnorm", "--use-fused-rmsnorm",
+            "the fused torch_npu RMSNorm has its own reduction order; mindspeed-tp computes RMSNorm itself (fp32, "
+            "batch-invariant reduce), so the flag would silently not apply", "use_fused_rmsnorm", _set),
+    Refusal("moe_permute_fusion_flag", MINDSPEED, "--moe-permute-fusion", "--moe-permute-fusion",
+            "fused token permute/unpermute kernels; the MoE patch dispatches rows itself", "moe_permute_fusion", _set),
+    Refusal("use_fused_moe_token_permute_and_unpermute", MINDSPEED, "--use-fused-moe-token-permute-and-unpermute",
+            "--use-fused-moe-token-permute-and-unpermute",
+            "fused token permute/unpermute kernels; the MoE patch dispatches rows itself",
+            "use_fused_moe_token_permute_and_unpermute", _set),
+    Refusal("moe_tp_extend_ep", MINDSPEED, "--moe-tp-extend-ep", "--moe-tp-extend-ep",
+            "experts sharded over TPxEP with a patched router: routing and expert GEMMs depend on the layout",
+            "moe_tp_extend_ep", _set),
+    Refusal("moe_alltoall_overlap_comm", MINDSPEED, "--moe-alltoall-overlap-comm", "--moe-alltoall-overlap-comm",
+            "replaces MLP.forward and the dispatcher with overlapped versions that combine through collectives",
+            "moe_alltoall_overlap_comm", _set),
+    Refusal("moe_allgather_overlap_comm", MINDSPEED, "--moe-allgather-overlap-comm", "--moe-allgather-overlap-comm",
+            "replaces MLP.forward and the dispatcher with overlapped versions that combine through collectives",
+            "moe_allgather_overlap_comm", _set),
+    Refusal("moe_fb_overlap", MINDSPEED, "--moe-fb-overlap", "--moe-fb-overlap",
+            "forward-backward overlap replaces the transformer block and schedules, bypassing the MoE patch",
+            "moe_fb_overlap", _set),
+    Refusal("balanced_moe_experts", MINDSPEED, "--balanced-moe-experts", "--balanced-moe-experts",
+            "replicates hot experts on other ranks, so a token's expert GEMM runs where the layout puts it",
+            "balanced_moe_experts", _set),
+    # ---- Hugging Face checkpoints ----
+    Refusal("hf_architecture", HF, "architectures",
+            "{where}: architectures={archs} is not supported; supported: {supported}", "only Qwen3 / Qwen3-MoE are mapped"),
+    Refusal("hf_rope_scaling", HF, "rope_scaling / rope_parameters",
+            "{where}: {key}.rope_type={kind!r} is not implemented (only plain RoPE, rope_type 'default'); remove the "
+            "RoPE scaling from config.json", "scaled RoPE is not implemented"),
+    Refusal("hf_sparse_step", HF, "decoder_sparse_step",
+            "{where}: decoder_sparse_step={step} is not supported (MoE in every layer after the leading dense ones); "
+            "use decoder_sparse_step 1", "dense layers only as a leading block"),
+    Refusal("hf_dense_layers", HF, "mlp_only_layers",
+            "{where}: mlp_only_layers={dense} is not supported: only a leading block of dense layers [0, 1, ..., k-1] "
+            "with k < num_hidden_layers", "dense layers only as a leading block"),
+    Refusal("hf_hidden_act", HF, "hidden_act",
+            "{where}: hidden_act={act!r} is not supported (SwiGLU with silu only)", "only SwiGLU is mapped"),
+    Refusal("hf_attention_bias", HF, "attention_bias",
+            "{where}: attention_bias=true is not supported (Qwen3 has no QKV bias)", "not mapped"),
+    Refusal("hf_sliding_window", HF, "use_sliding_window / layer_types",
+            "{where}: sliding-window attention (use_sliding_window / layer_types) is not implemented; only full "
+            "causal attention", "not implemented by the consistent attention"),
+)
+
+REFUSALS: Dict[str, Refusal] = {r.key: r for r in _ENTRIES}
+assert len(REFUSALS) == len(_ENTRIES), "duplicate refusal key"
+
+
+def refuse(key: str, **values) -> ConfigError:
+    """The ConfigError for refusal ``key`` (raise it)."""
+    return REFUSALS[key].error(**values)
+
+
+def of(where: str) -> Iterator[Refusal]:
+    return (r for r in _ENTRIES if r.where == where)
+
+
+def check_config(where: str, config: Any, skip: Tuple[str, ...] = ()) -> None:
+    """Raise the first refusal of ``where`` whose ``attr`` on ``config`` has a refused value."""
+    for r in of(where):
+        if r.attr is None or r.key in skip:
+            continue
+        value = getattr(config, r.attr, None)
+        if value is not None and r.bad(value):
+            raise r.error(value=value)
+
+
+def refused_flags(where: str, args: Any):
+    """(flag, reason) of every refusal of ``where`` set on ``args`` (MindSpeed's parsed arguments)."""
+    return [(r.setting, r.reason) for r in of(where) if r.attr and r.bad(getattr(args, r.attr, None) or False)]
+
+
+def markdown() -> str:
+    """The README's "Refused" table, grouped by where the refusal is detected."""
+    lines = ["| where detected | setting | why |", "|---|---|---|"]
+    for r in _ENTRIES:
+        lines.append(f"| {r.where} | `{r.setting}` | {r.reason} |")
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Reduction modes beyond the canonical tree (the profile's ``reduction``)."""

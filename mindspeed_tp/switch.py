@@ -1,0 +1,77 @@
+"""The switch: ``enable()`` applies the patch registries under a profile, ``disable()`` reverts them.
+
+Registries: the megatron-core numerics patches (``patches.registry()``, applied by enable()) and
+the companions attached here -- the integrations' import-time patches (``integrations``), applied
+as their modules are imported, reverted by disable() and re-armed by the next enable().
+"""
+import threading
+from typing import Callable, List, Union
+
+from . import compat, state
+from .contract.profile import Profile, load_profile
+from .devices import accelerator_available, machine_device_type
+from .devices.cpu_shims import install_cpu_shims
+from .kernels import dispatch
+from .patches import registry as numerics_registry
+from .patching import PatchRegistry
+
+_lock = threading.RLock()
+_enabling = False
+_companions: List[PatchRegistry] = []
+_enable_checks: List[Callable[[], None]] = []
+
+
+def attach(registry: PatchRegistry) -> None:
+    """A registry that enable() re-arms and applies and disable() reverts."""
+    if registry not in _companions:
+        _companions.append(registry)
+
+
+def add_enable_check(check: Callable[[], None]) -> None:
+    """Run ``check()`` at every enable(), before anything is applied (it raises ConfigError)."""
+    if check not in _enable_checks:
+        _enable_checks.append(check)
+
+
+def enable(profile: Union[str, Profile, None] = None) -> Profile:
+    """Apply the numerics patches (idempotent) under ``profile`` (name, YAML path or Profile).
+
+    Enabling again with a different profile switches the profile; the patches stay applied once,
+    and targets someone rebound since (MindSpeed imported later, its ``repatch()``) are taken back.
+    An enable() reached from a post-import hook while enable() runs (applying imports megatron-core,
+    whose import hook enables) returns at once: the outer call applies everything, once.
+    """
+    global _enabling
+    prof = profile if isinstance(profile, Profile) else load_profile(profile)
+    with _lock:
+        if _enabling:
+            return prof
+        _enabling = True
+        try:
+            for check in _enable_checks:
+                check()
+            dispatch.prepare(prof, machine_device_type())
+            if not accelerator_available():
+                install_cpu_shims()
+            compat.warn_if_untested_line()
+            state.set_profile(prof)
+            numerics_registry().apply()
+            for registry in _companions:
+                registry.apply()
+        finally:
+            _enabling = False
+    return prof
+
+
+def disable() -> None:
+    """Restore every original symbol (vanilla behaviour), numerics and integrations alike."""
+    with _lock:
+        for registry in reversed(_companions):
+            registry.revert()
+        numerics_registry().revert()
+        state.set_profile(None)
+        dispatch.select("auto")
+
+
+def is_enabled() -> bool:
+    return state.enabled()

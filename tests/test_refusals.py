@@ -1,0 +1,54 @@
+"""The refusal table is the one list of refused settings: the README shows it, every refusal the
+code raises is in it, and every entry is raised somewhere."""
+import os
+import re
+
+from conftest import ROOT
+
+from mindspeed_tp.contract import refusals
+
+PACKAGE = os.path.join(ROOT, "mindspeed_tp")
+BEGIN, END = "<!-- refusals:begin -->", "<!-- refusals:end -->"
+
+
+def _sources():
+    for directory, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                with open(os.path.join(directory, name)) as f:
+                    yield f.read()
+
+
+def test_readme_refused_list_is_the_table():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    assert BEGIN in readme and END in readme
+    block = readme.split(BEGIN, 1)[1].split(END, 1)[0].strip()
+    assert block == refusals.markdown()
+
+
+def test_every_raised_refusal_is_in_the_table_and_every_entry_is_used():
+    code = "\n".join(_sources())
+    raised = set(re.findall(r'refuse\(\s*"(\w+)"', code))
+    # the model guard raises its entries through a table of module families / classes
+    from mindspeed_tp.patches import models
+
+    raised |= {key for _, key in models._UNCOVERED} | set(models._UNCOVERED_CLASSES.values())
+    assert raised - set(refusals.REFUSALS) == set()
+    unused = {k for k, r in refusals.REFUSALS.items() if r.attr is None and k not in raised}
+    assert unused == set()
+
+
+def test_config_entries_refuse_by_name():
+    import types
+
+    import pytest
+
+    from mindspeed_tp import ConfigError
+
+    config = types.SimpleNamespace(moe_expert_capacity_factor=1.25)
+    with pytest.raises(ConfigError, match="moe_expert_capacity_factor=1.25 .*dropless"):
+        refusals.check_config(refusals.MOE, config)
+    refusals.check_config(refusals.MOE, types.SimpleNamespace(moe_expert_capacity_factor=None, moe_grouped_gemm=False))
+    args = types.SimpleNamespace(use_ascend_mc2=True, tp_2d=False)
+    assert [flag for flag, _ in refusals.refused_flags(refusals.MINDSPEED, args)] == ["--use-ascend-mc2"]
