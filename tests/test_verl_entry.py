@@ -112,3 +112,30 @@ def test_the_two_profiles_are_told_apart(engine_run, model):
     """The comparison above can fail: the canonical tree and the stock engine differ on some tokens."""
     m = _scored(engine_run, model)
     assert not torch.equal(engine_run[f"lp/{model}/default/tp1"][m], engine_run[f"lp/{model}/rollout-tp1/tp1"][m])
+
+
+def test_megatron_bridge_provider_builds_the_local_spec():
+    """Megatron-Bridge (verl's vanilla_mbridge=False path) needs Python >= 3.12: against a stand-in
+    with its published GPTModelProvider.provide and spec functions (tests/fakes/megatron_bridge_standin,
+    see its docstring), a provider holding the default Transformer Engine spec builds a local-spec
+    GPTModel while mindspeed-tp is enabled (TE is not installed: the TE spec would not build), and
+    provide() keeps its signature."""
+    code = (
+        "import inspect, torch, mindspeed_tp\n"
+        "from mindspeed_tp.check.harness import _setup_parallel_state, init_distributed\n"
+        "from mindspeed_tp.check.models.layout import Layout\n"
+        "init_distributed(); mindspeed_tp.enable(); _setup_parallel_state(Layout(), 0)\n"
+        "from megatron.bridge.models import gpt_provider\n"
+        "p = gpt_provider.GPTModelProvider(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,\n"
+        "    normalization='RMSNorm', add_bias_linear=False, use_cpu_initialization=True, vocab_size=1024,\n"
+        "    seq_length=64)\n"
+        "model = p.provide()\n"
+        "core = model.decoder.layers[0].self_attention.core_attention\n"
+        "print('CORE', type(core).__name__, p.transformer_layer_spec is gpt_provider.local_layer_spec)\n"
+        "print('SIG', list(inspect.signature(gpt_provider.GPTModelProvider.provide).parameters))\n"
+    )
+    proc = run_python(code, env={"PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests", "fakes",
+                                                                                   "megatron_bridge_standin")])})
+    assert proc.returncode == 0, explain(proc)
+    assert "CORE DotProductAttention True" in proc.stdout
+    assert "SIG ['self', 'pre_process', 'post_process', 'vp_stage']" in proc.stdout
