@@ -5,7 +5,10 @@ Real verl code exercised: ``import verl`` (its external-module import), mbridge'
 weight loading as verl's engine drives them (``verl.utils.megatron_utils.make_megatron_module``
 with a vanilla mbridge ``AutoBridge``), the engine forward ``gptmodel_forward_model_engine``
 (packed thd sequences, verl's own packing) and ``MegatronEngineWithLMHead._lm_head_logits_processor``
-(temperature in place, then ``vocab_parallel_log_probs_from_logits``). Not exercised: the Ray
+(temperature in place, then ``vocab_parallel_log_probs_from_logits``). On megatron-core 0.19
+mbridge 0.15.1 cannot build models (upstream: it uses the removed ``ModelType.encoder_and_decoder``),
+so there the engine forward runs on mindspeed-tp's builder and the mbridge assertions check that
+this is still so. Not exercised: the Ray
 workers and ``MegatronEngine.__init__`` (device mesh, optimizer, checkpoint manager: GPU/Ray
 machinery), so the logits processor runs on an engine object without that state -- it reads none
 when entropy and distillation are off."""
@@ -82,9 +85,20 @@ def _scored(t, model):
     return mask
 
 
+def _mbridge_usable(engine_run) -> bool:
+    """mbridge 0.15.1 builds with ModelType.encoder_and_decoder, removed in megatron-core 0.19: on
+    that line it cannot build any model (upstream, with or without mindspeed-tp)."""
+    from mindspeed_tp.compat import megatron_line
+
+    usable = bool(int(engine_run["mbridge_usable"]))
+    assert usable == (megatron_line() < (0, 19))  # fails once mbridge supports 0.19: then test it there
+    return usable
+
+
 def test_mbridge_loads_the_same_weights_as_mindspeed_tp_hf(engine_run):
     keys = [k for k in engine_run if k.startswith("weights_equal/")]
-    assert len(keys) == sum(len(layouts) for layouts in LAYOUTS.values()) * len(PROFILES)
+    expected = sum(len(layouts) for layouts in LAYOUTS.values()) * len(PROFILES)
+    assert len(keys) == (expected if _mbridge_usable(engine_run) else 0)
     assert all(int(engine_run[k]) == 1 for k in keys), [k for k in keys if int(engine_run[k]) != 1]
 
 
@@ -102,9 +116,10 @@ def test_verl_engine_logprob_equals_the_engine_in_every_layout(engine_run, model
         assert torch.equal(lp, engine), layout
 
 
-@pytest.mark.parametrize("profile", PROFILES)
-def test_mbridge_moe_beyond_tp1_is_refused_by_name(engine_run, profile):
-    assert int(engine_run[f"refused/qwen3-moe/{profile}/tp2-sp"]) == 1
+def test_mbridge_moe_beyond_tp1_is_refused_by_name(engine_run):
+    keys = [k for k in engine_run if k.startswith("refused/")]
+    assert len(keys) == (len(PROFILES) if _mbridge_usable(engine_run) else 0)
+    assert all(int(engine_run[k]) == 1 for k in keys)
 
 
 @pytest.mark.parametrize("model", MODELS)

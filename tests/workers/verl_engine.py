@@ -4,7 +4,8 @@ VERL_USE_EXTERNAL_MODULES=mindspeed_tp.verl.
 Usage: verl_engine.py OUT.safetensors QWEN3_DIR [QWEN3_MOE_DIR]
 
 For the layouts tp1 and tp2-sp and the profiles default (canonical tree) and rollout-tp1:
-- the model is built as verl's engine builds it with ``vanilla_mbridge=True``
+- the model is built as verl's engine builds it with ``vanilla_mbridge=True`` (where mbridge can build
+  models at all: not on megatron-core 0.19, see MBRIDGE_USABLE; there mindspeed-tp's builder does)
   (``verl.models.mcore.mbridge.AutoBridge.from_config(hf_config, dtype)``, ``get_model``,
   ``load_weights`` from the transformers-written checkpoint), here without Transformer Engine;
 - the same layout is built by mindspeed-tp's builder and loaded with ``mindspeed_tp.hf``: every
@@ -104,7 +105,12 @@ def reference_logprobs(spec, profile, weights, seqs):
     return padded
 
 
-out = {}
+# mbridge 0.15.1 builds models with ModelType.encoder_and_decoder, which megatron-core 0.19 removed:
+# there (upstream) it cannot build any model, and the engine forward runs on mindspeed-tp's builder.
+from megatron.core.enums import ModelType
+
+MBRIDGE_USABLE = hasattr(ModelType, "encoder_and_decoder")
+out = {"mbridge_usable": torch.tensor([int(MBRIDGE_USABLE)])}
 for directory in checkpoints:
     name = os.path.basename(directory)
     for profile_name in ("default", "rollout-tp1"):
@@ -115,7 +121,7 @@ for directory in checkpoints:
         for layout_name in ("tp1", "tp2-sp"):
             layout = Layout.parse(layout_name)
             _setup_parallel_state(layout, 0)
-            if spec.is_moe and layout.tp > 1:  # mbridge loads local-spec experts at TP=EP=1 only: refused
+            if spec.is_moe and layout.tp > 1 and MBRIDGE_USABLE:  # local-spec experts at TP=EP=1 only: refused
                 try:
                     mbridge_model(directory)
                     refused = 0
@@ -123,9 +129,14 @@ for directory in checkpoints:
                     refused = int("SequentialMLP" in str(exc))
                 out[f"refused/{name}/{profile_name}/{layout_name}"] = torch.tensor([refused])
                 continue
-            bridged = mbridge_model(directory)
+            if spec.is_moe and layout.tp > 1:
+                continue
             ours = build_gpt_stage(spec, layout, DTYPE, profile)
             load_weights(ours, spec, layout, weights)
+            if not MBRIDGE_USABLE:
+                out[f"lp/{name}/{profile_name}/{layout_name}"] = engine_logprobs(ours, seqs)
+                continue
+            bridged = mbridge_model(directory)
             theirs = dict(bridged[0].module.named_parameters())
             equal = all(torch.equal(p, theirs[n]) for n, p in ours.named_parameters()) and \
                 len(theirs) == len(dict(ours.named_parameters()))
