@@ -1,6 +1,5 @@
 """tiny-dense on real megatron-core GPTModel: every TP x SP x PP layout gives logprobs bitwise
 equal to the single-device run with mindspeed-tp, and vanilla megatron-core does not (bf16)."""
-import functools
 import json
 import os
 
@@ -17,16 +16,22 @@ REQUIRED_KEYS = {"max_abs_logdiff", "mean_abs_logdiff", "bitwise_equal_fraction"
                  "tokens", "layout", "profile", "vanilla", "megatron_core_version"}
 
 
-@functools.lru_cache(maxsize=None)
+_RUNS = {}
+
+
 def _matrix(dtype, tmp_path_factory):
-    """One checker run per dtype, shared by every test that reads it."""
+    """One checker run per dtype, shared by every test that reads it (cached by dtype: pytest's
+    TempPathFactory is not hashable, so no lru_cache over it)."""
+    if dtype in _RUNS:
+        return _RUNS[dtype]
     out = tmp_path_factory.mktemp(f"parity-{dtype}")
     proc = run_cli("check", "--layouts", ",".join(LAYOUTS), "--dtype", dtype, "--compare-vanilla",
                    "--dump-logprobs", str(out), "--json", str(out / "report.json"))
     assert proc.returncode == 0, explain(proc)
     tensors = load_file(str(out / "logprobs.safetensors"))
     report = json.loads((out / "report.json").read_text())
-    return dtype, tensors, report, proc.stdout
+    _RUNS[dtype] = dtype, tensors, report, proc.stdout
+    return _RUNS[dtype]
 
 
 @pytest.fixture(scope="module", params=["fp32", "bf16"])
