@@ -37,7 +37,10 @@ setup(
     install_requires=["torch>=2.1", "numpy", "pyyaml", "safetensors", "packaging"],
     extras_require={
         "megatron": ["megatron-core>=0.12,<0.20"],
-        "test": ["pytest>=7", "transformers>=4.51", "matplotlib"],  # HF checkpoint tests, report plot
+        # HF checkpoint tests, report plot; triton for the triton backend's tests under its interpreter
+        # (3.9: the 3.6 interpreter fails with numpy >= 2.4; the compiled kernels also run on 3.6)
+        "test": ["pytest>=7", "transformers>=4.51", "matplotlib", "triton==3.9.0"],
+        "triton": ["triton"],
         "hf": ["transformers>=4.51"],
         "npu": ["torch_npu"],
         "plot": ["matplotlib"],

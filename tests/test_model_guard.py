@@ -55,3 +55,40 @@ def test_moe_grouped_gemm_is_refused():
 def test_fused_cross_entropy_is_refused():
     out = _run(extra="cross_entropy_loss_fusion=True")
     assert "REFUSED" in out and "cross_entropy_loss_fusion" in out
+
+
+FUSED_NORM_CODE = """
+import mindspeed_tp
+from mindspeed_tp.check.harness import init_distributed
+init_distributed()
+mindspeed_tp.enable()
+from megatron.core import parallel_state
+parallel_state.initialize_model_parallel()
+import megatron.core.fusions.fused_layer_norm as fused
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.transformer_config import TransformerConfig
+# Stand-in for an installed apex: FusedLayerNorm then builds its parameters (its forward, which would
+# call apex's kernel, never runs). With apex importable, megatron's local spec picks this class.
+fused.HAVE_FUSED_LAYER_NORM = True
+spec = get_gpt_layer_local_spec(normalization="LayerNorm")
+spec.submodules.input_layernorm = fused.FusedLayerNorm
+spec.submodules.pre_mlp_layernorm = fused.FusedLayerNorm
+cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+                        normalization="LayerNorm", add_bias_linear=False, use_cpu_initialization=True,
+                        perform_initialization=False)
+try:
+    model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=1024, max_sequence_length=64,
+                     position_embedding_type="rope")
+    print("BUILT", type(model.decoder.layers[0].input_layernorm).__name__)
+except mindspeed_tp.ConfigError as exc:
+    print("REFUSED", exc)
+"""
+
+
+def test_megatron_fused_layer_norm_is_refused_by_name():
+    """megatron.core.fusions.fused_layer_norm.FusedLayerNorm (apex inside, megatron's module name)."""
+    proc = run_python(FUSED_NORM_CODE)
+    assert proc.returncode == 0, explain(proc)
+    assert "REFUSED" in proc.stdout, proc.stdout
+    assert "FusedLayerNorm" in proc.stdout and "WrappedTorchNorm" in proc.stdout, proc.stdout

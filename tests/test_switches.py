@@ -255,19 +255,26 @@ def test_cpu_shims_installed_after_enable_still_let_disable_restore_vanilla():
     assert lines["DISABLED"] == "RMSNorm"  # torch's, built by the SP shim around vanilla
 
 
-def test_enable_on_a_cuda_machine_is_refused_until_a_cuda_backend_exists():
-    """The torch kernels on CUDA tensors would run on cuBLAS, which is not batch-invariant."""
+def test_enable_on_a_cuda_machine_selects_triton_and_needs_it():
+    """CUDA tensors run the triton backend; without an importable triton, enable() is a clear error
+    (never the torch kernels on cuBLAS, which are not batch-invariant)."""
     code = textwrap.dedent("""
+        import sys
         import torch
         torch.cuda.is_available = lambda: True
         import mindspeed_tp
+        from mindspeed_tp.kernels import dispatch
+        sys.modules["triton"] = None  # triton not installed
         try:
             mindspeed_tp.enable()
         except mindspeed_tp.ConfigError as exc:
             print("REFUSED", exc)
         print("ENABLED", mindspeed_tp.is_enabled())
-        from mindspeed_tp.kernels import dispatch
+        del sys.modules["triton"]
+        mindspeed_tp.enable()
         cuda_like = type("T", (), {"device": torch.device("cuda", 0)})()
+        print("AUTO_ON_CUDA", dispatch.backend_name(cuda_like), dispatch.kernel("matmul", cuda_like).__module__)
+        mindspeed_tp.disable()
         dispatch.select("torch")
         try:
             dispatch.kernel("matmul", cuda_like)
@@ -275,8 +282,9 @@ def test_enable_on_a_cuda_machine_is_refused_until_a_cuda_backend_exists():
             print("TORCH_ON_CUDA", exc)
     """)
     lines = _applied(run_python(code))
-    assert "'triton'" in lines["REFUSED"] and "CUDA" in lines["REFUSED"]
+    assert "'triton'" in lines["REFUSED"] and "backend: torch" in lines["REFUSED"]
     assert lines["ENABLED"] == "False"
+    assert lines["AUTO_ON_CUDA"] == "triton mindspeed_tp.kernels.backends.triton"
     assert "not batch-invariant on cuda" in lines["TORCH_ON_CUDA"]
 
 

@@ -31,13 +31,15 @@ from .models.weights import SeededWeights, load_weights
 _timeout_s = 600.0
 
 
-# Where models run: the CPU (gloo), or this rank's NPU (--device npu).
+# Where models run: the CPU (gloo), this rank's NPU (--device npu) or GPU (--device cuda).
 _device = torch.device("cpu")
 
 
 def init_distributed(timeout_s: float = 600.0, device: str = "cpu") -> None:
     """One process group for the run. On ``npu`` it maps CPU tensors to gloo (the checker's own
-    bookkeeping) and NPU tensors to HCCL (the model's collectives)."""
+    bookkeeping) and NPU tensors to HCCL (the model's collectives); on ``cuda`` CUDA tensors to
+    NCCL, or, when ranks share a GPU, everything to gloo with CUDA collectives staged through host
+    memory (check/host_staging.py)."""
     global _device, _timeout_s
     _timeout_s = float(timeout_s)
     if dist.is_initialized():
@@ -56,9 +58,28 @@ def init_distributed(timeout_s: float = 600.0, device: str = "cpu") -> None:
         torch.npu.set_device(local)
         _device = torch.device("npu", local)
         backend = "cpu:gloo,npu:hccl"
+    elif device == "cuda":
+        _device, backend = _cuda_rank_device()
     elif device != "cpu":
-        raise ConfigError(f"--device {device!r}: use cpu or npu")
+        raise ConfigError(f"--device {device!r}: use cpu, cuda or npu")
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _cuda_rank_device() -> Tuple[torch.device, str]:
+    """This rank's GPU (local rank modulo the GPUs present) and the process group's backend."""
+    if not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is available here (torch.cuda.is_available() is False); "
+                          "run the checker with --device cpu")
+    from .host_staging import install_host_staging, ranks_share_a_device
+
+    count = torch.cuda.device_count()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    torch.cuda.set_device(local % count)
+    if ranks_share_a_device(local_world, count):
+        install_host_staging("cuda")
+        return torch.device("cuda", local % count), "gloo"
+    return torch.device("cuda", local), "cpu:gloo,cuda:nccl"
 
 
 def run_device() -> torch.device:

@@ -97,9 +97,10 @@ def build_parser(prog: str = "mindspeed-tp check") -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, help="rollout sampling temperature (0: greedy); training scores "
                                                      "with the same temperature")
     p.add_argument("--max-new-tokens", type=int, help="rollout response length (default 16)")
-    p.add_argument("--device", choices=["cpu", "npu"],
-                   help="where the models run: cpu (gloo, default) or npu (each rank's Ascend NPU; HCCL for the "
-                        "model's collectives; kernels by the profile's backend)")
+    p.add_argument("--device", choices=["cpu", "cuda", "npu"],
+                   help="where the models run: cpu (gloo, default), cuda (each rank's GPU, local rank modulo the "
+                        "GPUs; NCCL, or gloo with host-staged collectives when ranks share a GPU) or npu (each "
+                        "rank's Ascend NPU; HCCL for the model's collectives); kernels by the profile's backend")
     p.add_argument("--packed", action="store_true", default=None,
                    help="score the layouts' sequences packed into one row (thd, PackedSeqParams with cu_seqlens, as "
                         "verl's use_remove_padding does); the single-device reference stays padded (bshd), so "

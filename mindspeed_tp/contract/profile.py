@@ -25,7 +25,7 @@ REDUCTION_MODES = ("canonical_tree", "rollout_layout")
 ROLLOUT_DTYPES = ("activation", "float32")
 ROLLOUT_ALLREDUCE_ORDERS = ("rank_sequential",)
 ROLLOUT_MOE_EXPERT_REDUCES = ("per_expert",)
-BACKENDS = ("auto", "torch", "npu")
+BACKENDS = ("auto", "torch", "npu", "triton")
 
 
 def _is_power_of_two(n: int) -> bool:

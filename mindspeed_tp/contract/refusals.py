@@ -265,6 +265,12 @@ _ENTRIES: Tuple[Refusal, ...] = (
     Refusal("apex", MODEL, "normalization / apex",
             "{name} is a {cls} (apex fused norms), which mindspeed-tp does not make layout-invariant: use "
             "normalization=RMSNorm (torch norm path) or uninstall apex", "apex's fused kernels are not patched"),
+    Refusal("megatron_fused_layer_norm", MODEL, "normalization / apex (megatron-core FusedLayerNorm)",
+            "{name} is a {cls} (megatron-core's apex-backed fused norm, what its local spec builds for LayerNorm "
+            "when apex imports), which mindspeed-tp does not make layout-invariant: build the norms as "
+            "megatron.core.transformer.torch_norm.WrappedTorchNorm, which mindspeed-tp patches "
+            "(normalization=RMSNorm, a layer spec naming WrappedTorchNorm, or uninstall apex)",
+            "apex's fused kernel under megatron's module name"),
     Refusal("mindspeed_te", MODEL, "--transformer-impl local (MindSpeed)",
             "{name} is a {cls} (MindSpeed's Transformer Engine replacements), which mindspeed-tp does not make "
             "layout-invariant: build the model with the local spec (--transformer-impl local; under verl the "
@@ -333,8 +339,8 @@ REFUSALS: Dict[str, Refusal] = {r.key: r for r in _ENTRIES}
 assert len(REFUSALS) == len(_ENTRIES), "duplicate refusal key"
 
 
-def refuse(key: str, **values) -> ConfigError:
-    """The ConfigError for refusal ``key`` (raise it)."""
+def refuse(key: str, /, **values) -> ConfigError:
+    """The ConfigError for refusal ``key`` (raise it); ``values`` fill its message."""
     return REFUSALS[key].error(**values)
 
 

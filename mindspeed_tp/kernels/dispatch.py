@@ -6,7 +6,7 @@ routing) are written once on top of them. A call picks its backend from the prof
 (set by ``enable()``; ``auto`` until then) and the tensor's device:
 
 - ``auto``: CPU tensors -> ``torch`` (the reference kernels), NPU tensors -> ``npu``, CUDA tensors
-  -> ``triton``. ``torch`` or ``npu`` in the profile force that backend for every call.
+  -> ``triton``. ``torch``, ``npu`` or ``triton`` in the profile force that backend for every call.
 - The torch reference kernels are batch-invariant on CPU only (row padding steers MKL; cuBLAS may
   change algorithm or split-K with the shape, and TF32), so they refuse CUDA tensors.
 
@@ -25,6 +25,7 @@ from ..errors import ConfigError
 BACKEND_MODULES: Dict[str, str] = {
     "torch": "mindspeed_tp.kernels.backends.torch",
     "npu": "mindspeed_tp.kernels.backends.npu",
+    "triton": "mindspeed_tp.kernels.backends.triton",
 }
 # What "auto" runs for a tensor on each device type.
 AUTO_BY_DEVICE: Dict[str, str] = {"cpu": "torch", "npu": "npu", "cuda": "triton"}
@@ -79,8 +80,7 @@ def backend_module(name: str) -> ModuleType:
     path = BACKEND_MODULES.get(name)
     if path is None:
         raise ConfigError(f"the {name!r} kernel backend is not part of this mindspeed-tp build (available: "
-                          f"{sorted(BACKEND_MODULES)}); for CUDA tensors it is the open GPU-backend work -- "
-                          f"run on CPU (torch) or an Ascend NPU (npu)")
+                          f"{sorted(BACKEND_MODULES)})")
     module = _modules[name] = importlib.import_module(path)
     return module
 

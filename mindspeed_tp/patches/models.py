@@ -9,6 +9,9 @@ from ..patching import PatchRegistry
 _UNCOVERED = (
     ("megatron.core.extensions.transformer_engine", "transformer_engine"),
     ("apex.", "apex"),
+    # What megatron-core's local spec builds for LayerNorm when apex imports (GPU installs): the
+    # class lives in megatron's namespace, the arithmetic is apex's kernel.
+    ("megatron.core.fusions.fused_layer_norm", "megatron_fused_layer_norm"),
     # MindSpeed puts these under megatron's TE names (TEColumnParallelLinear, TEDotProductAttention, ...)
     ("mindspeed.te.", "mindspeed_te"),
 )
@@ -57,6 +60,6 @@ def register(reg: PatchRegistry) -> None:
     reg.register(
         "megatron.core.models.gpt.gpt_model:GPTModel.__init__",
         "marks output_layer so the LM head GEMM returns fp32 logits; rejects modules no patch covers "
-        "(Transformer Engine, apex norms, grouped-GEMM experts, MLA)",
+        "(Transformer Engine, apex norms incl. megatron's FusedLayerNorm, grouped-GEMM experts, MLA)",
         wraps=True,
     )(lambda original: gpt_model_init(original, reg))

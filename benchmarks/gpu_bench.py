@@ -1,0 +1,225 @@
+"""GPU cost of the contract: the triton backend's invariant GEMM against cuBLAS, and a model's
+logprob forward and training step, mindspeed-tp (consistent) against vanilla megatron-core.
+
+    python benchmarks/gpu_bench.py gemm --json gemm.json
+    torchrun --standalone --nproc-per-node 1 benchmarks/gpu_bench.py model --layout tp1 --json tp1.json
+    torchrun --standalone --nproc-per-node 2 benchmarks/gpu_bench.py model --layout tp2 --json tp2.json
+
+``gemm``: TFLOP/s of the invariant GEMMs (``kernels/backends/triton.py``: column GEMMs with one
+bf16 cast, the row-parallel layers' C canonical leaves as one batched launch with fp32 output, the
+LM head with fp32 logits) and of cuBLAS (torch, bf16 out) for the model's shapes at M tokens.
+``model``: median forward (no grad, logprobs of the batch) and step (forward + backward of the
+scored logprob loss, no optimizer) time per mode, same layout, same process, interleaved. Two
+ranks on one GPU run with host-staged collectives (check/host_staging.py) in both modes, which
+inflates both. Ratios only: speed is never asserted in tests. ``--device cpu`` (tiny shapes,
+Triton's interpreter for ``gemm``) only checks that the script runs.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _median_time(fn, device, warmup, iters):
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(iters):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def gemm_shapes(spec, tp, canonical_shards):
+    """(name, N, K, kind) of the model's GEMMs on one TP rank; kind: column, leaves, head."""
+    heads, groups, kv = spec.num_attention_heads, spec.num_query_groups, spec.kv_channels
+    h, ffn = spec.hidden_size, spec.ffn_hidden_size
+    return [
+        ("qkv", (heads + 2 * groups) * kv // tp, h, "column"),
+        ("proj", h, heads * kv // tp, "leaves"),
+        ("fc1", 2 * ffn // tp, h, "column"),
+        ("fc2", h, ffn // tp, "leaves"),
+        ("lm_head", spec.vocab_size // tp, h, "head"),
+    ], canonical_shards // tp
+
+
+def run_gemm(args):
+    from mindspeed_tp.check.models.spec import load_model_spec
+    from mindspeed_tp.contract.profile import load_profile
+    from mindspeed_tp.kernels.backends import triton as tb
+
+    device = torch.device(args.device)
+    spec, profile = load_model_spec(args.model), load_profile()
+    tb.prepare(profile)  # TF32 off for cuBLAS too: both sides compute what they claim
+    dtype = torch.bfloat16
+    rows = []
+    for tokens in args.tokens:
+        shapes, leaves = gemm_shapes(spec, args.tp, profile.canonical_shards)
+        for name, n, k, kind in shapes:
+            g = torch.Generator(device="cpu").manual_seed(0)
+            x = torch.randn(tokens, k, generator=g).to(device, dtype)
+            w = torch.randn(n, k, generator=g).to(device, dtype)
+            if kind == "leaves":
+                kl = k // leaves
+                xs = x.reshape(tokens, leaves, kl).transpose(0, 1)
+                ws = w.reshape(n, leaves, kl).permute(1, 2, 0)
+                ours = lambda: tb.matmul(xs, ws)  # noqa: E731
+                xs_c, ws_c = xs.contiguous(), ws.contiguous()
+                theirs = lambda: torch.bmm(xs_c, ws_c)  # noqa: E731
+            elif kind == "head":
+                ours = lambda: tb.linear(x, w, torch.float32)  # noqa: E731
+                theirs = lambda: torch.nn.functional.linear(x, w)  # noqa: E731
+            else:
+                ours = lambda: tb.linear(x, w, dtype)  # noqa: E731
+                theirs = lambda: torch.nn.functional.linear(x, w)  # noqa: E731
+            flops = 2.0 * tokens * n * k
+            t_ours = _median_time(ours, device, args.warmup, args.iters)
+            t_cublas = _median_time(theirs, device, args.warmup, args.iters)
+            rows.append({"gemm": name, "kind": kind, "M": tokens, "N": n, "K": k,
+                         "leaves": leaves if kind == "leaves" else 1,
+                         "invariant_tflops": flops / t_ours / 1e12, "cublas_tflops": flops / t_cublas / 1e12,
+                         "invariant_over_cublas": t_cublas / t_ours})
+    print(f"{'gemm':<9}{'M':>7}{'N':>7}{'K':>7}{'invariant TF/s':>16}{'cuBLAS TF/s':>13}{'ratio':>8}")
+    for r in rows:
+        print(f"{r['gemm']:<9}{r['M']:>7}{r['N']:>7}{r['K']:>7}{r['invariant_tflops']:>16.1f}{r['cublas_tflops']:>13.1f}"
+              f"{r['invariant_over_cublas']:>8.2f}")
+    result = {"model": spec.name, "tp": args.tp, "device": str(device), "dtype": "bf16", "rows": rows,
+              "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+    _write(args.json, result)
+
+
+def run_model(args):
+    import torch.distributed as dist
+
+    import mindspeed_tp
+    from mindspeed_tp.check.batch import make_batch
+    from mindspeed_tp.check.harness import (_logprobs_from_logits, _pipeline_forward, _setup_parallel_state,
+                                            _teardown_parallel_state, init_distributed, run_device)
+    from mindspeed_tp.check.models.builder import DTYPES, build_gpt_stage
+    from mindspeed_tp.check.models.layout import Layout
+    from mindspeed_tp.check.models.spec import load_model_spec
+    from mindspeed_tp.check.models.weights import load_seeded_weights
+    from mindspeed_tp.contract.profile import load_profile
+    from mindspeed_tp.devices import accelerator_available
+    from mindspeed_tp.devices.cpu_shims import install_cpu_shims
+
+    init_distributed(600.0, args.device)
+    if not accelerator_available():
+        install_cpu_shims()
+    device = run_device()
+    spec, profile, layout = load_model_spec(args.model), load_profile(), Layout.parse(args.layout)
+    if layout.required_world_size != dist.get_world_size():
+        raise SystemExit(f"layout {layout.name} needs {layout.required_world_size} ranks, launched with "
+                         f"{dist.get_world_size()}")
+    dtype = DTYPES[args.dtype]
+    batch = make_batch(spec.vocab_size, 0, args.batch_size, args.seq_length)
+    scored = batch.scored.float().to(device)
+    times = {"vanilla": {"forward_s": [], "step_s": []}, "consistent": {"forward_s": [], "step_s": []}}
+    for mode in ("vanilla", "consistent") * args.rounds:  # interleaved against drift
+        mindspeed_tp.disable() if mode == "vanilla" else mindspeed_tp.enable(profile)
+        _setup_parallel_state(layout, 0)
+        model = build_gpt_stage(spec, layout, dtype, profile)
+        load_seeded_weights(model, spec, 0, layout)
+        model.to(device)
+
+        def forward():
+            logits = _pipeline_forward(model, layout, batch, spec.hidden_size, dtype)
+            return None if logits is None else _logprobs_from_logits(logits, batch, spec.vocab_size)
+
+        def timed(fn):
+            dist.barrier()
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            dist.barrier()
+            return time.perf_counter() - t0
+
+        def no_grad_forward():
+            with torch.no_grad():
+                forward()
+
+        def step():
+            model.zero_grad(set_to_none=True)
+            lp = forward()
+            loss = -(lp * scored).sum() / scored.sum()
+            loss.backward()
+
+        for i in range(args.repeats + 1):
+            t = timed(no_grad_forward)
+            if i:
+                times[mode]["forward_s"].append(t)
+        model.train()
+        for i in range(args.repeats + 1):
+            t = timed(step)
+            if i:
+                times[mode]["step_s"].append(t)
+        del model
+        _teardown_parallel_state()
+    mindspeed_tp.disable()
+    med = {m: {k: statistics.median(v) for k, v in d.items()} for m, d in times.items()}
+    ratios = {k: med["consistent"][k] / med["vanilla"][k] for k in ("forward_s", "step_s")}
+    if dist.get_rank() == 0:
+        print(f"model={spec.name} layout={layout.name} dtype={args.dtype} tokens={batch.tokens.numel()} "
+              f"world={dist.get_world_size()} device={device}")
+        for m in ("vanilla", "consistent"):
+            print(f"{m:<11} forward {med[m]['forward_s'] * 1e3:9.1f} ms   step {med[m]['step_s'] * 1e3:9.1f} ms")
+        print(f"ratio consistent/vanilla: forward {ratios['forward_s']:.2f}x   step {ratios['step_s']:.2f}x")
+        _write(args.json, {"model": spec.name, "layout": layout.name, "dtype": args.dtype,
+                           "batch_size": args.batch_size, "seq_length": args.seq_length,
+                           "world": dist.get_world_size(), "device": str(device),
+                           "shared_gpu_host_staged": device.type == "cuda" and dist.get_backend() == "gloo",
+                           "median": med, "ratios": ratios, "samples": times})
+    dist.destroy_process_group()
+
+
+def _write(path, data):
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="what", required=True)
+    g = sub.add_parser("gemm", help="invariant GEMM vs cuBLAS TFLOP/s for the model's shapes")
+    g.add_argument("--model", default="bench-dense-2048")
+    g.add_argument("--tp", type=int, default=1, help="shapes of one rank at this TP")
+    g.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384], help="M values")
+    g.add_argument("--warmup", type=int, default=3)
+    g.add_argument("--iters", type=int, default=10)
+    g.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    g.add_argument("--json")
+    m = sub.add_parser("model", help="forward and step time, consistent vs vanilla (under torchrun)")
+    m.add_argument("--model", default="bench-dense-2048")
+    m.add_argument("--layout", default="tp1")
+    m.add_argument("--dtype", default="bf16")
+    m.add_argument("--batch-size", type=int, default=1)
+    m.add_argument("--seq-length", type=int, default=4096)
+    m.add_argument("--repeats", type=int, default=3)
+    m.add_argument("--rounds", type=int, default=1, help="vanilla/consistent builds per mode")
+    m.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    m.add_argument("--json")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("gpu_bench: no CUDA device (use --device cpu for a dry run)")
+    run_gemm(args) if args.what == "gemm" else run_model(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
