@@ -7,6 +7,7 @@ variable ``MINDSPEED_TP=1`` (profile from ``MINDSPEED_TP_PROFILE``), and the tra
 the code"; the numerics contract: docs/CONTRACT.md.
 """
 import os
+from typing import Optional
 
 import mindspeed_tp_autoload as _autoload
 
@@ -17,9 +18,21 @@ from .switch import disable, enable, is_enabled
 
 __version__ = "0.1.0"
 
+
+def set_vocab_size(vocab_size: Optional[int]) -> None:
+    """The true (unpadded) vocabulary size, so the logprob/loss patch excludes the columns Megatron
+    pads (``make_vocab_size_divisible_by`` x TP) exactly; also ``MINDSPEED_TP_VOCAB_SIZE`` or
+    ``--true-on-policy-vocab-size``. A model config with a ``vocab_size`` field (Megatron-Bridge
+    providers) states it too. None clears the setting."""
+    from . import state
+
+    state.set_vocab_size(vocab_size)
+
+
 _integrations.install(_autoload.when_imported)  # import-time patches of verl, MindSpeed, Megatron-LM
 
 if _autoload.env_requested():  # MINDSPEED_TP=1 and the package was imported explicitly: enable now
     enable(os.environ.get("MINDSPEED_TP_PROFILE") or None)
 
-__all__ = ["ConfigError", "PatchTargetError", "Profile", "disable", "enable", "is_enabled", "load_profile"]
+__all__ = ["ConfigError", "PatchTargetError", "Profile", "disable", "enable", "is_enabled", "load_profile",
+           "set_vocab_size"]

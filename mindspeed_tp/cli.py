@@ -1,5 +1,9 @@
 """``mindspeed-tp`` console script.
 
+``mindspeed-tp train-check [flags]`` launches one torchrun world per world size its layouts need
+(tp*pp*dp processes each, on this node), the one-device run first; it merges the worlds' rows
+into one table and report (same exit codes as ``check``, launcher flags: ``--timeout`` only).
+
 ``mindspeed-tp check [flags]`` validates the flags, then launches torchrun on this node with as
 many processes as the layouts need (``--nproc`` overrides) running ``python -m mindspeed_tp.check``.
 For several nodes, run it on every node with ``--nnodes N --node-rank R --rdzv-endpoint HOST:PORT``
@@ -83,11 +87,11 @@ def _launch_command(launch: Dict[str, str], world: int, timeout: float):
                   f"--rdzv-endpoint={endpoint}", f"--rdzv-conf=timeout={max(1, int(timeout))}"], nproc
 
 
-def _read_statuses(directory: str, nproc: int):
+def _read_statuses(directory: str, nproc: int, prefix: str = "status"):
     """(codes, messages, missing local ranks) from the per-rank status files."""
     codes, messages, missing = [], [], []
     for local in range(nproc):
-        path = os.path.join(directory, f"status.{local}")
+        path = os.path.join(directory, f"{prefix}.{local}")
         try:
             with open(path) as f:
                 data = json.load(f)
@@ -135,6 +139,57 @@ def _check(argv: List[str]) -> int:
         return max(codes)
 
 
+def _launch_world(module: str, nproc: int, args: List[str], tmp: str, name: str):
+    """torchrun ``module`` with ``nproc`` processes on this node; (exit code or None, error lines)."""
+    status = os.path.join(tmp, f"status-{name}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone",
+           "-m", module, *args, "--status-file", status]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    proc = subprocess.run(cmd, env=env)
+    codes, messages, missing = _read_statuses(tmp, nproc, prefix=f"status-{name}")
+    if 2 in codes:
+        return 2, []
+    if missing:
+        messages.append(f"local rank(s) {missing} of the {nproc}-process world exited without a report (killed or "
+                        f"crashed; torchrun exit code {proc.returncode})")
+    return (3 if missing or 3 in codes else 0), messages
+
+
+def _train_check(argv: List[str]) -> int:
+    from .check.train import report
+    from .check.train.main import build_parser, plan, resolve_args, worlds
+
+    if "-h" in argv or "--help" in argv:
+        build_parser().print_help()
+        return 0
+    try:
+        ns = resolve_args(argv)
+        pl = plan(ns)
+        if ns.reference or ns.save_reference or ns.results or ns.launch_layouts:
+            raise ConfigError("--reference / --save-reference are for a torchrun launch of python -m "
+                              "mindspeed_tp.check.train; mindspeed-tp train-check runs the one-device reference itself")
+    except ConfigError as exc:
+        print(f"mindspeed-tp train-check: error: {exc}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="mindspeed-tp-train-") as tmp:
+        reference = os.path.join(tmp, "reference.safetensors")
+        parts, summary = [], {}
+        for world, layouts in worlds(pl.layouts).items():
+            results = os.path.join(tmp, f"results-{world}.json")
+            extra = ["--launch-layouts", ",".join(l.name for l in layouts), "--results", results]
+            extra += ["--save-reference", reference] if world == 1 else ["--reference", reference]
+            code, messages = _launch_world("mindspeed_tp.check.train", world, argv + extra, tmp, f"w{world}")
+            for message in messages:
+                print(f"mindspeed-tp train-check: error: {message}", file=sys.stderr)
+            if code:
+                return code
+            part = report.read_part(results)
+            parts.append(part["results"])
+            summary = summary or part["reference"]
+        return report.finish(parts, summary, pl, ns)
+
+
 def _patches(argv: List[str]) -> int:
 
     for title, reg in (("numerics patches (enable)", patches.registry()),
@@ -154,7 +209,7 @@ def _refusals(argv: List[str]) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"check": _check, "patches": _patches, "refusals": _refusals}
+    commands = {"check": _check, "train-check": _train_check, "patches": _patches, "refusals": _refusals}
     if not argv or argv[0] not in commands:
         print(f"usage: mindspeed-tp {{{','.join(commands)}}} [flags]   (mindspeed-tp check --help)", file=sys.stderr)
         return 2

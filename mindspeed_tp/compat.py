@@ -6,6 +6,7 @@ TP group); 0.16 threads ``tp_group`` through modules and mappings; 0.19 also pas
 ``vocab_parallel_cross_entropy`` and passes ``gtp_remat_size`` to the column-parallel GEMM (both
 handled by the patches' own signatures).
 """
+import contextlib
 import os
 import warnings
 from typing import Tuple
@@ -96,3 +97,32 @@ def vanilla_layout_problem(spec, layout):
         return ("megatron-core 0.12 reduces the expert fc2 over the attention TP group when ep=etp=1 "
                 "and tp>1 (an upstream bug fixed in 0.13); vanilla cannot run this layout")
     return None
+
+
+def supports_gloo_group_flag() -> bool:
+    """initialize_model_parallel(create_gloo_process_groups=...) exists (0.12.x and 0.16.x both have it)."""
+    import inspect
+
+    from megatron.core import parallel_state
+
+    return "create_gloo_process_groups" in inspect.signature(parallel_state.initialize_model_parallel).parameters
+
+
+@contextlib.contextmanager
+def virtual_pipeline_stage(vp_stage):
+    """Build one virtual-pipeline model chunk: yields (GPTModel kwargs, is_pipeline_first/last_stage
+    kwargs). 0.16 passes ``vp_stage`` explicitly; 0.12 reads the rank set in parallel_state."""
+    if vp_stage is None:
+        yield {}, {}
+        return
+    from megatron.core import parallel_state
+
+    if megatron_line() >= (0, 13):
+        yield {"vp_stage": vp_stage}, {"ignore_virtual": False, "vp_stage": vp_stage}
+        return
+    previous = parallel_state.get_virtual_pipeline_model_parallel_rank()
+    parallel_state.set_virtual_pipeline_model_parallel_rank(vp_stage)
+    try:
+        yield {}, {"ignore_virtual": False}
+    finally:
+        parallel_state.set_virtual_pipeline_model_parallel_rank(previous)

@@ -7,7 +7,8 @@ import random
 from conftest import ROOT, explain, run_python
 
 # Modules that need an optional package (their import is the point of them).
-OPTIONAL = {"mindspeed_tp.verl", "mindspeed_tp.megatron_adaptor", "mindspeed_tp.check.__main__"}
+OPTIONAL = {"mindspeed_tp.verl", "mindspeed_tp.megatron_adaptor", "mindspeed_tp.check.__main__",
+            "mindspeed_tp.check.train.__main__"}
 
 
 def _modules():

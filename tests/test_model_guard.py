@@ -57,6 +57,13 @@ def test_fused_cross_entropy_is_refused():
     assert "REFUSED" in out and "cross_entropy_loss_fusion" in out
 
 
+def test_training_settings_outside_the_patched_gemms_are_refused_by_name():
+    for extra, name in (("gradient_accumulation_fusion=True", "gradient_accumulation_fusion"),
+                        ("enable_cuda_graph=True", "enable_cuda_graph")):
+        out = _run(extra=extra)
+        assert "REFUSED" in out and name in out, (extra, out)
+
+
 FUSED_NORM_CODE = """
 import mindspeed_tp
 from mindspeed_tp.check.harness import init_distributed

@@ -13,6 +13,7 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from .. import state
 from ..contract.profile import Profile
 from ..devices.npu_runtime import import_required
 from ..errors import ConfigError
@@ -126,29 +127,42 @@ def _teardown_parallel_state() -> None:
     _current_layout = None
 
 
-def _setup_parallel_state(layout: Layout, seed: int) -> None:
+def _setup_parallel_state(layout: Layout, seed: int, training: bool = False) -> None:
+    """Megatron's parallel state for ``layout``. training: the train-check's world (exactly
+    tp*pp*dp processes, virtual pipeline stages, and the gloo groups megatron's optimizers use)."""
     global _current_layout
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    from .. import compat
+
     world = dist.get_world_size()
+    if training and world != layout.world_size:
+        raise ConfigError(f"training layout {layout.name} needs exactly tp*pp*dp={layout.world_size} processes; "
+                          f"launched with {world} (mindspeed-tp train-check launches one world per size)")
     if world % layout.required_world_size:
         raise ConfigError(
             f"layout {layout.name} needs a world size divisible by {layout.required_world_size} (tp*pp and "
             f"etp*ep*pp); launched with {world} processes (change --nproc or the layout)"
         )
-    if _current_layout != layout or not parallel_state.model_parallel_is_initialized():
+    key = (layout, training)
+    if _current_layout != key or not parallel_state.model_parallel_is_initialized():
         if parallel_state.model_parallel_is_initialized():
             _teardown_parallel_state()
+        kwargs = {}
+        if compat.supports_gloo_group_flag():
+            # The default backend is gloo already; megatron's optimizers also ask for its gloo groups.
+            kwargs["create_gloo_process_groups"] = training
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=layout.tp,
             pipeline_model_parallel_size=layout.pp,
+            virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
             expert_model_parallel_size=layout.ep,
             expert_tensor_parallel_size=layout.etp,
-            create_gloo_process_groups=False,  # the default backend is gloo already
             distributed_timeout_minutes=_timeout_s / 60.0,
+            **kwargs,
         )
-        _current_layout = layout
+        _current_layout = key
     model_parallel_cuda_manual_seed(seed)
 
 
@@ -186,17 +200,20 @@ def _logprobs_from_logits(
 ) -> torch.Tensor:
     """Per-token logprobs through Megatron's vocab_parallel_cross_entropy (patched or vanilla).
 
-    Padded vocab columns are set to -inf first (exact, layout-independent), so both modes score
-    the true vocabulary. targets: instead of ``batch.targets`` (packed sequences).
+    The patch excludes padded vocab columns itself (it is told the true size, as a model config
+    tells it); vanilla megatron cannot, so for vanilla they are set to -inf first (exact). targets: instead of
+    ``batch.targets`` (packed sequences).
     """
     from megatron.core import parallel_state, tensor_parallel
 
-    start = parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1]
-    logits = mask_padded_vocab(logits, vocab_size, start)
+    if not state.enabled():
+        start = parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1]
+        logits = mask_padded_vocab(logits, vocab_size, start)
     if temperature != 1.0:  # as rollout engines do: logprob of softmax(logits / T), in fp32
         logits = logits.float() / temperature
     targets = batch.targets if targets is None else targets
-    return -tensor_parallel.vocab_parallel_cross_entropy(logits, targets.to(logits.device))
+    with state.model_vocab_size(vocab_size):
+        return -tensor_parallel.vocab_parallel_cross_entropy(logits, targets.to(logits.device))
 
 
 class _RoutingCapture:

@@ -470,14 +470,20 @@ def _write_status(status_file: Optional[str], code: int, message: str) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    return run_main(argv, resolve_args, run, "mindspeed-tp check")
+
+
+def run_main(argv: Optional[List[str]], resolve, run_fn, prog: str) -> int:
+    """A torchrun entry's error handling and status report (shared by check and train-check):
+    ``resolve(argv)`` the flags, ``run_fn(ns)`` the exit code; ConfigError is 2, a crash 3."""
     status_file, timeout = None, float(DEFAULTS["timeout"])
     try:
-        ns = resolve_args(argv)
+        ns = resolve(argv)
         status_file, timeout = ns.status_file, float(ns.timeout)
-        code, message = run(ns), ""
+        code, message = run_fn(ns), ""
     except ConfigError as exc:
         code, message = 2, str(exc)
-        print(f"mindspeed-tp check: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         try:
             _shutdown_distributed()
         except RuntimeError:  # a peer already left; nothing more to agree on
@@ -489,7 +495,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
             traceback.print_exc()
         if not status_file:  # else the launcher prints it, after torchrun's own report
-            print(f"mindspeed-tp check: error: {message}", file=sys.stderr)
+            print(f"{prog}: error: {message}", file=sys.stderr)
         _write_status(status_file, 3, message)
         sys.stdout.flush()
         sys.stderr.flush()

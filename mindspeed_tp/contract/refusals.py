@@ -70,14 +70,47 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "input size {k} of {cls} (attention heads*kv_channels or ffn_hidden_size) is not divisible by "
             "canonical_shards={c}; change the model size or the profile's canonical_shards",
             "K of a row-parallel GEMM is cut into C equal leaves"),
-    Refusal("vocab_indivisible", LOSS, "vocab padding (vocab_pad_multiple)",
-            "vocab size {v} is not divisible by canonical_shards={c}; pad the vocab with Profile.padded_vocab_size "
-            "(vocab_pad_multiple)",
-            "the vocab's exp-sum is cut into C equal leaves"),
+    Refusal("vocab_leaf_width", LOSS, "vocab padding (make_vocab_size_divisible_by, vocab_pad_multiple)",
+            "each rank holds {v_local} vocab columns, not a multiple of the canonical vocab leaf width {width} (true "
+            "vocab size {vocab}): pad the vocab to a multiple of {width} x TP (Megatron's make_vocab_size_divisible_by, "
+            "or Profile.padded_vocab_size)",
+            "every rank must hold whole vocab leaves, each the same columns in every layout"),
+    Refusal("vocab_size_unknown", LOSS, "mindspeed_tp.set_vocab_size / MINDSPEED_TP_VOCAB_SIZE / --true-on-policy-vocab-size",
+            "the true (unpadded) vocab size is unknown: the logits have {padded} columns, and Megatron pads the "
+            "vocabulary to a multiple of make_vocab_size_divisible_by x TP, so padded columns would enter the "
+            "log-softmax and make logprobs depend on TP. Set it: mindspeed_tp.set_vocab_size(N), "
+            "MINDSPEED_TP_VOCAB_SIZE=N or --true-on-policy-vocab-size N (N = the tokenizer's vocab size; {padded} if "
+            "the vocabulary is not padded)",
+            "the padded size depends on TP; only the true size says which columns to exclude"),
+    Refusal("vocab_size_conflict", LOSS, "mindspeed_tp.set_vocab_size / MINDSPEED_TP_VOCAB_SIZE",
+            "the true vocab size is set to {explicit} (mindspeed_tp.set_vocab_size / MINDSPEED_TP_VOCAB_SIZE) but the "
+            "model's config says vocab_size={model}; make them agree", "two sources disagree on the true vocab"),
+    Refusal("vocab_size_exceeds_logits", LOSS, "mindspeed_tp.set_vocab_size / MINDSPEED_TP_VOCAB_SIZE",
+            "the true vocab size {vocab} exceeds the model's {padded} logit columns; set it to the tokenizer's vocab "
+            "size", "the true vocab cannot be larger than the padded one"),
     # ---- layouts (the checker's plan) ----
     Refusal("layout_size_indivisible", LAYOUT, "--tp / --pp / canonical_shards / model size",
             "model {model}: {what}={size} is not divisible by {setting}={divisor}; change {setting} or the model size",
             "heads, query groups and layers split evenly; row-parallel K splits into C leaves"),
+    Refusal("training_layout_in_checker", LAYOUT, "--layouts (dpN, vppN)",
+            "layout {layout}: dpN and vppN are training-check layouts (mindspeed-tp train-check); the scoring checker "
+            "runs one replica per layout without virtual pipeline stages",
+            "the scoring checker infers data parallelism from the world size and has no virtual pipeline"),
+    Refusal("vpp_without_pp", LAYOUT, "--layouts (vppN)", "layout {layout}: vppN (virtual pipeline) needs ppN with N >= 2",
+            "virtual stages interleave over a real pipeline"),
+    Refusal("vpp_layers_indivisible", LAYOUT, "--layouts (vppN, ppN)",
+            "model {model}: num_layers={layers} is not divisible by pp*vpp={stages}; change vppN or ppN",
+            "every virtual stage holds the same number of layers"),
+    Refusal("experts_outside_stage", LAYOUT, "--layouts (epN, etpN, dpN)",
+            "layout {layout}: ep*etp={experts} must divide tp*dp={ranks} (the experts live inside one pipeline "
+            "stage's ranks); change epN, etpN or dpN", "megatron-core's expert grid lives inside a pipeline stage"),
+    Refusal("train_batch_indivisible", LAYOUT, "--global-batch-size / --micro-batch-size",
+            "--global-batch-size={global_batch} is not divisible by --micro-batch-size x dp = {micro} x {dp} (layout "
+            "{layout}); change --global-batch-size",
+            "every layout trains on the same sequences in micro-batches of one fixed size"),
+    Refusal("interleaved_microbatches", LAYOUT, "--global-batch-size / --micro-batch-size",
+            "layout {layout}: the interleaved schedule needs the micro-batch count (--global-batch-size / "
+            "(--micro-batch-size x dp)) to be a multiple of pp={pp}", "megatron-core's interleaved schedule requires it"),
     Refusal("sp_without_tp", LAYOUT, "--sp", "--sp (sequence parallel) needs --tp > 1",
             "sequence parallelism shards over the TP group"),
     Refusal("sp_seq_indivisible", LAYOUT, "--seq-length", "--seq-length={seq} is not divisible by --tp={tp} (needed for --sp)",
@@ -137,6 +170,14 @@ _ENTRIES: Tuple[Refusal, ...] = (
     Refusal("moe_shared_expert_gate", MOE, "moe_shared_expert_gate",
             "moe_shared_expert_gate={value!r} is not supported " + _T + ": the shared-expert gate is not covered; set "
             "moe_shared_expert_gate=False", "not implemented", "moe_shared_expert_gate", _set),
+    Refusal("moe_partial_forward", MOE, "CUDA graphs of the MoE layer (cuda_graph_scope with moe_router / moe_preprocess)",
+            "MoELayer.forward with intermediate_tensors / a partial fwd_execution_map (CUDA-graph partial execution) "
+            "is not supported " + _T + "; capture no MoE scope in CUDA graphs",
+            "the patch runs routing, experts and combine as one fixed-order forward"),
+    Refusal("moe_layer_recompute", MOE, "recompute_modules (moe)",
+            "recompute_modules containing 'moe' is not supported " + _T + "; recompute whole layers "
+            "(recompute_granularity=full) or other modules", "the MoE layer's own checkpointing wraps megatron's "
+            "unpatched forward path"),
     Refusal("moe_enable_deepep", MOE, "moe_enable_deepep",
             "moe_enable_deepep={value!r} is not supported " + _T + ": DeepEP dispatch is not covered; use the "
             "allgather or alltoall dispatcher", "the MoE patch moves rows itself", "moe_enable_deepep", _set),
@@ -220,9 +261,6 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "the npu backend's attention needs queries at the last key positions (bottom-right causal alignment); "
             "chunked prefill must read all of the request's keys so far", "flash_attn_npu aligns causal masks "
             "bottom-right"),
-    Refusal("moe_intermediate_tensors", MOE, "MoELayer.forward(intermediate_tensors=...)",
-            "MoELayer.forward with intermediate_tensors (a split MoE forward) is not supported " + _T,
-            "a forward resumed from saved routing/dispatch state bypasses the MoE patch's order"),
     Refusal("verl_fused_kernels", VERL, "actor_rollout_ref.model.use_fused_kernels",
             "actor_rollout_ref.model.use_fused_kernels=True (also ref.*/critic.*): verl's fused logprob kernel "
             "bypasses mindspeed-tp's vocab reduction; set use_fused_kernels=False",
@@ -250,6 +288,24 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "where the engine adds the bias is not modelled"),
     Refusal("label_smoothing", LOSS, "label_smoothing", "label_smoothing must be 0 " + _T,
             "the smoothed loss sums over the vocab outside the canonical tree"),
+    Refusal("gradient_accumulation_fusion", MODEL, "gradient_accumulation_fusion",
+            "gradient_accumulation_fusion={value!r} is not supported " + _T + ": the patched GEMMs write weight "
+            "gradients to .grad, which megatron's DDP adds to main_grad (the fused fp32 wgrad accumulation is not "
+            "implemented); set gradient_accumulation_fusion=False (--no-gradient-accumulation-fusion)",
+            "the fused wgrad kernel is outside the patched GEMMs", "gradient_accumulation_fusion", _set),
+    Refusal("defer_embedding_wgrad_compute_config", MODEL, "defer_embedding_wgrad_compute",
+            "defer_embedding_wgrad_compute={value!r} is not supported " + _T + "; unset it",
+            "the deferred weight-gradient GEMM is outside the patched linear", "defer_embedding_wgrad_compute", _set),
+    Refusal("enable_cuda_graph", MODEL, "enable_cuda_graph / external_cuda_graph / cuda_graph_impl",
+            "enable_cuda_graph={value!r} is not supported " + _T + ": captured graphs replay kernels the patches did "
+            "not choose (and skip their host-side checks); unset it", "CUDA graphs", "enable_cuda_graph", _set),
+    Refusal("external_cuda_graph", MODEL, "enable_cuda_graph / external_cuda_graph / cuda_graph_impl",
+            "external_cuda_graph={value!r} is not supported " + _T + "; unset it", "CUDA graphs",
+            "external_cuda_graph", _set),
+    Refusal("cuda_graph_impl", MODEL, "cuda_graph_impl",
+            "cuda_graph_impl={value!r} is not supported " + _T + ": captured graphs replay kernels the patches did "
+            "not choose; set cuda_graph_impl='none'", "CUDA graphs", "cuda_graph_impl",
+            lambda v: v not in (None, "none")),
     Refusal("cross_entropy_loss_fusion", MODEL, "cross_entropy_loss_fusion",
             "cross_entropy_loss_fusion must be False " + _T + " (the fused kernel bypasses the canonical vocab "
             "reduction)", "the fused kernel sums in its own order", "cross_entropy_loss_fusion", _set),

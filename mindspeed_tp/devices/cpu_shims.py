@@ -6,6 +6,7 @@ for vanilla runs too). docs/CONTRACT.md, "megatron-core on CPU", lists the failu
 """
 import contextlib
 import functools
+import threading
 
 import torch
 
@@ -130,6 +131,84 @@ def _gather_along_first_dim(original):
         return torch.cat([parts[i, : sizes[i]] for i in range(world)], dim=0)
 
     return gather
+
+
+class _CudaAsCpu(torch.overrides.TorchFunctionMode):
+    """While a shimmed megatron-core function runs: tensors it allocates with ``device='cuda'``
+    (or a CUDA device) are allocated on the CPU, and ``Tensor.type()`` names a CPU tensor by its
+    CUDA type string (``torch.cuda.FloatTensor``), which megatron's optimizers require. Every other
+    call passes through unchanged: no arithmetic differs."""
+
+    _active = threading.local()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and _names_cuda(device):
+            kwargs = dict(kwargs, device="cpu")
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and args[0].device.type == "cpu":
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        return func(*args, **kwargs)
+
+
+def _names_cuda(device) -> bool:
+    return (isinstance(device, str) and device.startswith("cuda")) or (
+        isinstance(device, torch.device) and device.type == "cuda")
+
+
+def _cuda_as_cpu(original):
+    """Wrap ``original`` so that it runs under _CudaAsCpu (entered once, also when nested)."""
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        if getattr(_CudaAsCpu._active, "on", False):
+            return original(*args, **kwargs)
+        _CudaAsCpu._active.on = True
+        try:
+            with _CudaAsCpu():
+                return original(*args, **kwargs)
+        finally:
+            _CudaAsCpu._active.on = False
+
+    return wrapper
+
+
+_OPT = "megatron.core.optimizer"
+_CUDA_AS_CPU = (
+    (f"{_OPT}.optimizer:MixedPrecisionOptimizer.__init__",
+     "allocates found_inf / the overflow buffer / scale one with torch.tensor(..., device='cuda')"),
+    (f"{_OPT}.optimizer:Float16OptimizerWithFloat16Params.__init__",
+     "accepts only parameters whose type() is torch.cuda.{Half,BFloat16,Float}Tensor"),
+    (f"{_OPT}.optimizer:FP32Optimizer.__init__", "allocates its loss scale with device='cuda'"),
+    (f"{_OPT}.distrib_optimizer:DistributedOptimizer.__init__",
+     "refuses parameters whose type() is not torch.cuda.*Tensor (building its main-param groups)"),
+    (f"{_OPT}.clip_grads:get_grad_norm_fp32", "the total norm and overflow buffer are allocated on device='cuda'"),
+    (f"{_OPT}.clip_grads:clip_grad_by_total_norm_fp32",
+     "asserts param.grad.type() == 'torch.cuda.FloatTensor'; overflow buffer on device='cuda'"),
+    (f"{_OPT}.clip_grads:count_zeros_fp32", "the zero count is allocated on device='cuda'"),
+    ("megatron.core.pipeline_parallel.schedules:forward_backward_no_pipelining",
+     "the token count is allocated on device='cuda'"),
+    ("megatron.core.pipeline_parallel.schedules:forward_backward_pipelining_without_interleaving",
+     "the token count is allocated on the CUDA device"),
+    ("megatron.core.pipeline_parallel.schedules:forward_backward_pipelining_with_interleaving",
+     "the token count is allocated on the CUDA device"),
+)
+for _target, _why in _CUDA_AS_CPU:
+    _shims.add(Patch(target=_target, replacement=_cuda_as_cpu, wraps=True,
+                     reason=_why + ": allocate on the CPU and name CPU tensors by their CUDA type while it runs"))
+
+
+@_shims.register("megatron.core.fp8_utils:quantize_param_shard",
+                 "0.12.x without Transformer Engine: the distributed optimizer calls it after every step with no "
+                 "FP8 parameters and the fallback raises anyway; nothing to quantize is a no-op (as in 0.16)",
+                 wraps=True)
+def _quantize_param_shard(original):
+    def quantize_param_shard(model_params, *args, **kwargs):
+        if len(model_params) == 0:
+            return None
+        return original(model_params, *args, **kwargs)
+
+    return quantize_param_shard
 
 
 # megatron-core 0.16 reads this name without defining it when Transformer Engine is absent.

@@ -1,4 +1,5 @@
-"""Megatron-style training-script flags: ``--true-on-policy`` and ``--true-on-policy-profile``.
+"""Megatron-style training-script flags: ``--true-on-policy``, ``--true-on-policy-profile`` and
+``--true-on-policy-vocab-size`` (the tokenizer's vocab size, before Megatron pads it).
 
 ``add_true_on_policy_args`` can be passed as Megatron's ``extra_args_provider``; the integration
 registry also wraps ``megatron.training.arguments.parse_args`` (once a training script imports it)
@@ -21,6 +22,9 @@ def add_true_on_policy_args(parser: argparse.ArgumentParser) -> argparse.Argumen
                        help="compute logprobs bitwise equal across TP/SP/EP/PP layouts (mindspeed-tp)")
     group.add_argument("--true-on-policy-profile", default=None, metavar="PATH",
                        help="numerics profile (bundled name or YAML path); implies --true-on-policy")
+    group.add_argument("--true-on-policy-vocab-size", type=int, default=None, metavar="N",
+                       help="the true (unpadded) vocab size: the logprob/loss excludes the columns Megatron pads "
+                            "(make_vocab_size_divisible_by x TP) exactly")
     return parser
 
 
@@ -29,6 +33,11 @@ def apply_true_on_policy_args(args) -> bool:
     profile = getattr(args, "true_on_policy_profile", None)
     if getattr(args, "true_on_policy", False) or profile:
         switch.enable(profile)
+        vocab = getattr(args, "true_on_policy_vocab_size", None)
+        if vocab is not None:
+            from .. import state
+
+            state.set_vocab_size(int(vocab))
         return True
     return False
 

@@ -6,11 +6,12 @@ import_external_libs``): in the driver and in every Ray worker, before its Megat
 built. The entry enables the patches (profile from ``MINDSPEED_TP_PROFILE``); the registry entries
 here, applied as verl's and mbridge's modules are imported (nothing is imported from them here):
 
-1. verl's logprob is left alone: verl 0.9's Megatron engine
-   (``MegatronEngineWithLMHead._lm_head_logits_processor``: temperature divided in place, then
-   ``verl.utils.megatron.tensor_parallel.vocab_parallel_log_probs_from_logits``) calls
-   ``-megatron.core.tensor_parallel.vocab_parallel_cross_entropy``, which the numerics patches
-   replace in either profile (canonical tree, or rollout layout's full-vocab log-softmax);
+1. verl's logprob (``verl.utils.megatron.tensor_parallel.vocab_parallel_log_probs_from_logits``,
+   what ``MegatronEngineWithLMHead._lm_head_logits_processor`` calls after dividing the logits by the
+   temperature in place) runs per profile: the canonical vocab tree, or in rollout-layout mode the
+   engine's full-vocab fp32 log-softmax. verl's own version calls megatron-core's
+   ``vocab_parallel_cross_entropy`` outside any model's loss, where the patch cannot learn the true
+   vocab size, hence this entry;
 2. the layer spec verl's models are built from is one the patches cover: verl 0.9 builds them
    through mbridge (``mbridge.core.llm_bridge.LLMBridge._get_transformer_layer_spec``) or, in older
    verl, ``verl/models/mcore/model_initializer.py``; both ask megatron-core's
@@ -35,10 +36,13 @@ import functools
 import re
 import sys
 
-from .. import state
+from .. import compat, state
 from ..contract.refusals import refuse
+from ..kernels import vocab_parallel_logprob
+from ..modes.rollout_layout.linear import full_vocab_parallel_logprob
 from ..patching import Patch, PatchRegistry
 
+VERL_LOGPROB = "verl.utils.megatron.tensor_parallel:vocab_parallel_log_probs_from_logits"
 VERL_BLOCK_SPEC = "verl.models.mcore.model_initializer:get_gpt_decoder_block_spec"
 MBRIDGE_BLOCK_SPEC = "mbridge.core.llm_bridge:get_gpt_decoder_block_spec"
 MBRIDGE_BRIDGE = "mbridge.core.bridge:Bridge"
@@ -49,6 +53,26 @@ _LOCAL_TO_TE_NAMES = (
     (".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight"),
     (".pre_mlp_layernorm.weight", ".mlp.linear_fc1.layer_norm_weight"),
 )
+
+
+def _verl_logprob(original):
+    """verl's vocab_parallel_log_probs_from_logits calls megatron's vocab_parallel_cross_entropy outside
+    any model's loss, where the patch cannot learn the true vocab size; so it is routed here, per
+    profile: the canonical vocab tree (padding to ``vocab_pad_multiple`` excluded, as before), or in
+    rollout-layout mode the engine's one fp32 log-softmax over the whole vocab (verl does not pad the
+    Hugging Face vocab), so verl's path matches a stock engine there too."""
+
+    def vocab_parallel_log_probs_from_logits(logits, labels):
+        if not state.enabled():
+            return original(logits, labels)
+        prof = state.profile()
+        group = compat.tp_group_of()
+        if prof.rollout_layout:
+            return full_vocab_parallel_logprob(logits, labels, group)
+        return vocab_parallel_logprob(logits, labels, group, prof.canonical_shards,
+                                      pad_multiple=prof.vocab_pad_multiple)
+
+    return vocab_parallel_log_probs_from_logits
 
 
 def local_decoder_block_spec(original):
@@ -137,6 +161,9 @@ def local_spec_provider(original):
 def register(reg: PatchRegistry) -> None:
     spec_reason = ("builds the local layer spec while mindspeed-tp is enabled (the Transformer Engine layers it asks "
                    "for are not covered by the patches); megatron's signature (vp_stage) kept")
+    reg.add(Patch(target=VERL_LOGPROB, replacement=_verl_logprob, wraps=True, on_import=True,
+                  reason="verl's Megatron logprob per profile: canonical vocab tree, or (rollout_layout) the engine's "
+                         "full-vocab fp32 log-softmax; verl calls it outside any model loss (true vocab size unknown)"))
     # Only the importer's binding: megatron-core's own get_gpt_decoder_block_spec stays untouched.
     reg.add(Patch(target=VERL_BLOCK_SPEC, replacement=local_decoder_block_spec, wraps=True, on_import=True,
                   everywhere=False, reason="verl's model initializer " + spec_reason))

@@ -1,9 +1,14 @@
 """Per-token log-probabilities over a (possibly vocab-parallel) logits tensor, fp32 throughout.
 
-The sum of exp over the vocab is cut into C canonical leaves of V/C columns (V padded
-TP-independently); each rank folds its C/TP leaves, the per-rank results are gathered and folded in
-rank order. The max and the target logit are exact operations and need no ordering.
+The sum of exp over the vocab is cut into leaves of L contiguous columns, L chosen from the true
+vocab size alone (``vocab_leaf_width``), never from how the vocab is padded or split: padded columns
+are excluded (exp = 0 exactly), every rank sums its whole leaves (each the same L columns in every
+layout), the leaf sums are gathered in vocab order and folded by one perfect binary tree over the
+true vocab's leaves, zero-padded to a power of two (adding an exact zero changes nothing). So the
+bits are the same for any TP and any padding (Megatron's ``make_vocab_size_divisible_by`` x TP, the
+profile's TP-independent padding, or none). The max and the target logit are exact operations.
 """
+import math
 from typing import Optional
 
 import torch
@@ -29,31 +34,50 @@ def _leaf_sums(e: torch.Tensor) -> torch.Tensor:
     return dispatch.kernel("row_sum", e)(e)
 
 
+def _power_of_two_part(n: int) -> int:
+    return n & -n
+
+
+def vocab_leaf_width(vocab_size: int, canonical_shards: int = 8, pad_multiple: int = 128) -> int:
+    """Columns per canonical vocab leaf for a true vocab of ``vocab_size``: the largest power of two
+    that divides every rank's shard in the layouts megatron can build -- padded to a multiple of
+    ``pad_multiple`` x TP (megatron's make_vocab_size_divisible_by, or the profile's padding), or
+    unpadded and split by TP | C (then it must also divide vocab_size / C)."""
+    width = _power_of_two_part(pad_multiple)
+    if vocab_size % canonical_shards == 0:
+        width = min(width, _power_of_two_part(vocab_size // canonical_shards))
+    return width
+
+
 class _VocabParallelLogprob(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, group, canonical_shards, vocab_size, temperature):
+    def forward(ctx, logits, target, group, canonical_shards, vocab_size, temperature, pad_multiple):
         world = group_size(group)
         v_local = logits.shape[-1]
-        if canonical_shards % world:
-            raise refuse("tp_not_power_of_two_dividing_c", setting="tensor_model_parallel_size", tp=world,
-                         c=canonical_shards)
-        leaves = canonical_shards // world
-        if v_local % leaves:
-            raise refuse("vocab_indivisible", v=v_local * world, c=canonical_shards)
+        true_vocab = v_local * world if vocab_size is None else vocab_size
+        width = vocab_leaf_width(true_vocab, canonical_shards, pad_multiple)
+        if v_local % width:
+            raise refuse("vocab_leaf_width", v_local=v_local, width=width, vocab=true_vocab)
         vocab_start = group_rank(group) * v_local
         lf = logits.float()
         if temperature != 1.0:
             lf = lf / temperature
-        if vocab_size is not None:
-            lf = mask_padded_vocab(lf, vocab_size, vocab_start)
+        lf = mask_padded_vocab(lf, true_vocab, vocab_start)
         lmax = max_across_ranks(lf.amax(-1), group)
         e = torch.exp(lf - lmax.unsqueeze(-1))
-        local = tree_fold(_leaf_sums(e.reshape(*e.shape[:-1], leaves, v_local // leaves)), dim=-1)
-        total = tree_fold(gather_along_rank(local, group), dim=0)
+        local = _leaf_sums(e.reshape(*e.shape[:-1], v_local // width, width))  # (..., leaves of this rank)
+        gathered = gather_along_rank(local, group)                                # (world, ..., leaves)
+        leaves = gathered.movedim(0, -2).reshape(*local.shape[:-1], world * local.shape[-1])
+        used = -(-true_vocab // width)  # leaves holding a real column; the rest sum to exactly 0
+        span = 1 << max(0, math.ceil(math.log2(used)))
+        leaves = leaves[..., :used]
+        if span > used:
+            leaves = torch.cat([leaves, leaves.new_zeros(*leaves.shape[:-1], span - used)], dim=-1)
+        total = tree_fold(leaves, dim=-1)
         in_range = (target >= vocab_start) & (target < vocab_start + v_local)
         idx = (target - vocab_start).clamp(0, v_local - 1).long()
         picked = torch.where(in_range, lf.gather(-1, idx.unsqueeze(-1)).squeeze(-1), 0.0)
-        target_logit = tree_fold(gather_along_rank(picked, group), dim=0)
+        target_logit = tree_fold(gather_along_rank(picked, group), dim=0)  # one non-zero term: exact
         logprob = (target_logit - lmax) - torch.log(total)
         ctx.save_for_backward(e, total, in_range, idx)
         ctx.temperature = temperature
@@ -67,7 +91,7 @@ class _VocabParallelLogprob(torch.autograd.Function):
         g.scatter_add_(-1, idx.unsqueeze(-1), torch.where(in_range, grad, 0.0).unsqueeze(-1))
         if ctx.temperature != 1.0:
             g = g / ctx.temperature
-        return g.to(ctx.logits_dtype), None, None, None, None, None
+        return g.to(ctx.logits_dtype), None, None, None, None, None, None
 
 
 def vocab_parallel_logprob(
@@ -77,9 +101,12 @@ def vocab_parallel_logprob(
     canonical_shards: int = 8,
     vocab_size: Optional[int] = None,
     temperature: float = 1.0,
+    pad_multiple: int = 128,
 ) -> torch.Tensor:
     """log softmax(logits / T)[target] in fp32; ``logits`` holds this rank's vocab shard.
 
-    vocab_size: the true vocab; padded columns at or beyond it are excluded exactly.
+    vocab_size: the true vocab (default: every column is real); columns at or beyond it are excluded
+    exactly. pad_multiple: the profile's vocab_pad_multiple (see vocab_leaf_width).
     """
-    return _VocabParallelLogprob.apply(logits, target, group, canonical_shards, vocab_size, temperature)
+    return _VocabParallelLogprob.apply(logits, target, group, canonical_shards, vocab_size, temperature,
+                                       pad_multiple)

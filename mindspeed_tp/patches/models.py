@@ -47,6 +47,9 @@ def check_not_displaced(registry: PatchRegistry) -> None:
 def gpt_model_init(original, registry: PatchRegistry):
     def __init__(self, *args, **kwargs):
         check_not_displaced(registry)
+        config = kwargs.get("config", args[0] if args else None)
+        if config is not None:  # before building: some refused settings fail megatron's own init on CPU
+            refusals.check_config(refusals.MODEL, config)
         original(self, *args, **kwargs)
         validate_model_modules(self)
         head = getattr(self, "output_layer", None)

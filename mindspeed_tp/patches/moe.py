@@ -16,6 +16,7 @@ import torch
 from .. import compat, state
 from ..kernels.collectives import all_to_all_rows, fold_across_ranks, gather_along_rank, group_size
 from ..contract import refusals
+from ..contract.refusals import refuse
 from ..kernels import folded_leaf_partials, invariant_linear
 from ..kernels.moe import combine_slots, route
 from ..patching import PatchRegistry
@@ -85,18 +86,65 @@ def _publish_routing(layer, idx: torch.Tensor) -> None:
         observer(layer, idx)
 
 
+def _run_forward_pre_hooks(module) -> None:
+    """What calling ``module`` runs before its forward: its forward pre-hooks. The patch reads the
+    router's and the experts' weights without calling those modules, so it runs their hooks itself:
+    DDP's hook waits for the parameter all-gather (overlap_param_gather) and dispatches the next
+    bucket's; skipping it leaves the gather unwaited and breaks DDP's dispatch chain."""
+    for hook_id, hook in list(module._forward_pre_hooks.items()):
+        if hook_id in getattr(module, "_forward_pre_hooks_with_kwargs", {}):
+            hook(module, (), {})
+        else:
+            hook(module, ())
+
+
+def _router_losses_enabled(router, config) -> bool:
+    """megatron's router adds a loss (load balancing or z-loss) in this forward."""
+    if not (router.training and torch.is_grad_enabled()):
+        return False
+    z = getattr(config, "moe_z_loss_coeff", None)
+    coeff = getattr(config, "moe_aux_loss_coeff", 0.0) or 0.0
+    aux = any(c > 0 for c in coeff) if isinstance(coeff, (list, tuple)) else coeff > 0
+    balancing = getattr(config, "moe_router_load_balancing_type", "none")
+    types = balancing if isinstance(balancing, (list, tuple)) else [balancing]
+    return bool(z) or (aux and any(t != "none" for t in types))
+
+
+def _attach_router_losses(router, logits, probs, seq_length, padding_mask):
+    """megatron's own router losses on our (bitwise) router logits: ``router.routing`` computes the
+    z-loss, aux_loss / seq_aux_loss / global_aux_loss exactly as vanilla does and attaches each to
+    the probabilities it returns (MoEAuxLossAutoScaler: identity forward, the loss's gradient in
+    backward). Adding those probabilities times zero to ours changes no value and routes the losses'
+    gradients into the router through megatron's code. Its routing decision is not used (ours is the
+    layout-invariant one); it also keeps the expert-bias statistics (from the same logits)."""
+    logits3d = logits.view(seq_length, -1, logits.shape[-1])
+    if padding_mask is not None:
+        theirs, _ = router.routing(logits3d, padding_mask=padding_mask)
+    else:
+        theirs, _ = router.routing(logits3d)
+    return probs + theirs.sum() * 0.0
+
+
 def moe_forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
-    """MoELayer.forward (every argument 0.12, 0.16 and 0.19 pass): ``intermediate_tensors`` (a split
-    forward resumed from saved routing/dispatch state) refused; ``padding_mask`` ([b, s], True marks
-    padding, as megatron's router applies it) keeps padding tokens out of the expert-bias token
-    counts, which is all it changes there: a token's experts never depend on other tokens."""
-    if intermediate_tensors is not None:
-        raise refusals.refuse("moe_intermediate_tensors")
+    """MoELayer.forward (0.12: ``(hidden_states)``; 0.16 also ``intermediate_tensors``, CUDA-graph
+    partial execution, refused; ``padding_mask`` [b, s], True at padding: excluded from the router's
+    losses and expert-bias statistics, as in megatron)."""
+    if intermediate_tensors is not None or getattr(self, "fwd_execution_map", None) not in (
+            None, ["route", "expert_compute", "postprocess"]):
+        raise refuse("moe_partial_forward")
+    if getattr(self, "moe_layer_recompute", False):
+        raise refuse("moe_layer_recompute")
+    if padding_mask is not None:
+        padding_mask = padding_mask.transpose(0, 1).bool()  # [s, b], as hidden_states (megatron does the same)
     prof = state.profile()
     config = self.config
     shape, dtype = hidden_states.shape, hidden_states.dtype
     h = hidden_states.reshape(-1, shape[-1])
     router = self.router
+    _run_forward_pre_hooks(router)
+    for expert in self.experts.local_experts:
+        _run_forward_pre_hooks(expert.linear_fc1)
+        _run_forward_pre_hooks(expert.linear_fc2)
     num_experts = config.num_moe_experts
     expert_bias = getattr(router, "expert_bias", None) if getattr(router, "enable_expert_bias", False) else None
     logits = invariant_linear(h, router.weight, out_dtype=torch.float32, row_multiple=prof.gemm_row_multiple)
@@ -106,10 +154,12 @@ def moe_forward(self, hidden_states, intermediate_tensors=None, padding_mask=Non
         getattr(config, "moe_router_topk_scaling_factor", None),
     )
     _publish_routing(self, idx)
-    if expert_bias is not None and torch.is_grad_enabled():
-        with torch.no_grad():  # the bias update statistics Megatron keeps
-            counted = idx if padding_mask is None else idx[~padding_mask.transpose(0, 1).reshape(-1).bool()]
-            router.local_tokens_per_expert += torch.bincount(counted.reshape(-1), minlength=num_experts).to(
+    if _router_losses_enabled(router, config):
+        probs = _attach_router_losses(router, logits, probs, shape[0], padding_mask)
+    elif expert_bias is not None and torch.is_grad_enabled():
+        with torch.no_grad():  # the bias update statistics Megatron keeps (padding tokens excluded)
+            chosen = idx if padding_mask is None else idx[~padding_mask.reshape(-1)]
+            router.local_tokens_per_expert += torch.bincount(chosen.reshape(-1), minlength=num_experts).to(
                 router.local_tokens_per_expert.dtype)
 
     tp_ep, etp_group, ep_rank = _groups()
@@ -125,8 +175,8 @@ def moe_forward(self, hidden_states, intermediate_tensors=None, padding_mask=Non
     slots = torch.zeros(h_all.shape[0], k, shape[-1], dtype=dtype, device=h.device)
     for j, expert in enumerate(experts):
         rows, slot = torch.nonzero(idx_all == ep_rank * num_local + j, as_tuple=True)
-        if rows.numel() == 0:  # the same on every expert-TP rank: they share idx_all
-            continue
+        # Also an expert no token chose runs (on zero rows), as megatron's experts do: its weights get
+        # a (zero) gradient, so DDP's per-bucket gradient-ready count completes (overlap_grad_reduce).
         y = _expert_forward(expert, h_all.index_select(0, rows), etp_group, config, prof)
         slots = slots.index_put((rows, slot), y)
     if world > 1:

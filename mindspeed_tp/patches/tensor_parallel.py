@@ -4,9 +4,9 @@ from typing import Optional
 import torch
 
 from .. import compat, state
-from ..kernels.collectives import group_size, fold_across_ranks
+from ..kernels.collectives import fold_across_ranks, group_rank, group_size
 from ..contract.refusals import refuse
-from ..kernels import folded_leaf_partials, invariant_linear, vocab_parallel_logprob
+from ..kernels import folded_leaf_partials, invariant_linear, mask_padded_vocab, vocab_parallel_logprob
 from ..patching import PatchRegistry
 from ..modes.rollout_layout.linear import full_vocab_parallel_logprob, rollout_layout_linear
 
@@ -114,17 +114,47 @@ def column_parallel_forward(original):
 def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=0.0, tp_group=None):
     """-logprob through the canonical vocab tree (fp32), or the full-vocab one (rollout_layout).
 
-    ``tp_group``: the vocab's tensor-parallel group (0.19 passes the model's; older lines none:
-    the global TP group)."""
+    Padded vocab columns (ids >= the true vocab size, see ``true_vocab_size``) are excluded exactly.
+    tp_group: the tensor-parallel group (megatron-core >= 0.19 passes it; default: the global one).
+    """
     if label_smoothing:
         raise refuse("label_smoothing")
     prof = state.profile()
     group = tp_group if tp_group is not None else compat.tp_group_of()
+    vocab_size = true_vocab_size(vocab_parallel_logits.shape[-1] * group_size(group))
     if prof.rollout_layout:  # the engine's one fp32 log-softmax over the whole vocab
-        return -full_vocab_parallel_logprob(vocab_parallel_logits, target, group)
-    return -vocab_parallel_logprob(
-        vocab_parallel_logits, target, group, prof.canonical_shards, vocab_size=None
-    )
+        start = group_rank(group) * vocab_parallel_logits.shape[-1]
+        logits = mask_padded_vocab(vocab_parallel_logits, vocab_size, start)
+        return -full_vocab_parallel_logprob(logits, target, group)
+    return -vocab_parallel_logprob(vocab_parallel_logits, target, group, prof.canonical_shards,
+                                   vocab_size=vocab_size, pad_multiple=prof.vocab_pad_multiple)
+
+
+def true_vocab_size(padded: int) -> int:
+    """The true vocab size: the explicit setting (``mindspeed_tp.set_vocab_size``,
+    ``MINDSPEED_TP_VOCAB_SIZE``, ``--true-on-policy-vocab-size``), else the ``vocab_size`` of the
+    config of the model computing its loss. Unknown: refused, since Megatron pads to a TP-dependent
+    size and padded columns inside the softmax make every logprob depend on TP."""
+    explicit, from_model = state.explicit_vocab_size(), state.model_vocab()
+    if explicit is not None and from_model is not None and explicit != from_model:
+        raise refuse("vocab_size_conflict", explicit=explicit, model=from_model)
+    size = explicit if explicit is not None else from_model
+    if size is None:
+        raise refuse("vocab_size_unknown", padded=padded)
+    if size > padded:
+        raise refuse("vocab_size_exceeds_logits", vocab=size, padded=padded)
+    return size
+
+
+def language_model_loss(original):
+    """LanguageModule.compute_language_model_loss with the model config's ``vocab_size`` (the true
+    size, on Megatron-Bridge providers) known to the cross-entropy patch."""
+
+    def compute_language_model_loss(self, labels, logits):
+        with state.model_vocab_size(getattr(getattr(self, "config", None), "vocab_size", None)):
+            return original(self, labels, logits)
+
+    return compute_language_model_loss
 
 
 def register(reg: PatchRegistry) -> None:
@@ -140,6 +170,11 @@ def register(reg: PatchRegistry) -> None:
     reg.register(
         f"{LAYERS}:ColumnParallelLinear.forward", "LM head logits computed in fp32", wraps=True
     )(column_parallel_forward)
+    reg.register(
+        "megatron.core.models.common.language_module.language_module:LanguageModule.compute_language_model_loss",
+        "tells the cross-entropy patch the true vocab size a model config states (vocab_size), so padded "
+        "columns are excluded", wraps=True,
+    )(language_model_loss)
     reg.register(
         "megatron.core.tensor_parallel.cross_entropy:vocab_parallel_cross_entropy",
         "vocab-parallel log-softmax through the canonical vocab tree in fp32 (rollout_layout: one fp32 "

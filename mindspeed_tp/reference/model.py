@@ -186,7 +186,8 @@ class ReferenceModel:
             logits = logits / temperature
         if self.profile.rollout_layout:
             return full_vocab_logprob(logits, target)
-        return vocab_parallel_logprob(logits, target, None, self.profile.canonical_shards)
+        return vocab_parallel_logprob(logits, target, None, self.profile.canonical_shards,
+                                      vocab_size=self.spec.vocab_size, pad_multiple=self.profile.vocab_pad_multiple)
 
     def score(self, sequences: List[List[int]]) -> List[torch.Tensor]:
         """fp32 logprob of each next token of each sequence (teacher forcing, one prefill per

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from grad_helpers import finalize_grads, scored_loss
+from grad_helpers import as_param_grads, finalize_grads, scored_loss, with_ddp, zero_grads
 
 import mindspeed_tp
 from mindspeed_tp.devices.cpu_shims import install_cpu_shims
@@ -37,29 +37,28 @@ def fresh_model():
     model = build_gpt_stage(spec, layout, torch.float32, profile)
     load_seeded_weights(model, spec, 0, layout)
     model.train()
-    return model
+    return model, with_ddp(model)
 
 
 tensors = {}
 for mode in ("vanilla", "consistent"):
     mindspeed_tp.disable() if mode == "vanilla" else mindspeed_tp.enable(profile)
-    model = fresh_model()
+    model, ddp = fresh_model()
     loss = loss_of(model)
     loss.backward()
-    finalize_grads(model)
     tensors[f"{mode}/loss"] = loss.detach().reshape(1)
-    for name, p in model.named_parameters():
-        tensors[f"{mode}/grad/{name}"] = p.grad.detach().clone()
+    for name, grad in finalize_grads(ddp).items():
+        tensors[f"{mode}/grad/{name}"] = grad
 
 mindspeed_tp.enable(profile)
-model = fresh_model()
+model, ddp = fresh_model()
 opt = torch.optim.Adam(model.parameters(), lr=3e-3)
 losses = []
 for _ in range(6):
-    opt.zero_grad()
+    zero_grads(ddp)
     loss = loss_of(model)
     loss.backward()
-    finalize_grads(model)
+    as_param_grads(ddp, finalize_grads(ddp))
     opt.step()
     losses.append(loss.detach())
 tensors["consistent/train_losses"] = torch.stack(losses)

@@ -1,5 +1,10 @@
-"""Shared by the gradient workers (run under torchrun with this directory on sys.path)."""
-import torch.distributed as dist
+"""Shared by the gradient workers (run under torchrun with this directory on sys.path).
+
+Gradients go through megatron-core's own machinery: the model is wrapped in its
+DistributedDataParallel (whose hooks accumulate each gradient into ``main_grad``), and
+``finalize_model_grads`` reduces them (over DP, the SP-replicated norms over TP, embeddings over PP).
+"""
+import torch
 
 from mindspeed_tp.check.harness import _logprobs_from_logits, _pipeline_forward
 
@@ -11,11 +16,29 @@ def scored_loss(model, layout, batch, spec, dtype):
     return -(_logprobs_from_logits(logits, batch, spec.vocab_size) * scored).sum() / scored.sum()
 
 
-def finalize_grads(model):
-    """What Megatron's finalize_model_grads does for SP-replicated params (norms): sum over TP."""
-    from megatron.core import parallel_state
+def with_ddp(model):
+    """megatron's DDP around ``model`` (fp32 gradient buffer, no overlap); forward through ``model``."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    group = parallel_state.get_tensor_model_parallel_group()
-    for p in model.parameters():
-        if getattr(p, "sequence_parallel", False) and p.grad is not None:
-            dist.all_reduce(p.grad, group=group)
+    return DistributedDataParallel(config=model.config, ddp_config=DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True), module=model)
+
+
+def finalize_grads(ddp):
+    """megatron's finalize_model_grads; returns the reduced gradients by parameter name."""
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads([ddp])
+    return {name: p.main_grad.detach().clone() for name, p in ddp.module.named_parameters()}
+
+
+def zero_grads(ddp) -> None:
+    ddp.zero_grad_buffer()
+    for p in ddp.module.parameters():
+        p.grad = None
+
+
+def as_param_grads(ddp, grads) -> None:
+    """The reduced gradients as ``.grad`` (in each parameter's dtype), for a torch.optim optimizer."""
+    for name, p in ddp.module.named_parameters():
+        p.grad = grads[name].to(p.dtype)

@@ -21,6 +21,7 @@ init_distributed()
 install_cpu_shims()
 spec, profile = load_model_spec("tiny-dense"), load_profile()
 mindspeed_tp.enable(profile)
+mindspeed_tp.set_vocab_size(spec.vocab_size)  # the true vocab (the model pads it to 1024)
 batch = make_batch(spec.vocab_size, 5, 3, 48)
 b, s = batch.tokens.shape
 positions = torch.arange(s).unsqueeze(0).expand(b, s)

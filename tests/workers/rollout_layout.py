@@ -16,10 +16,11 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from grad_helpers import finalize_grads, scored_loss
+from grad_helpers import finalize_grads, scored_loss, with_ddp
 
 import mindspeed_tp
-from mindspeed_tp import relayout, rollout_layout
+from mindspeed_tp.modes.rollout_layout import linear as rollout_layout
+from mindspeed_tp.modes.rollout_layout import relayout
 from mindspeed_tp.devices.cpu_shims import install_cpu_shims
 from mindspeed_tp.check.batch import make_batch
 from mindspeed_tp.check.harness import (
@@ -101,12 +102,12 @@ grads = {}
 for mode, prof in (("vanilla", None), ("rollout", stock["rollout-tp2"]), ("tree", tree)):
     mindspeed_tp.disable() if prof is None else mindspeed_tp.enable(prof)
     model = fresh_model(grad_layout, stock["rollout-tp2"], torch.float32, True)
+    ddp = with_ddp(model)
     loss = loss_of(model)
     loss.backward()
-    finalize_grads(model)
     grads[f"{mode}/loss"] = loss.detach().reshape(1)
-    for pname, p in model.named_parameters():
-        grads[f"{mode}/grad/{pname}"] = p.grad.detach().clone()
+    for pname, grad in finalize_grads(ddp).items():
+        grads[f"{mode}/grad/{pname}"] = grad
 
 # The cache: filled by a forward; refreshed by an optimizer step even when the step writes through
 # ``.data`` (as Megatron copies main params into model params: no autograd version bump), and by

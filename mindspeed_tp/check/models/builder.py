@@ -23,8 +23,10 @@ def _moe_kwargs(spec: ModelSpec, layout: Layout, dispatcher: str) -> dict:
         moe_router_enable_expert_bias=spec.moe_router_enable_expert_bias,
         moe_router_topk_scaling_factor=spec.moe_router_topk_scaling_factor,
         moe_shared_expert_intermediate_size=spec.moe_shared_expert_intermediate_size,
-        moe_router_load_balancing_type="aux_loss" if spec.moe_aux_loss_coeff else "none",
+        moe_router_load_balancing_type=spec.moe_router_load_balancing_type or (
+            "aux_loss" if spec.moe_aux_loss_coeff else "none"),
         moe_aux_loss_coeff=spec.moe_aux_loss_coeff,
+        moe_z_loss_coeff=spec.moe_z_loss_coeff,
         moe_expert_capacity_factor=spec.moe_expert_capacity_factor,
         moe_router_dtype="fp32",
         moe_token_dispatcher_type=dispatcher,
@@ -37,10 +39,13 @@ def _moe_kwargs(spec: ModelSpec, layout: Layout, dispatcher: str) -> dict:
     return kw
 
 
-def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype, dispatcher: str = "alltoall"):
+def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype, dispatcher: str = "alltoall",
+                       **overrides):
+    """The model's TransformerConfig for ``layout``; ``overrides``: training settings (recompute,
+    per-token loss, ...) on top."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    return TransformerConfig(
+    kwargs = dict(
         **_moe_kwargs(spec, layout, dispatcher),
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -70,19 +75,52 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype, disp
         use_cpu_initialization=True,
         perform_initialization=False,
     )
+    if layout.vpp > 1:
+        kwargs["virtual_pipeline_model_parallel_size"] = layout.vpp
+    kwargs.update(overrides)
+    config = TransformerConfig(**kwargs)
+    # The true vocab size, stated on the config as Megatron-Bridge's model providers do: the
+    # logprob/loss patch excludes the padded columns (GPTModel gets the padded size).
+    config.vocab_size = spec.vocab_size
+    return config
 
 
 def build_gpt_stage(
     spec: ModelSpec, layout: Layout, dtype: torch.dtype, profile: Profile, dispatcher: str = "alltoall"
 ):
     """The GPTModel chunk this rank holds (pre/post-process by pipeline stage), in eval mode."""
+    model = _build_gpt(spec, layout, dtype, profile, transformer_config(spec, layout, dtype, dispatcher))
+    model.eval()
+    return model
+
+
+def build_gpt_chunks(spec: ModelSpec, layout: Layout, dtype: torch.dtype, profile: Profile,
+                     dispatcher: str = "alltoall", **config_overrides):
+    """The model chunks this rank holds for training (one per virtual pipeline stage, ``layout.vpp``),
+    in train mode, all sharing one TransformerConfig (``config_overrides`` on top)."""
+    from ... import compat
+
+    config = transformer_config(spec, layout, dtype, dispatcher, **config_overrides)
+    chunks = []
+    for vp_stage in range(layout.vpp):
+        with compat.virtual_pipeline_stage(vp_stage if layout.vpp > 1 else None) as (model_kwargs, stage_kwargs):
+            chunks.append(_build_gpt(spec, layout, dtype, profile, config, model_kwargs, stage_kwargs))
+    for chunk in chunks:
+        chunk.train()
+    return chunks
+
+
+def _build_gpt(spec: ModelSpec, layout: Layout, dtype: torch.dtype, profile: Profile, config, model_kwargs=None,
+               stage_kwargs=None):
+    """One GPTModel chunk; model_kwargs / stage_kwargs: the virtual pipeline stage (compat)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
-    config = transformer_config(spec, layout, dtype, dispatcher)
+    model_kwargs, stage_kwargs = model_kwargs or {}, stage_kwargs or {}
     if spec.is_moe and spec.first_k_dense:
-        layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+        layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
+                                                **model_kwargs)
     else:
         layer_spec = get_gpt_layer_local_spec(
             num_experts=spec.num_experts, qk_layernorm=spec.qk_layernorm, normalization="RMSNorm"
@@ -92,13 +130,13 @@ def build_gpt_stage(
         transformer_layer_spec=layer_spec,
         vocab_size=spec.padded_vocab(profile),
         max_sequence_length=spec.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=parallel_state.is_pipeline_first_stage(**stage_kwargs),
+        post_process=parallel_state.is_pipeline_last_stage(**stage_kwargs),
         parallel_output=True,
         share_embeddings_and_output_weights=spec.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(spec.rotary_base),
+        **model_kwargs,
     )
     model.to(dtype)
-    model.eval()
     return model

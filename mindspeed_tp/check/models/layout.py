@@ -1,4 +1,5 @@
-"""Parallel layouts (TP/SP/PP) and the checks that make a layout keep the contract."""
+"""Parallel layouts (TP/SP/PP/EP/ETP, and for the training check DP/VPP) and the checks that make a
+layout keep the contract."""
 from __future__ import annotations
 
 import math
@@ -11,7 +12,7 @@ from ...errors import ConfigError
 from ...contract.profile import Profile
 from .spec import ModelSpec
 
-_TOKEN = re.compile(r"^(tp|pp|ep|etp)(\d+)$|^sp$")
+_TOKEN = re.compile(r"^(tp|pp|ep|etp|dp|vpp)(\d+)$|^sp$")
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,15 @@ class Layout:
     sp: bool = False
     ep: int = 1
     etp: int = 1
+    # Training check only (``mindspeed-tp train-check``): data-parallel replicas and virtual
+    # pipeline chunks per stage. The scoring checker runs one replica per layout and no VPP.
+    dp: int = 1
+    vpp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        """Processes a training layout runs on: tp * pp * dp (EP and ETP live inside it)."""
+        return self.tp * self.pp * self.dp
 
     @property
     def model_parallel_size(self) -> int:
@@ -43,18 +53,22 @@ class Layout:
             parts.append(f"etp{self.etp}")
         if self.pp > 1:
             parts.append(f"pp{self.pp}")
+        if self.vpp > 1:
+            parts.append(f"vpp{self.vpp}")
+        if self.dp > 1:
+            parts.append(f"dp{self.dp}")
         return "-".join(parts)
 
     @classmethod
     def parse(cls, text: str) -> "Layout":
-        """Parse 'tp2-sp-pp2' style names."""
-        sizes = {"tp": 1, "pp": 1, "ep": 1, "etp": 1}
+        """Parse 'tp2-sp-pp2' style names (also 'tp2-pp2-vpp2', 'tp1-ep2-dp2')."""
+        sizes = {"tp": 1, "pp": 1, "ep": 1, "etp": 1, "dp": 1, "vpp": 1}
         sp = False
         for token in text.strip().lower().split("-"):
             m = _TOKEN.match(token)
             if not m:
                 raise ConfigError(
-                    f"--layouts entry {text!r}: cannot read {token!r} (expected tpN, ppN, epN, etpN or sp)"
+                    f"--layouts entry {text!r}: cannot read {token!r} (expected tpN, ppN, epN, etpN, dpN, vppN or sp)"
                 )
             if token == "sp":
                 sp = True
@@ -63,14 +77,32 @@ class Layout:
         return cls(sp=sp, **sizes)
 
     def to_dict(self):
-        return {"tp": self.tp, "pp": self.pp, "sp": self.sp, "ep": self.ep, "etp": self.etp, "name": self.name}
+        out = {"tp": self.tp, "pp": self.pp, "sp": self.sp, "ep": self.ep, "etp": self.etp}
+        if self.dp > 1 or self.vpp > 1:
+            out.update(dp=self.dp, vpp=self.vpp)
+        out["name"] = self.name
+        return out
 
 
-def validate_layout(layout: Layout, spec: ModelSpec, profile: Profile, seq_length: int) -> None:
-    """Reject a layout that cannot be bitwise consistent, naming the setting to change."""
-    for flag, value in (("--tp", layout.tp), ("--pp", layout.pp), ("--ep", layout.ep), ("--etp", layout.etp)):
+def validate_layout(layout: Layout, spec: ModelSpec, profile: Profile, seq_length: int, training: bool = False) -> None:
+    """Reject a layout that cannot be bitwise consistent, naming the setting to change.
+
+    training: the layout is for ``mindspeed-tp train-check`` (dpN and vppN allowed)."""
+    for flag, value in (("--tp", layout.tp), ("--pp", layout.pp), ("--ep", layout.ep), ("--etp", layout.etp),
+                        ("dpN", layout.dp), ("vppN", layout.vpp)):
         if value < 1:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
+    if not training and (layout.dp > 1 or layout.vpp > 1):
+        raise refuse("training_layout_in_checker", layout=layout.name)
+    if layout.vpp > 1:
+        if layout.pp < 2:
+            raise refuse("vpp_without_pp", layout=layout.name)
+        if spec.num_layers % (layout.pp * layout.vpp):
+            raise refuse("vpp_layers_indivisible", model=spec.name, layers=spec.num_layers,
+                         stages=layout.pp * layout.vpp)
+    if training and spec.is_moe and (layout.tp * layout.dp) % (layout.ep * layout.etp):
+        raise refuse("experts_outside_stage", layout=layout.name, experts=layout.ep * layout.etp,
+                     ranks=layout.tp * layout.dp)
     profile.check_tp(layout.tp, setting="--tp (tensor_model_parallel_size)")
     if layout.sp and layout.tp == 1:
         raise refuse("sp_without_tp")

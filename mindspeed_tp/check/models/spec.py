@@ -44,6 +44,10 @@ class ModelSpec:
     moe_shared_expert_intermediate_size: Optional[int] = None
     first_k_dense: int = 0                        # leading dense layers (DeepSeek first_k_dense_replace)
     moe_aux_loss_coeff: float = 0.0
+    # aux_loss | seq_aux_loss | global_aux_loss (megatron-core >= 0.16) | none; default: aux_loss when
+    # moe_aux_loss_coeff is set.
+    moe_router_load_balancing_type: Optional[str] = None
+    moe_z_loss_coeff: Optional[float] = None
     # Passed to Megatron as is; anything but None (dropless) is refused with --true-on-policy.
     moe_expert_capacity_factor: Optional[float] = None
     # Tests of the top-k tie-break: router rows [a, b] made identical, so experts a and b score

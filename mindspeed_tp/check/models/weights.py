@@ -124,21 +124,30 @@ class SeededWeights:
         return seeded_weights_digest(self.spec, profile, self.seed)
 
 
-def load_weights(model, spec: ModelSpec, layout, source) -> Dict[str, str]:
-    """Fill every parameter of this stage (and the routers' expert biases) with its shard of the
-    source's full weights (Megatron TP=1 names). Expert weights are split over expert-TP, the
-    rest over TP. ``source`` is a SeededWeights or a checkpoint (mindspeed_tp.hf.HFWeights)."""
+def param_shards(model, spec: ModelSpec, layout):
+    """(global name, parameter, shard rule, shard group size, rank in it) for every parameter of this
+    stage: expert weights are split over expert-TP, the rest over TP."""
     from megatron.core import parallel_state as ps
 
     tp, tp_rank = layout.tp, ps.get_tensor_model_parallel_rank()
     ep_rank = ps.get_expert_model_parallel_rank() if spec.is_moe else 0
     etp_rank = ps.get_expert_tensor_parallel_rank() if spec.is_moe else 0
+    for local_name, param in model.named_parameters():
+        name = global_param_name(model, local_name, ep_rank)
+        size, rank = (layout.etp, etp_rank) if ".local_experts." in name else (tp, tp_rank)
+        yield name, param, shard_rule(name), size, rank
+
+
+def load_weights(model, spec: ModelSpec, layout, source) -> Dict[str, str]:
+    """Fill every parameter of this stage (and the routers' expert biases) with its shard of the
+    source's full weights (Megatron TP=1 names). ``source`` is a SeededWeights or a checkpoint
+    (mindspeed_tp.hf.HFWeights)."""
+    from megatron.core import parallel_state as ps
+
+    ep_rank = ps.get_expert_model_parallel_rank() if spec.is_moe else 0
     rules = {}
     with torch.no_grad():
-        for local_name, param in model.named_parameters():
-            name = global_param_name(model, local_name, ep_rank)
-            rule = shard_rule(name)
-            size, rank = (layout.etp, etp_rank) if ".local_experts." in name else (tp, tp_rank)
+        for name, param, rule, size, rank in param_shards(model, spec, layout):
             part = source.shard(name, rule, full_shape(rule, tuple(param.shape), size), size, rank)
             param.copy_(part.to(param.dtype))
             rules[name] = rule

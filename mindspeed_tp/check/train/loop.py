@@ -1,0 +1,274 @@
+"""K optimizer steps in one layout, through megatron-core's own training machinery only.
+
+What runs is what a Megatron training script runs: ``DistributedDataParallel`` (buckets,
+``overlap_grad_reduce``), ``get_megatron_optimizer`` (Adam, optionally the distributed optimizer with
+``overlap_param_gather``), ``get_forward_backward_func()`` (no pipelining, 1F1B, interleaved),
+``finalize_model_grads``, and the loss from ``GPTModel.forward(labels=...)``. This module is only the
+training script around them (data, the loss function, the step loop, what is recorded).
+
+The reported loss is reduced in a layout-independent order (see ``global_loss``): megatron's
+per-token losses (``vocab_parallel_cross_entropy``, bitwise under the patches) are moved, never
+summed, to every rank, then summed per sequence and over the global batch in one fixed shape. The
+usual reduction -- a sum per micro-batch, accumulated over each rank's micro-batches, then an
+all-reduce over DP -- adds the same numbers in an order that depends on the micro-batch count per
+rank and on the DP size, so it is not bitwise across layouts even when every token's loss is.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ... import disable, enable
+from ...kernels.collectives import gather_along_rank
+from ..models.builder import build_gpt_chunks
+from ..models.layout import Layout
+from ..models.spec import ModelSpec
+from ..models.weights import SeededWeights, load_weights, param_shards, shard
+from ...contract.profile import Profile
+from ..batch import ScoringBatch, make_batch
+from ..harness import _setup_parallel_state, run_device
+
+RECOMPUTE = {
+    "none": {},
+    "selective": {"recompute_granularity": "selective"},
+    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+}
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    steps: int = 3
+    micro_batch_size: int = 2
+    global_batch_size: int = 8
+    seq_length: int = 64
+    lr: float = 3e-3
+    distributed_optimizer: bool = False
+    overlap: bool = False
+    recompute: str = "none"
+    dispatcher: str = "alltoall"
+    seed: int = 1234
+
+    def to_dict(self):
+        return dict(self.__dict__)
+
+
+def train_batch(spec: ModelSpec, settings: TrainSettings) -> ScoringBatch:
+    """The global batch every step trains on (sequences of different lengths, right-padded)."""
+    return make_batch(spec.vocab_size, settings.seed, settings.global_batch_size, settings.seq_length)
+
+
+def micro_batch_rows(settings: TrainSettings, dp: int, dp_rank: int) -> List[torch.Tensor]:
+    """Global rows of each micro-batch of this DP rank, as Megatron's pretraining sampler deals them:
+    chunk i of mbs*dp sequences, rank d takes rows [d*mbs, (d+1)*mbs) of it."""
+    mbs = settings.micro_batch_size
+    per_chunk = mbs * dp
+    return [torch.arange(i * per_chunk + dp_rank * mbs, i * per_chunk + (dp_rank + 1) * mbs)
+            for i in range(settings.global_batch_size // per_chunk)]
+
+
+class _LossRecorder:
+    """The loss function handed to megatron's schedule: keeps each micro-batch's per-token losses
+    (by global row) and returns what the schedule expects for per-token loss scaling."""
+
+    def __init__(self):
+        self.rows: Dict[int, torch.Tensor] = {}
+
+    def loss_func(self, rows: torch.Tensor, loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+        losses = output_tensor.float()  # (b, s): GPTModel.forward(labels=...) returns per-token losses
+        for i, row in enumerate(rows.tolist()):
+            self.rows[row] = losses[i].detach().cpu()
+        total = (losses * loss_mask).sum()
+        num_tokens = loss_mask.sum().to(torch.int)
+        return total, num_tokens, {"lm loss": torch.stack([total.detach(), num_tokens.float()])}
+
+
+def _data(batch: ScoringBatch, rows_per_micro: List[torch.Tensor]):
+    device = run_device()
+    s = batch.tokens.shape[1]
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=device), diagonal=1).view(1, 1, s, s)
+    for rows in rows_per_micro:
+        yield dict(rows=rows, tokens=batch.tokens[rows].to(device), labels=batch.targets[rows].to(device),
+                   loss_mask=batch.scored[rows].float().to(device),
+                   position_ids=torch.arange(s, device=device).unsqueeze(0).expand(len(rows), s),
+                   attention_mask=mask)
+
+
+def _forward_step(recorder: _LossRecorder, data_iterator, model):
+    data = next(data_iterator)
+    output = model(data["tokens"], data["position_ids"], data["attention_mask"], labels=data["labels"])
+    return output, partial(recorder.loss_func, data["rows"], data["loss_mask"])
+
+
+def global_loss(losses: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+    """Mean loss over the scored tokens of the global batch, in one fixed order: each sequence's
+    sum over its full (padded) length, then the sum over sequences, divided by the token count.
+    The tensors have the same shape in every layout, so the sums are the same additions."""
+    per_sequence = (losses * scored.float()).sum(dim=1)
+    return per_sequence.sum() / scored.sum().float()
+
+
+def _gather_losses(recorder: _LossRecorder, batch: ScoringBatch) -> torch.Tensor:
+    """(G, s) per-token losses on every rank: the rows move from the rank that computed them (last
+    pipeline stage, TP rank 0, its DP rank) by an all-gather; nothing is summed."""
+    from megatron.core import parallel_state as ps
+
+    g, s = batch.tokens.shape
+    mine = torch.zeros(g, s)
+    owned = torch.zeros(g, dtype=torch.int64)
+    if ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0:
+        for row, values in recorder.rows.items():
+            mine[row], owned[row] = values, 1
+    everyone = gather_along_rank(mine, dist.group.WORLD)          # (W, G, s)
+    owners = gather_along_rank(owned, dist.group.WORLD)           # (W, G)
+    if not torch.all(owners.sum(0) == 1):
+        raise RuntimeError(f"train-check: each sequence must have exactly one owner rank, got {owners.sum(0).tolist()}")
+    return everyone[owners.argmax(0), torch.arange(g)]
+
+
+class ParamComparison:
+    """max |param - reference| over every rank's shards (the reference holds full TP=1 tensors)."""
+
+    def __init__(self, spec: ModelSpec, layout: Layout, chunks):
+        self.spec, self.layout, self.chunks = spec, layout, chunks
+
+    def snapshot(self) -> Dict[str, torch.Tensor]:
+        """This rank's parameters by global name (the full tensors on one device)."""
+        return {name: p.detach().float().cpu().clone() for chunk in self.chunks
+                for name, p, _, _, _ in param_shards(chunk, self.spec, self.layout)}
+
+    def max_abs_diff(self, reference: Dict[str, torch.Tensor]) -> float:
+        worst = torch.zeros(1, dtype=torch.float64)
+        for chunk in self.chunks:
+            for name, p, rule, size, rank in param_shards(chunk, self.spec, self.layout):
+                part = shard(reference[name], rule, size, rank)
+                if part.shape != p.shape:
+                    raise RuntimeError(f"train-check: {name} of shape {tuple(p.shape)} is no shard of the reference "
+                                       f"{tuple(reference[name].shape)}")
+                diff = (p.detach().double().cpu() - part.double()).abs().max()
+                worst = torch.maximum(worst, diff.reshape(1))
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        return float(worst)
+
+
+def _model_parallel_chunks(spec, layout, dtype, profile, settings):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    # perform_initialization: what a training run does; it also tags the TP-sharded weights
+    # (tensor_model_parallel, partition_dim), which the gradient norm and clipping read. The seeded
+    # weights overwrite the values.
+    overrides = dict(RECOMPUTE[settings.recompute], calculate_per_token_loss=True, perform_initialization=True)
+    if layout.vpp > 1:
+        # Megatron-LM's settings for the interleaved schedule. With batched p2p and pp=2 the previous
+        # and next stage are one rank, and a forward activation and a backward gradient of the same
+        # shape travel the same way in one batch: the receiver can match them crosswise.
+        overrides.update(overlap_p2p_comm=True, batch_p2p_comm=False)
+    chunks = build_gpt_chunks(spec, layout, dtype, profile, settings.dispatcher, **overrides)
+    for chunk in chunks:
+        load_weights(chunk, spec, layout, SeededWeights(spec, settings.seed))
+        chunk.to(run_device())
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=settings.overlap,
+        overlap_param_gather=settings.overlap and settings.distributed_optimizer,
+        use_distributed_optimizer=settings.distributed_optimizer,
+        bucket_size=_BUCKET_SIZE,
+    )
+    # As Megatron-LM's get_model: bucketing only for the first chunk (the others overlap with it).
+    wrapped = [DistributedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk,
+                                       disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
+    return chunks, wrapped, ddp_config
+
+
+# Small buckets, so a tiny model still has several (the bucketed, overlapped reduction is exercised).
+_BUCKET_SIZE = 40000
+
+
+def _optimizer(wrapped, dtype, settings):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = OptimizerConfig(
+        optimizer="adam", lr=settings.lr, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
+        clip_grad=1.0, bf16=dtype == torch.bfloat16, params_dtype=dtype,
+        use_distributed_optimizer=settings.distributed_optimizer,
+    )
+    return get_megatron_optimizer(config, wrapped)
+
+
+def _wire_config(config, wrapped, ddp_config, optimizer) -> None:
+    """The hooks a Megatron training script sets on the model config (Megatron-LM's training.py)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    def one_or_list(fns):
+        return fns[0] if len(fns) == 1 else fns
+
+    config.grad_scale_func = optimizer.scale_loss
+    config.finalize_model_grads_func = finalize_model_grads
+    if ddp_config.overlap_grad_reduce:
+        config.no_sync_func = one_or_list([m.no_sync for m in wrapped])
+        config.grad_sync_func = one_or_list([m.start_grad_sync for m in wrapped])
+    if ddp_config.overlap_param_gather:
+        config.param_sync_func = one_or_list([m.start_param_sync for m in wrapped])
+
+
+def train_layout(spec: ModelSpec, layout: Layout, dtype: torch.dtype, profile: Profile, settings: TrainSettings,
+                 vanilla: bool, reference_params: Optional[List[Dict[str, torch.Tensor]]] = None) -> Dict:
+    """Train ``settings.steps`` steps in ``layout``. Returns, identical on every rank:
+    ``loss`` (K,), ``logprobs`` (G, s) of step 1 (from inside the training step), ``grad_norm`` (K,),
+    and either ``params`` (the full parameters after each step; one-device run) or
+    ``param_max_abs_diff`` (K,) against ``reference_params``."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    disable() if vanilla else enable(profile)
+    _setup_parallel_state(layout, settings.seed, training=True)
+    batch = train_batch(spec, settings)
+    chunks, wrapped, ddp_config = _model_parallel_chunks(spec, layout, dtype, profile, settings)
+    optimizer = _optimizer(wrapped, dtype, settings)
+    _wire_config(chunks[0].config, wrapped, ddp_config, optimizer)
+    compare = ParamComparison(spec, layout, chunks)
+    rows = micro_batch_rows(settings, layout.dp, ps.get_data_parallel_rank())
+    forward_backward = get_forward_backward_func()
+    losses, grad_norms, params, param_diffs = [], [], [], []
+    logprobs = None
+
+    def record_params(step: int) -> None:  # the parameters after optimizer step ``step`` (0-based)
+        if reference_params is None:
+            params.append(compare.snapshot())
+        else:
+            param_diffs.append(compare.max_abs_diff(reference_params[step]))
+
+    for step in range(settings.steps):
+        for m in wrapped:
+            m.zero_grad_buffer()
+        optimizer.zero_grad()
+        recorder = _LossRecorder()
+        iterators = [_data(batch, rows) for _ in wrapped]
+        forward_backward(
+            forward_step_func=partial(_forward_step, recorder),
+            data_iterator=iterators if len(iterators) > 1 else iterators[0],
+            model=wrapped if len(wrapped) > 1 else wrapped[0],
+            num_microbatches=len(rows), seq_length=settings.seq_length, micro_batch_size=settings.micro_batch_size,
+            decoder_seq_length=settings.seq_length, forward_only=False,
+        )
+        if step > 0:  # with overlap_param_gather, last step's update reached the params in this forward
+            record_params(step - 1)
+        _, grad_norm, _ = optimizer.step()
+        per_token = _gather_losses(recorder, batch)
+        if step == 0:
+            logprobs = -per_token
+        losses.append(global_loss(per_token, batch.scored))
+        grad_norms.append(torch.tensor(float(grad_norm), dtype=torch.float32))
+    if ddp_config.overlap_param_gather:
+        for m in wrapped:  # the last update's parameter all-gather, as before a checkpoint
+            m.start_param_sync(force_sync=True)
+    record_params(settings.steps - 1)
+    out = dict(loss=torch.stack(losses), logprobs=logprobs, grad_norm=torch.stack(grad_norms), scored=batch.scored)
+    if reference_params is None:
+        out["params"] = params
+    else:
+        out["param_max_abs_diff"] = param_diffs
+    return out

@@ -1,0 +1,201 @@
+"""The training check: K optimizer steps in each layout vs the same steps on one device.
+
+``mindspeed-tp train-check`` launches one torchrun world per world size the layouts need
+(tp*pp*dp processes each): first the one-device run (world 1, saved as the reference), then every
+other world, which loads it. Every world trains from the same seeded weights on the same global
+batch (fixed micro-batch size, so each layout sees the same sequences). Exit codes as ``check``:
+0 step-1 loss and in-step logprobs bitwise equal to one device in every layout, 1 not, 2 bad input
+or usage, 3 the run crashed.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from functools import reduce
+from typing import Dict, List, NamedTuple, Optional
+
+from ...contract.refusals import refuse
+from ...errors import ConfigError
+from ..models.layout import Layout, validate_layout
+from ..models.spec import ModelSpec, load_model_spec
+from ...contract.profile import Profile, load_profile
+from ..main import _Parser, _digest, run_main, verify_same_on_all_ranks
+from .loop import RECOMPUTE, TrainSettings
+
+DEFAULTS = dict(
+    model=None, profile="default", layouts="tp2-sp", dtype="bf16", seed=1234, steps=3, micro_batch_size=2,
+    global_batch_size=8, seq_length=64, lr=3e-3, distributed_optimizer=False, overlap=False, recompute="none",
+    dispatcher="alltoall", json=None, vanilla=False, compare_vanilla=False, timeout=600.0, reference=None,
+    save_reference=None, launch_layouts=None, results=None,
+)
+
+
+def build_parser(prog: str = "mindspeed-tp train-check") -> argparse.ArgumentParser:
+    p = _Parser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="bundled model name (default tiny-dense) or a model config YAML path")
+    p.add_argument("--profile", help="numerics profile: bundled name or YAML path (default: default)")
+    p.add_argument("--layouts", help="comma-separated training layouts, e.g. tp2-sp-pp2,tp2-pp2-vpp2,tp1-dp2,"
+                                     "tp2-sp-dp2,tp2-sp-ep2 (tpN ppN vppN dpN epN etpN sp; default tp2-sp)")
+    p.add_argument("--dtype", choices=["fp32", "bf16"])
+    p.add_argument("--seed", type=int, help="seed of the weights and of the global batch")
+    p.add_argument("--steps", type=int, help="optimizer steps per layout (default 3)")
+    p.add_argument("--micro-batch-size", type=int, help="sequences per micro-batch (default 2; fixed in every layout)")
+    p.add_argument("--global-batch-size", type=int,
+                   help="sequences per optimizer step (default 8; micro-batches = global / (micro * dp))")
+    p.add_argument("--seq-length", type=int, help="sequence length (default 64)")
+    p.add_argument("--lr", type=float, help="Adam learning rate (default 3e-3)")
+    p.add_argument("--distributed-optimizer", action="store_true", default=None,
+                   help="megatron's distributed optimizer (use_distributed_optimizer)")
+    p.add_argument("--overlap", action="store_true", default=None,
+                   help="overlap_grad_reduce, and overlap_param_gather with --distributed-optimizer")
+    p.add_argument("--recompute", choices=sorted(RECOMPUTE), help="activation recomputation (default none)")
+    p.add_argument("--dispatcher", choices=["alltoall", "allgather"], help="MoE token dispatcher (default alltoall)")
+    p.add_argument("--json", help="write the report as JSON to this path")
+    p.add_argument("--vanilla", action="store_true", default=None, help="no patches: plain megatron-core")
+    p.add_argument("--compare-vanilla", action="store_true", default=None,
+                   help="also run plain megatron-core and print it next to mindspeed-tp")
+    p.add_argument("--timeout", type=float, help="seconds any collective may wait before the run fails with exit "
+                                                 "code 3 (default 600)")
+    p.add_argument("--reference", help="load the one-device run from this safetensors file (--save-reference)")
+    p.add_argument("--save-reference", help="save the one-device run (world of one process) to this file")
+    p.add_argument("--launch-layouts", help=argparse.SUPPRESS)  # the launcher: this world's share of --layouts
+    p.add_argument("--results", help=argparse.SUPPRESS)         # the launcher: where this world's rows go
+    p.add_argument("--status-file", help=argparse.SUPPRESS)
+    return p
+
+
+def resolve_args(argv: Optional[List[str]]) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    merged = dict(DEFAULTS)
+    for key, value in vars(args).items():
+        if value is not None and key in merged:
+            merged[key] = value
+    merged["status_file"] = args.status_file
+    ns = argparse.Namespace(**merged)
+    for name in ("steps", "micro_batch_size", "global_batch_size", "seq_length"):
+        if int(getattr(ns, name)) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+    if float(ns.timeout) <= 0:
+        raise ConfigError("--timeout must be > 0 seconds")
+    if ns.vanilla and ns.compare_vanilla:
+        raise ConfigError("--vanilla and --compare-vanilla: pick one")
+    return ns
+
+
+class Plan(NamedTuple):
+    spec: ModelSpec
+    profile: Profile
+    layouts: List[Layout]
+    modes: List[bool]
+    settings: TrainSettings
+
+
+def parse_layouts(text: Optional[str]) -> List[Layout]:
+    return [Layout.parse(x) for x in str(text or "").split(",") if x.strip()]
+
+
+def plan(ns: argparse.Namespace) -> Plan:
+    """Static validation of model, profile, layouts and batch sizes."""
+    profile = load_profile(ns.profile)
+    spec = load_model_spec(ns.model or "tiny-dense")
+    layouts = parse_layouts(ns.layouts)
+    if not layouts:
+        raise ConfigError("--layouts is empty; name at least one layout, e.g. tp2-sp")
+    settings = TrainSettings(
+        steps=int(ns.steps), micro_batch_size=int(ns.micro_batch_size), global_batch_size=int(ns.global_batch_size),
+        seq_length=int(ns.seq_length), lr=float(ns.lr), distributed_optimizer=bool(ns.distributed_optimizer),
+        overlap=bool(ns.overlap), recompute=ns.recompute, dispatcher=ns.dispatcher, seed=int(ns.seed))
+    for layout in [Layout()] + layouts:
+        validate_layout(layout, spec, profile, settings.seq_length, training=True)
+        if settings.global_batch_size % (settings.micro_batch_size * layout.dp):
+            raise refuse("train_batch_indivisible", global_batch=settings.global_batch_size,
+                         micro=settings.micro_batch_size, dp=layout.dp, layout=layout.name)
+        if layout.vpp > 1 and (settings.global_batch_size // (settings.micro_batch_size * layout.dp)) % layout.pp:
+            raise refuse("interleaved_microbatches", layout=layout.name, pp=layout.pp)
+    if settings.seq_length > spec.max_position_embeddings:
+        raise ConfigError(f"--seq-length={settings.seq_length} exceeds max_position_embeddings="
+                          f"{spec.max_position_embeddings}")
+    modes = [True] if ns.vanilla else ([True, False] if ns.compare_vanilla else [False])
+    return Plan(spec, profile, layouts, modes, settings)
+
+
+def worlds(layouts: List[Layout]) -> Dict[int, List[Layout]]:
+    """The layouts of each world size, smallest world first (world 1 holds the reference run)."""
+    out: Dict[int, List[Layout]] = {1: []}
+    for layout in layouts:
+        out.setdefault(layout.world_size, []).append(layout)
+    return dict(sorted(out.items()))
+
+
+def meta_of(pl: Plan, ns) -> Dict[str, str]:
+    from ...compat import megatron_version
+
+    return {"model": _digest(pl.spec.to_dict()), "profile": pl.profile.digest(),
+            "settings": _digest(pl.settings.to_dict()), "dtype": ns.dtype, "megatron-core": megatron_version(),
+            "modes": ",".join("vanilla" if v else "consistent" for v in pl.modes)}
+
+
+def run(ns: argparse.Namespace) -> int:
+    import warnings
+
+    import torch.distributed as dist
+
+    from ...devices import accelerator_available
+    from ...devices.cpu_shims import install_cpu_shims
+    from ...compat import megatron_version
+    from ..models.builder import DTYPES
+    from ..harness import init_distributed
+    from ..progress import Progress
+    from . import report
+    from .loop import train_layout
+
+    pl = plan(ns)
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    init_distributed(float(ns.timeout))
+    if not accelerator_available():
+        install_cpu_shims()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = parse_layouts(ns.launch_layouts) if ns.launch_layouts is not None else pl.layouts
+    wrong = [l.name for l in mine if l.world_size != world]
+    if wrong:
+        raise ConfigError(f"layout(s) {wrong} need tp*pp*dp processes, this world has {world}; run them with "
+                          f"mindspeed-tp train-check (one world per size) or launch that many processes")
+    verify_same_on_all_ranks({"model config": pl.spec.to_dict(), "profile": pl.profile.to_dict(),
+                              "settings": pl.settings.to_dict(), "dtype": ns.dtype, "layouts": [l.name for l in mine],
+                              "megatron-core version": megatron_version(), "modes": pl.modes})
+    meta = meta_of(pl, ns)
+    dtype = DTYPES[ns.dtype]
+    progress = Progress(len(mine) * len(pl.modes) + (0 if ns.reference else len(pl.modes)), enabled=rank == 0)
+    if ns.reference:
+        reference = report.load_reference_run(ns.reference, meta, pl.modes, pl.settings.steps)
+    elif world == 1:
+        reference = {}
+        for vanilla in pl.modes:
+            progress.step(f"one device ({report.mode_name(vanilla)})")
+            reference[report.mode_key(vanilla)] = train_layout(pl.spec, Layout(), dtype, pl.profile, pl.settings, vanilla)
+        if ns.save_reference and rank == 0:
+            report.save_reference_run(ns.save_reference, reference, meta)
+    else:
+        raise ConfigError(f"a world of {world} processes cannot hold the one-device run: pass --reference FILE "
+                          f"(made by a one-process run with --save-reference), or use mindspeed-tp train-check")
+    rows = []
+    for layout in mine:
+        for vanilla in pl.modes:
+            progress.step(f"{layout.name} ({report.mode_name(vanilla)})")
+            ref = reference[report.mode_key(vanilla)]
+            out = train_layout(pl.spec, layout, dtype, pl.profile, pl.settings, vanilla, reference_params=ref["params"])
+            rows.append(report.result_row(layout, vanilla, out, ref, pl, ns.dtype))
+    progress.finish()
+    code = 0
+    if ns.results:  # launched by mindspeed-tp train-check: it merges the worlds and gives the verdict
+        if rank == 0:
+            report.write_part(ns.results, rows, reference)
+    else:  # every rank holds the same rows; rank 0 prints
+        code = report.finish([rows], report.reference_summary(reference), pl, ns, show=rank == 0)
+    dist.barrier()
+    dist.destroy_process_group()
+    return code
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    return run_main(argv, resolve_args, run, "mindspeed-tp train-check")

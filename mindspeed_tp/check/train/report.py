@@ -1,0 +1,151 @@
+"""The training check's reference file, result rows, table and JSON report.
+
+JSON: ``results[]`` (one per layout and mode: ``layout``, ``vanilla``, ``steps[]`` with ``loss``,
+``loss_bitwise_equal``, ``logprobs_bitwise_equal`` (step 1; null after), ``grads_bitwise_equal``,
+``params_bitwise_equal``, ``grad_norm_max_abs_diff``, ``param_max_abs_diff``), ``reference`` (the
+one-device run's loss and gradient norm per step) and ``all_bitwise_equal``: the verdict this check
+promises -- step-1 loss and in-step logprobs bitwise equal to one device in every layout (judged on
+mindspeed-tp's rows; vanilla's only when it runs alone).
+
+``grads_bitwise_equal`` compares the global gradient norm the optimizer computed (one number that
+sees every gradient element), ``params_bitwise_equal`` every parameter element after the step.
+"""
+from __future__ import annotations
+
+import json
+from typing import Dict, List
+
+import torch
+from safetensors.torch import load_file
+
+from ..metrics import bitwise_equal
+from ..reference import load_reference, save_reference
+from ..report import write_json_atomic
+
+
+def mode_key(vanilla: bool) -> str:
+    return "vanilla" if vanilla else "consistent"
+
+
+def mode_name(vanilla: bool) -> str:
+    return "vanilla" if vanilla else "mindspeed-tp"
+
+
+def save_reference_run(path: str, reference: Dict[str, Dict], meta: Dict[str, str]) -> None:
+    tensors = {}
+    for key, run in reference.items():
+        for field in ("loss", "logprobs", "grad_norm", "scored"):
+            tensors[f"{key}/{field}"] = run[field]
+        for step, params in enumerate(run["params"]):
+            tensors.update({f"{key}/params/{step}/{name}": t for name, t in params.items()})
+    save_reference(path, tensors, meta)
+
+
+def load_reference_run(path: str, meta: Dict[str, str], modes: List[bool], steps: int) -> Dict[str, Dict]:
+    load_reference(path, meta)  # refuses a file made for other inputs, naming the field
+    flat = load_file(path)
+    out = {}
+    for vanilla in modes:
+        key = mode_key(vanilla)
+        run = {field: flat[f"{key}/{field}"] for field in ("loss", "logprobs", "grad_norm", "scored")}
+        run["params"] = [{} for _ in range(steps)]
+        prefix = f"{key}/params/"
+        for name, t in flat.items():
+            if name.startswith(prefix):
+                step, _, param = name[len(prefix):].partition("/")
+                run["params"][int(step)][param] = t
+        out[key] = run
+    return out
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(bitwise_equal(a.reshape(-1), b.reshape(-1)).all())
+
+
+def result_row(layout, vanilla: bool, out: Dict, ref: Dict, pl, dtype: str) -> Dict:
+    from ...compat import megatron_version
+
+    scored = ref["scored"]
+    steps = []
+    for k in range(pl.settings.steps):
+        loss, ref_loss = out["loss"][k], ref["loss"][k]
+        gn, ref_gn = out["grad_norm"][k], ref["grad_norm"][k]
+        pdiff = float(out["param_max_abs_diff"][k])
+        steps.append(dict(
+            step=k + 1,
+            loss=float(loss),
+            loss_bitwise_equal=_bits_equal(loss, ref_loss),
+            logprobs_bitwise_equal=_bits_equal(out["logprobs"][scored], ref["logprobs"][scored]) if k == 0 else None,
+            grads_bitwise_equal=_bits_equal(gn, ref_gn),
+            params_bitwise_equal=pdiff == 0.0,
+            grad_norm=float(gn),
+            grad_norm_max_abs_diff=float((gn.double() - ref_gn.double()).abs()),
+            param_max_abs_diff=pdiff,
+        ))
+    return dict(layout=layout.to_dict(), vanilla=vanilla, model=pl.spec.name, dtype=dtype,
+                megatron_core_version=megatron_version(), profile=pl.profile.name,
+                settings=pl.settings.to_dict(), steps=steps)
+
+
+def reference_summary(reference: Dict[str, Dict]) -> Dict[str, Dict]:
+    return {key: {"loss": [float(x) for x in run["loss"]], "grad_norm": [float(x) for x in run["grad_norm"]]}
+            for key, run in reference.items()}
+
+
+def write_part(path: str, rows: List[Dict], reference: Dict[str, Dict]) -> None:
+    write_json_atomic(path, {"results": rows, "reference": reference_summary(reference)})
+
+
+def read_part(path: str) -> Dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def verdict(results: List[Dict]) -> bool:
+    judged = [r for r in results if not r["vanilla"]] or results
+    return bool(judged) and all(r["steps"][0]["loss_bitwise_equal"] and r["steps"][0]["logprobs_bitwise_equal"]
+                                for r in judged)
+
+
+def _yes(flag) -> str:
+    return "-" if flag is None else ("yes" if flag else "NO")
+
+
+def format_table(results: List[Dict], reference: Dict[str, Dict]) -> str:
+    head = (f"{'layout':<18}{'mode':<14}{'step':>5}{'loss':>12}{'loss=':>7}{'logp=':>7}{'gnorm=':>8}"
+            f"{'|dgnorm|':>11}{'|dparam|':>11}")
+    lines = [head, "-" * len(head)]
+    for key, run in reference.items():
+        for k, loss in enumerate(run["loss"]):
+            lines.append(f"{'tp1 (one device)':<18}{mode_name(key == 'vanilla'):<14}{k + 1:>5}{loss:>12.7f}")
+    for r in results:
+        for s in r["steps"]:
+            lines.append(
+                f"{r['layout']['name']:<18}{mode_name(r['vanilla']):<14}{s['step']:>5}{s['loss']:>12.7f}"
+                f"{_yes(s['loss_bitwise_equal']):>7}{_yes(s['logprobs_bitwise_equal']):>7}"
+                f"{_yes(s['grads_bitwise_equal']):>8}{_fmt(s['grad_norm_max_abs_diff']):>11}"
+                f"{_fmt(s['param_max_abs_diff']):>11}")
+    return "\n".join(lines)
+
+
+def _fmt(x: float) -> str:
+    return "0" if x == 0 else f"{x:.2e}"
+
+
+def finish(parts: List[List[Dict]], reference: Dict[str, Dict], pl, ns, show: bool = True) -> int:
+    """Merge the worlds' rows, print the table, write --json; the exit code (0: the verdict holds)."""
+    from ...compat import megatron_version
+
+    results = [r for rows in parts for r in rows]
+    results.sort(key=lambda r: r["vanilla"], reverse=True)  # vanilla rows first, then ours
+    ok = verdict(results)
+    if show:
+        print(f"mindspeed-tp train-check: model={pl.spec.name} dtype={ns.dtype} profile={pl.profile.name} "
+              f"megatron-core={megatron_version()} steps={pl.settings.steps} micro-batch={pl.settings.micro_batch_size} "
+              f"global-batch={pl.settings.global_batch_size} distributed-optimizer={pl.settings.distributed_optimizer} "
+              f"overlap={pl.settings.overlap} recompute={pl.settings.recompute}")
+        print(format_table(results, reference))
+        print("RESULT:", ("" if ok else "NOT ") + "bitwise equal to the one-device run (step-1 loss and in-step logprobs)")
+        if ns.json:
+            write_json_atomic(ns.json, {"results": results, "reference": reference, "all_bitwise_equal": ok})
+    return 0 if ok else 1
