@@ -106,8 +106,8 @@ def test_mbridge_loads_the_same_weights_as_mindspeed_tp_hf(engine_run):
 @pytest.mark.parametrize("model", MODELS)
 def test_verl_engine_logprob_equals_the_engine_in_every_layout(engine_run, model, profile):
     """Canonical tree: the reference engine follows the same tree; rollout-tp1: the reference engine
-    runs as a stock TP=1 engine (full-vocab fp32 log-softmax), which verl's unmodified path through
-    megatron-core's vocab_parallel_cross_entropy now matches. Dense: TP=2/SP bitwise equal to TP=1."""
+    runs as a stock TP=1 engine (full-vocab fp32 log-softmax), which verl's logprob call, routed per
+    profile by mindspeed-tp, matches. Dense: TP=2/SP bitwise equal to TP=1."""
     m = _scored(engine_run, model)
     engine = engine_run[f"engine/{model}/{profile}"][m]
     for layout in LAYOUTS[model]:
