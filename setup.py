@@ -36,7 +36,7 @@ setup(
     # torch is the user's own (CUDA build, CPU build, or torch_npu's): any 2.x is accepted.
     install_requires=["torch>=2.1", "numpy", "pyyaml", "safetensors", "packaging"],
     extras_require={
-        "megatron": ["megatron-core>=0.12,<0.17"],
+        "megatron": ["megatron-core>=0.12,<0.20"],
         # HF checkpoint tests, report plot; triton for the triton backend's tests under its interpreter
         # (3.9: the 3.6 interpreter fails with numpy >= 2.4; the compiled kernels also run on 3.6)
         "test": ["pytest>=7", "transformers>=4.51", "matplotlib", "triton==3.9.0"],

@@ -1,15 +1,17 @@
 """Every megatron-core version difference mindspeed-tp relies on, in one place.
 
-Supported lines: 0.12.x (what MindSpeed 2.x targets) and 0.16.x (MindSpeed core_r0.16.0). 0.12
-mappings take no process group (they use the global TP group); 0.16 threads ``tp_group`` through
-modules and mappings.
+Supported lines: 0.12.x (what MindSpeed 2.x targets), 0.16.x (MindSpeed core_r0.16.0) and 0.19.x
+(what verl 0.9 and Megatron-Bridge track). 0.12 mappings take no process group (they use the global
+TP group); 0.16 threads ``tp_group`` through modules and mappings; 0.19 also passes it to
+``vocab_parallel_cross_entropy`` and passes ``gtp_remat_size`` to the column-parallel GEMM (both
+handled by the patches' own signatures).
 """
 import contextlib
 import os
 import warnings
 from typing import Tuple
 
-SUPPORTED_LINES: Tuple[Tuple[int, int], ...] = ((0, 12), (0, 16))
+SUPPORTED_LINES: Tuple[Tuple[int, int], ...] = ((0, 12), (0, 16), (0, 19))
 # Set to 1 to silence the warning for a megatron-core line the test suite does not run.
 ALLOW_UNTESTED_ENV = "MINDSPEED_TP_ALLOW_UNTESTED_MEGATRON"
 _warned = set()

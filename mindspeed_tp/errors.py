@@ -11,3 +11,8 @@ class ConfigError(ValueError):
 
 class PatchTargetError(RuntimeError):
     """The installed megatron-core lacks a symbol that a patch must replace."""
+
+
+class PatchImportError(PatchTargetError):
+    """A patch target's module exists but its import failed (e.g. a dependency megatron-core does not
+    declare is missing); raised even for optional patches: skipping them would hide a broken install."""

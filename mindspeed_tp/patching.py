@@ -26,7 +26,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .errors import PatchTargetError
+from .errors import PatchImportError, PatchTargetError
 
 _MISSING = object()
 
@@ -67,16 +67,18 @@ def resolve(target: str, attr_may_be_absent: bool = False) -> Tuple[Any, str]:
         owner = importlib.import_module(module_name)
     except ImportError as exc:
         missing = getattr(exc, "name", None)
-        if missing and not module_name.startswith(missing) and not missing.startswith(module_name.split(".")[0]):
-            # The module exists but imports a package that is not installed (megatron-core >= 0.18
-            # imports triton without declaring it): name that package, not the target.
+        if isinstance(exc, ModuleNotFoundError) and missing and (
+            module_name == missing or module_name.startswith(missing + ".")
+        ):
             raise PatchTargetError(
-                f"patch target {target!r}: importing {module_name!r} failed because the package {missing!r} "
-                f"is not installed ({exc}); install it (e.g. `pip install --no-deps {missing}`)"
+                f"patch target {target!r}: module {module_name!r} does not exist in the installed version"
             ) from exc
-        raise PatchTargetError(
-            f"patch target {target!r}: module {module_name!r} cannot be imported ({exc}); "
-            f"the installed version does not provide it"
+        # The module is there, but something it imports is not (megatron-core >= 0.18 imports
+        # triton without declaring it): name that import, not the target.
+        raise PatchImportError(
+            f"patch target {target!r}: importing {module_name!r} failed: {type(exc).__name__}: {exc} "
+            f"(install the missing package{f' {missing!r}' if missing else ''}, e.g. `pip install --no-deps "
+            f"{missing}`; the target itself is not at fault)"
         ) from exc
     parts = qualname.split(".")
     for part in parts[:-1]:
@@ -201,6 +203,8 @@ class PatchRegistry:
                     continue
                 try:
                     owner, attr = resolve(p.target, attr_may_be_absent=p.define_if_absent)
+                except PatchImportError:  # a broken install, not an absent version-specific target
+                    raise
                 except PatchTargetError:
                     if p.optional or p.on_import:
                         continue

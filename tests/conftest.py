@@ -105,3 +105,9 @@ def cli():
 import importlib.util as _importlib_util  # noqa: E402
 
 collect_ignore = [] if _importlib_util.find_spec("vllm") is not None else ["test_vllm_engine.py", "test_vllm_kernels.py"]
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "version_lines: touches a megatron-core version difference; scripts/test.sh runs only these on "
+                   "the 0.12.x line")

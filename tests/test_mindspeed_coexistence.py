@@ -14,6 +14,8 @@ import textwrap
 
 from conftest import ROOT, explain, run_python, run_torchrun
 
+pytestmark = pytest.mark.version_lines  # also run on megatron-core 0.12.x (scripts/test.sh)
+
 STANDIN = os.path.join(ROOT, "tests", "fakes", "mindspeed_standin")
 ENV = {"PYTHONPATH": ROOT + os.pathsep + STANDIN}
 

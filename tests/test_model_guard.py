@@ -1,5 +1,9 @@
 """GPTModel construction under the patches refuses what no patch covers, naming the setting."""
+import pytest
+
 from conftest import explain, run_python
+
+pytestmark = pytest.mark.version_lines  # also run on megatron-core 0.12.x (scripts/test.sh)
 
 CODE = """
 import torch, torch.nn.functional as F, torch.distributed as dist

@@ -9,6 +9,8 @@ from safetensors.torch import load_file
 
 from conftest import explain, run_cli
 
+pytestmark = pytest.mark.version_lines  # also run on megatron-core 0.12.x (scripts/test.sh)
+
 LAYOUTS = ["tp1", "tp2", "tp2-sp", "tp4", "tp4-sp", "tp1-pp2", "tp2-pp2", "tp2-sp-pp2", "tp4-pp2", "tp4-sp-pp2"]
 REQUIRED_KEYS = {"max_abs_logdiff", "mean_abs_logdiff", "bitwise_equal_fraction", "max_abs_probdiff", "pearson",
                  "tokens", "layout", "profile", "vanilla", "megatron_core_version"}
@@ -18,7 +20,8 @@ _RUNS = {}
 
 
 def _matrix(dtype, tmp_path_factory):
-    """One checker run per dtype, shared by every test that reads it."""
+    """One checker run per dtype, shared by every test that reads it (cached by dtype: pytest's
+    TempPathFactory is not hashable, so no lru_cache over it)."""
     if dtype in _RUNS:
         return _RUNS[dtype]
     out = tmp_path_factory.mktemp(f"parity-{dtype}")
@@ -27,7 +30,7 @@ def _matrix(dtype, tmp_path_factory):
     assert proc.returncode == 0, explain(proc)
     tensors = load_file(str(out / "logprobs.safetensors"))
     report = json.loads((out / "report.json").read_text())
-    _RUNS[dtype] = (dtype, tensors, report, proc.stdout)
+    _RUNS[dtype] = dtype, tensors, report, proc.stdout
     return _RUNS[dtype]
 
 

@@ -10,6 +10,8 @@ from safetensors.torch import load_file
 
 from conftest import explain, run_cli
 
+pytestmark = pytest.mark.version_lines  # also run on megatron-core 0.12.x (scripts/test.sh)
+
 LAYOUTS = ["tp2-sp", "tp2-sp-etp2", "tp1-ep2", "tp1-ep4", "tp1-ep2-etp2", "tp2-sp-ep2", "tp2-sp-ep4",
            "tp2-sp-ep2-etp2", "tp1-ep2-pp2", "tp2-sp-ep2-pp2"]
 # Layouts where vanilla Megatron has a cross-rank or TP-split sum (EP alone only moves rows).

@@ -5,8 +5,10 @@ import uuid
 
 import pytest
 
-from mindspeed_tp.errors import PatchTargetError
+from mindspeed_tp.errors import PatchImportError, PatchTargetError
 from mindspeed_tp.patching import Patch, PatchRegistry
+
+pytestmark = pytest.mark.version_lines  # also run on megatron-core 0.12.x (scripts/test.sh)
 
 
 @pytest.fixture
@@ -181,6 +183,21 @@ def test_missing_module_raises_naming_it():
     with pytest.raises(PatchTargetError) as exc:
         reg.apply()
     assert target in str(exc.value)
+
+
+@pytest.mark.parametrize("optional", [False, True])
+def test_failed_import_inside_the_target_module_is_named(tmp_path, monkeypatch, optional):
+    """A target module that exists but imports a missing package (megatron-core >= 0.18 without
+    triton): the error names that import, not the target, and an optional patch is not skipped."""
+    tag = uuid.uuid4().hex[:8]
+    (tmp_path / f"_mstp_imports_missing_{tag}.py").write_text(f"import _mstp_absent_dep_{tag}\ndef f():\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reg = PatchRegistry("t")
+    reg.register(f"_mstp_imports_missing_{tag}:f", "t", optional=optional)(lambda: None)
+    with pytest.raises(PatchImportError) as exc:
+        reg.apply()
+    assert f"_mstp_absent_dep_{tag}" in str(exc.value)
+    assert "does not exist" not in str(exc.value)
 
 
 def test_optional_missing_target_is_skipped(mods):

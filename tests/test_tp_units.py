@@ -5,6 +5,8 @@ from safetensors.torch import load_file
 
 from conftest import explain, run_torchrun
 
+pytestmark = pytest.mark.version_lines  # also run on megatron-core 0.12.x (scripts/test.sh)
+
 
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory):

@@ -52,3 +52,60 @@ def make_batch(vocab_size: int, seed: int, batch_size: int, seq_length: int, pad
     for i, n in enumerate(lengths):
         tokens[i, n:] = pad_id
     return ScoringBatch(tokens=tokens, lengths=lengths)
+
+
+@dataclass
+class PackedBatch:
+    """A ScoringBatch as packed (thd) sequences, the way verl's remove-padding path packs them:
+    each sequence's real tokens, padded at its end to a multiple of ``align`` (the TP size, so an SP
+    split of the packed length divides evenly), concatenated into one row."""
+    tokens: torch.Tensor     # (1, T)
+    positions: torch.Tensor  # (1, T): each sequence from 0
+    targets: torch.Tensor    # (1, T): the next token of the same sequence (pad after its end)
+    cu_seqlens: List[int]    # sequence i in columns cu_seqlens[i]:cu_seqlens[i+1]
+
+    def packed_seq_params(self, device=None):
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = torch.tensor(self.cu_seqlens, dtype=torch.int32, device=device)
+        longest = max(b - a for a, b in zip(self.cu_seqlens[:-1], self.cu_seqlens[1:]))
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+                               cu_seqlens_kv_padded=cu, max_seqlen_q=longest, max_seqlen_kv=longest)
+
+    def padded_index(self, column: int, s: int, none: int) -> int:
+        """Packed column -> flat index i*s+pos in the padded layout (``none`` past every sequence)."""
+        for i, (a, b) in enumerate(zip(self.cu_seqlens[:-1], self.cu_seqlens[1:])):
+            if a <= column < b:
+                return i * s + min(column - a, s - 1)
+        return none
+
+    def unpack_tokens(self, rows: torch.Tensor, b: int, s: int) -> torch.Tensor:
+        """(..., T, E) per packed token -> (..., s*b, E) in Megatron's sequence-major order
+        (token (i, pos) at pos*b+i; positions past a sequence: 0)."""
+        out = rows.new_zeros(*rows.shape[:-2], s * b, rows.shape[-1])
+        for i, (a, e) in enumerate(zip(self.cu_seqlens[:-1], self.cu_seqlens[1:])):
+            n = min(e - a, s)
+            out[..., torch.arange(n) * b + i, :] = rows[..., a : a + n, :]
+        return out
+
+    def unpack(self, packed: torch.Tensor, shape) -> torch.Tensor:
+        """(1, T) per-token values -> (b, s) in the padded layout (positions past a sequence: 0)."""
+        out = torch.zeros(shape, dtype=packed.dtype)
+        for i, (a, b) in enumerate(zip(self.cu_seqlens[:-1], self.cu_seqlens[1:])):
+            n = min(b - a, shape[1])
+            out[i, :n] = packed[0, a : a + n]
+        return out
+
+
+def pack_batch(batch: ScoringBatch, align: int, pad_id: int = 0) -> PackedBatch:
+    tokens, targets, positions, cu = [], [], [], [0]
+    for i, n in enumerate(batch.lengths):
+        width = -(-n // align) * align
+        seq = torch.full((width,), pad_id, dtype=batch.tokens.dtype)
+        seq[:n] = batch.tokens[i, :n]
+        tokens.append(seq)
+        targets.append(torch.cat([seq[1:], seq.new_full((1,), pad_id)]))
+        positions.append(torch.arange(width))
+        cu.append(cu[-1] + width)
+    return PackedBatch(torch.cat(tokens).unsqueeze(0), torch.cat(positions).unsqueeze(0),
+                       torch.cat(targets).unsqueeze(0), cu)

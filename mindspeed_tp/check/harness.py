@@ -21,7 +21,7 @@ from ..kernels import mask_padded_vocab
 from ..patches import moe as moe_patch
 from ..switch import disable, enable
 from . import bisect, hooks
-from .batch import ScoringBatch
+from .batch import PackedBatch, ScoringBatch, pack_batch
 from .models.builder import build_gpt_stage
 from .models.layout import Layout
 from .models.spec import ModelSpec
@@ -188,19 +188,28 @@ def _stage_dtype(profile: Profile, vanilla: bool, dtype):
     return torch.float32 if not vanilla and vllm_forward.is_vllm(profile) else dtype
 
 
-def _pipeline_forward(model, layout: Layout, batch: ScoringBatch, hidden: int, dtype):
-    """Forward through this rank's stage; activations move between stages by send/recv."""
+def _pipeline_forward(model, layout: Layout, batch: ScoringBatch, hidden: int, dtype,
+                      packed: Optional[PackedBatch] = None):
+    """Forward through this rank's stage; activations move between stages by send/recv. With
+    ``packed``: one row of packed (thd) sequences, boundaries in PackedSeqParams, no mask."""
     from megatron.core import parallel_state
 
-    b, s = batch.tokens.shape
-    positions = torch.arange(s, device=_device).unsqueeze(0).expand(b, s)
-    mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=_device), diagonal=1).view(1, 1, s, s)
+    extra = {}
+    if packed is not None:
+        tokens, positions, mask = packed.tokens, packed.positions.to(_device), None
+        extra["packed_seq_params"] = packed.packed_seq_params(_device)
+    else:
+        tokens = batch.tokens
+        b, s = tokens.shape
+        positions = torch.arange(s, device=_device).unsqueeze(0).expand(b, s)
+        mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=_device), diagonal=1).view(1, 1, s, s)
+    b, s = tokens.shape
     if not parallel_state.is_pipeline_first_stage():
         rows = s // layout.tp if layout.sp else s
         received = torch.empty(rows, b, hidden, dtype=dtype, device=_device)
         dist.recv(received, src=parallel_state.get_pipeline_model_parallel_prev_rank())
         model.set_input_tensor(received)
-    out = model(batch.tokens.to(_device), positions, mask)
+    out = model(tokens.to(_device), positions, mask, **extra)
     if not parallel_state.is_pipeline_last_stage():
         dist.send(out.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
         return None
@@ -208,12 +217,14 @@ def _pipeline_forward(model, layout: Layout, batch: ScoringBatch, hidden: int, d
 
 
 def _logprobs_from_logits(
-    logits: torch.Tensor, batch: ScoringBatch, vocab_size: int, temperature: float = 1.0
+    logits: torch.Tensor, batch: ScoringBatch, vocab_size: int, temperature: float = 1.0,
+    targets: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Per-token logprobs through Megatron's vocab_parallel_cross_entropy (patched or vanilla).
 
     The patch excludes padded vocab columns itself (it is told the true size, as a model config
-    tells it); vanilla megatron cannot, so for vanilla they are set to -inf first (exact).
+    tells it); vanilla megatron cannot, so for vanilla they are set to -inf first (exact). targets: instead of
+    ``batch.targets`` (packed sequences).
     """
     from megatron.core import parallel_state, tensor_parallel
 
@@ -222,8 +233,9 @@ def _logprobs_from_logits(
         logits = mask_padded_vocab(logits, vocab_size, start)
     if temperature != 1.0:  # as rollout engines do: logprob of softmax(logits / T), in fp32
         logits = logits.float() / temperature
+    targets = batch.targets if targets is None else targets
     with state.model_vocab_size(vocab_size):
-        return -tensor_parallel.vocab_parallel_cross_entropy(logits, batch.targets.to(logits.device))
+        return -tensor_parallel.vocab_parallel_cross_entropy(logits, targets.to(logits.device))
 
 
 class _RoutingCapture:
@@ -285,6 +297,7 @@ def layout_logprobs(
     temperature: float = 1.0,
     weights=None,
     diagnostics: Optional[dict] = None,
+    packed: bool = False,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(b, s) fp32 logprobs of ``batch`` under ``layout``, identical on every rank afterwards, and
     for MoE models the routing decisions (num_layers, s*b, E) (None for dense models).
@@ -293,7 +306,8 @@ def layout_logprobs(
     diagnostics (optional dict) receives ``logits_nonfinite`` (NaN/inf count in the real-vocab
     logits) and ``logits_first_nonfinite`` ([batch, position] or None); with
     ``diagnostics["record_modules"]`` true, ``modules``: every module's full input/output on rank 0
-    (see bisect.py)."""
+    (see bisect.py). packed: score the sequences packed (thd, see ``batch.pack_batch``); the result
+    is unpacked to the padded (b, s) layout."""
     from megatron.core import parallel_state
 
 
@@ -311,6 +325,7 @@ def layout_logprobs(
     maps, recorder = {}, None
     b, s = batch.tokens.shape
     nonfinite = torch.tensor([0, b * s])  # count, first flat index b*s+pos (b*s: none)
+    packing = pack_batch(batch, layout.tp) if packed else None
     if computes:
         model = build_gpt_stage(spec, layout, dtype, profile, dispatcher)
         load_weights(model, spec, layout, weights or SeededWeights(spec, seed))
@@ -320,7 +335,8 @@ def layout_logprobs(
         recorder = bisect.ModuleRecorder(model, spec.num_layers) if record else None
         try:
             with torch.no_grad(), _engine_scoring(profile, vanilla, batch, spec):
-                out = _pipeline_forward(model, layout, batch, spec.hidden_size, _stage_dtype(profile, vanilla, dtype))
+                out = _pipeline_forward(model, layout, batch, spec.hidden_size, _stage_dtype(profile, vanilla, dtype),
+                                        packing)
         finally:
             for h in handles:
                 h.remove()
@@ -333,8 +349,13 @@ def layout_logprobs(
             out = hooks.on_logits(out, layout, parallel_state.get_tensor_model_parallel_rank())
             if parallel_state.get_data_parallel_rank() == 0:
                 nonfinite = _count_nonfinite_logits(out, spec.vocab_size)
+                if packed:  # first packed column -> flat index in the padded (b, s) layout
+                    nonfinite[1] = packing.padded_index(int(nonfinite[1]), s, none=b * s)
+            targets = packing.targets if packed else None
             with _engine_scoring(profile, vanilla, batch, spec):
-                result = _logprobs_from_logits(out, batch, spec.vocab_size, temperature).float().cpu()
+                result = _logprobs_from_logits(out, batch, spec.vocab_size, temperature, targets).float().cpu()
+            if packed:
+                result = packing.unpack(result, batch.tokens.shape)
     # The owner of the answer: last pipeline stage, TP rank 0, DP rank 0.
     is_src = (
         parallel_state.get_data_parallel_rank() == 0
@@ -344,7 +365,11 @@ def layout_logprobs(
     flags = torch.tensor([dist.get_rank() if is_src else -1])
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     dist.broadcast(result, src=int(flags.item()))
-    routing = _full_routing(maps, layout, spec, batch.tokens.numel()) if spec.is_moe else None
+    routing = None
+    if spec.is_moe:
+        routing = _full_routing(maps, layout, spec, packing.tokens.numel() if packed else batch.tokens.numel())
+        if packed:
+            routing = packing.unpack_tokens(routing, b, s)
     if diagnostics is not None:
         count, first = nonfinite[:1].clone(), nonfinite[1:].clone()
         dist.all_reduce(count)  # only the last stage's DP-rank-0 TP ranks contribute, each its vocab slice

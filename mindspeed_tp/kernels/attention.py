@@ -56,3 +56,29 @@ def decode_attention(
     """
     decode = dispatch.kernel("decode_attention", q)
     return decode(q, k_cache, v_cache, cache_seqlens, page_table, scale, block_size, row_multiple, split_size)
+
+
+def packed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens,
+    scale: float,
+    causal: bool = True,
+    block_size: int = 128,
+    row_multiple: int = 16,
+    split_size: Optional[int] = None,
+) -> torch.Tensor:
+    """Attention over packed (thd) sequences: q (t, hq, d), k, v (t, hkv, d), sequence i in rows
+    cu_seqlens[i]:cu_seqlens[i+1] (a list of ints). Each sequence attends over its own keys only,
+    as its own ``consistent_attention`` call, so its key blocks are aligned to its own positions
+    0, B, 2B, ... -- the bits of the same sequence scored padded (bshd). Returns (t, hq, d)."""
+    outs = []
+    for start, stop in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        if stop == start:
+            continue
+        one = [x[start:stop].permute(1, 0, 2).unsqueeze(0) for x in (q, k, v)]  # (1, h, len, d)
+        out = consistent_attention(*one, scale=scale, causal=causal, block_size=block_size,
+                                   row_multiple=row_multiple, split_size=split_size)
+        outs.append(out.squeeze(0).permute(1, 0, 2))
+    return torch.cat(outs, dim=0) if outs else q.new_zeros(q.shape)

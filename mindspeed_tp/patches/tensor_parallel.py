@@ -31,16 +31,28 @@ def consistent_linear(
     wgrad_deferral_limit=None,
     async_grad_allreduce=None,
     tp_group=None,
-    **_ignored,
+    gtp_remat_size=1,
 ):
-    """Drop-in for linear_with_grad_accumulation_and_async_allreduce (column-parallel GEMMs).
+    """Drop-in for linear_with_grad_accumulation_and_async_allreduce / linear_with_frozen_weight
+    (column-parallel GEMMs), with every argument megatron-core 0.12, 0.16 and 0.19 pass:
 
-    Same communication semantics (SP all-gather forward / reduce-scatter backward, dgrad
-    all-reduce); the GEMM itself is the batch-invariant one, fp32-accumulated and cast once.
-    Weight gradients land in ``weight.grad`` (Megatron's DDP then adds them to main_grad).
+    - ``gradient_accumulation_fusion``: honoured; weight gradients land in ``weight.grad``, which
+      Megatron's DDP hook adds to ``main_grad`` (it only skips that when a fused kernel set
+      ``grad_added_to_main_grad``, which this path never does);
+    - ``allreduce_dgrad`` (0.12 also ``async_grad_allreduce``), ``sequence_parallel``, ``tp_group``
+      (0.16+): the same communication as Megatron (SP all-gather forward / reduce-scatter backward,
+      dgrad all-reduce);
+    - ``grad_output_buffer`` (defer_embedding_wgrad_compute) refused; ``wgrad_deferral_limit`` only
+      applies with that buffer, so it has nothing to do here;
+    - ``gtp_remat_size`` (0.19): above 1 the weight is sharded over a further group and gathered
+      inside Megatron's own autograd function, which this GEMM does not do: refused.
+
+    The GEMM itself is the batch-invariant one, fp32-accumulated and cast once.
     """
     if grad_output_buffer is not None:
         raise refuse("defer_embedding_wgrad_compute")
+    if gtp_remat_size is not None and gtp_remat_size != 1:
+        raise refuse("gtp_remat_size", value=gtp_remat_size)
     if async_grad_allreduce is not None:  # 0.12 spelling of allreduce_dgrad
         allreduce_dgrad = allreduce_dgrad or async_grad_allreduce
     group = tp_group if tp_group is not None else compat.tp_group_of()

@@ -1,0 +1,1 @@
+"""Stand-in for Megatron-Bridge (see models/gpt_provider.py)."""

@@ -1,0 +1,1 @@
+"""Stand-in for megatron.bridge.models (see gpt_provider.py)."""
