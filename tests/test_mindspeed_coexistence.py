@@ -12,6 +12,8 @@ import json
 import os
 import textwrap
 
+import pytest
+
 from conftest import ROOT, explain, run_python, run_torchrun
 
 pytestmark = pytest.mark.version_lines  # also run on megatron-core 0.12.x (scripts/test.sh)

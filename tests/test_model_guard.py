@@ -1,4 +1,6 @@
 """GPTModel construction under the patches refuses what no patch covers, naming the setting."""
+import textwrap
+
 import pytest
 
 from conftest import explain, run_python
@@ -99,3 +101,32 @@ def test_megatron_fused_layer_norm_is_refused_by_name():
     assert proc.returncode == 0, explain(proc)
     assert "REFUSED" in proc.stdout, proc.stdout
     assert "FusedLayerNorm" in proc.stdout and "WrappedTorchNorm" in proc.stdout, proc.stdout
+
+
+def test_torch_compile_of_megatron_modules_is_refused_while_enabled():
+    """dynamo would break the graph at a refusal inside the patched code and run it eagerly, so
+    torch.compile itself refuses (only while enabled; other modules compile as before)."""
+    code = textwrap.dedent("""
+        import torch
+        import mindspeed_tp
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+        class Block(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.inner = torch.nn.Linear(4, 4)
+        Block.__module__ = "megatron.core.transformer.block_like"
+        mindspeed_tp.enable()
+        for target in (Block(), Block().forward, torch.nn.Sequential(Block())):
+            try:
+                torch.compile(target)
+                print("COMPILED", type(target).__name__)
+            except mindspeed_tp.ConfigError as exc:
+                print("REFUSED", "torch.compile(" in str(exc))
+        print("PLAIN", type(torch.compile(torch.nn.Linear(4, 4))).__name__)
+        mindspeed_tp.disable()
+        print("AFTER_DISABLE", type(torch.compile(Block())).__name__)
+    """)
+    proc = run_python(code)
+    assert proc.returncode == 0, explain(proc)
+    lines = [l for l in proc.stdout.splitlines() if l.split(" ")[0] in ("REFUSED", "COMPILED", "PLAIN", "AFTER_DISABLE")]
+    assert lines == ["REFUSED True"] * 3 + ["PLAIN OptimizedModule", "AFTER_DISABLE OptimizedModule"]

@@ -345,6 +345,11 @@ _ENTRIES: Tuple[Refusal, ...] = (
     Refusal("defer_embedding_wgrad_compute_config", MODEL, "defer_embedding_wgrad_compute",
             "defer_embedding_wgrad_compute={value!r} is not supported " + _T + "; unset it",
             "the deferred weight-gradient GEMM is outside the patched linear", "defer_embedding_wgrad_compute", _set),
+    Refusal("torch_compile", MODEL, "torch.compile of megatron modules",
+            "torch.compile({what}) is not supported " + _T + ": the compiled graph fuses and reorders the patched "
+            "kernels' arithmetic (and dynamo re-runs their checks eagerly, so nothing would refuse later); compile "
+            "nothing that holds megatron-core modules, or disable mindspeed-tp",
+            "inductor picks its own kernels and reduction orders"),
     Refusal("enable_cuda_graph", MODEL, "enable_cuda_graph / external_cuda_graph / cuda_graph_impl",
             "enable_cuda_graph={value!r} is not supported " + _T + ": captured graphs replay kernels the patches did "
             "not choose (and skip their host-side checks); unset it", "CUDA graphs", "enable_cuda_graph", _set),

@@ -1,7 +1,11 @@
 """Patch of GPTModel construction: mark the LM head for fp32 logits, and refuse models built from
 modules the patch set does not cover (instead of silently running them non-invariantly)."""
+import functools
 import inspect
 
+import torch
+
+from .. import state
 from ..contract import refusals
 from ..contract.refusals import refuse
 from ..errors import ConfigError
@@ -80,7 +84,28 @@ def gpt_model_init(original, registry: PatchRegistry):
     return __init__
 
 
+def _holds_megatron_modules(target) -> bool:
+    module = getattr(target, "__self__", target)  # nn.Module.compile() passes its bound _call_impl
+    return isinstance(module, torch.nn.Module) and any(
+        type(m).__module__.startswith(("megatron.core", "mindspeed_tp")) for m in module.modules())
+
+
+def guarded_compile(original):
+    """torch.compile refusing, while the patches are on, anything that holds megatron-core modules
+    (a refusal inside the patched code cannot work: dynamo breaks the graph and runs it eagerly)."""
+
+    @functools.wraps(original)
+    def compile(model=None, *args, **kwargs):
+        if state.enabled() and model is not None and _holds_megatron_modules(model):
+            raise refuse("torch_compile", what=type(getattr(model, "__self__", model)).__name__)
+        return original(model, *args, **kwargs)
+
+    return compile
+
+
 def register(reg: PatchRegistry) -> None:
+    reg.register("torch:compile", "refuses torch.compile of modules holding megatron-core modules while the patches "
+                 "are on (compiled graphs reorder the patched arithmetic)", wraps=True)(guarded_compile)
     reg.register(
         "megatron.core.models.gpt.gpt_model:GPTModel.__init__",
         "marks output_layer so the LM head GEMM returns fp32 logits; rejects modules no patch covers "
