@@ -300,5 +300,5 @@ def test_untested_megatron_line_warns_naming_the_tested_lines():
         print("WARNED", [str(w.message) for w in caught if "not a tested line" in str(w.message)])
     """)
     lines = _applied(run_python(code))
-    assert "0.99.0 is not a tested line (tested: 0.12.x, 0.16.x)" in lines["WARNED"]
+    assert "0.99.0 is not a tested line (tested: 0.12.x, 0.16.x, 0.19.x)" in lines["WARNED"]
     assert "MINDSPEED_TP_ALLOW_UNTESTED_MEGATRON=1" in lines["WARNED"]
