@@ -90,14 +90,8 @@ def attention(
     row_multiple: int = 16,
     split_size: Optional[int] = None,
 ) -> torch.Tensor:
-    """Attention for q (b, hq, sq, d) over k, v (b, hkv, sk, d); returns (b, hq, sq, d).
-
-    q_positions: absolute position of each query (default: the last ``sq`` key positions).
-    excluded: optional bool mask broadcastable to (b, 1, sq, sk); True hides a key from a query.
-    split_size: if set (a multiple of block_size), keys are processed in fixed splits aligned to
-    absolute positions, each with its own online softmax, merged in split order (what split-KV
-    decode kernels do); every mode must then use the same split size.
-    """
+    """The blocked attention (arguments: ``kernels.attention.consistent_attention``); under grad, the
+    gradient is recomputed per query tile (``_RecomputeBackward``)."""
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         return _blocked_attention(q, k, v, scale, causal, q_positions, excluded, block_size, row_multiple, split_size)
     return _RecomputeBackward.apply(q, k, v, (scale, causal, q_positions, excluded, block_size, row_multiple,
