@@ -133,6 +133,18 @@ class Profile:
     # profile states it explicitly and a future contract can change it visibly.
     accumulate_dtype: str = "float32"
     logits_dtype: str = "float32"
+    # The backward pass and the optimizer step in canonical order too (docs/CONTRACT.md, section 9):
+    # every layout then gives the same gradients, parameters and optimizer state after each step.
+    # Costs memory (fp32 partials) and time, so it is off unless asked for.
+    bitwise_training: bool = False
+    # bitwise_training only. G: the global batch's micro-batches are G contiguous groups, each
+    # accumulated in micro-batch order, the groups folded by a perfect binary tree. The DP size must
+    # divide G (each DP rank holds G/DP groups); every DP rank beyond the first group adds one fp32
+    # gradient copy per extra group it holds.
+    microbatch_groups: int = 2
+
+    def replace(self, **changes) -> "Profile":
+        return dataclasses.replace(self, **changes)
 
     def __post_init__(self):
         self.validate()
@@ -170,6 +182,13 @@ class Profile:
                 "profile field 'attention_split_size' must be empty with backend: npu (the Ascend "
                 "flash-attention kernels are called with num_splits=1)"
             )
+        if not isinstance(self.bitwise_training, bool):
+            raise ConfigError(f"profile field 'bitwise_training' must be true or false, got {self.bitwise_training!r}")
+        if not _is_power_of_two(self.microbatch_groups):
+            raise ConfigError(f"profile field 'microbatch_groups' must be a power of two, got {self.microbatch_groups!r}")
+        if self.bitwise_training and self.reduction != "canonical_tree":
+            raise ConfigError("profile field 'bitwise_training' needs reduction: canonical_tree (the rollout-layout "
+                              "mode reproduces an engine's forward only)")
         for name in ("accumulate_dtype", "logits_dtype"):
             if getattr(self, name) != "float32":
                 raise ConfigError(

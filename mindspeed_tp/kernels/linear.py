@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 
+from .. import state
 from . import dispatch
 
 
@@ -17,12 +18,39 @@ def invariant_matmul(a: torch.Tensor, b: torch.Tensor, row_multiple: int = 16) -
     return dispatch.kernel("matmul", a)(a, b, row_multiple)
 
 
+def _invariant_product(a: torch.Tensor, b_t: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b_t.T`` for a (M, K), b_t (N, K) by the backend's invariant ``linear``."""
+    if a.dtype != b_t.dtype:
+        dtype = torch.promote_types(a.dtype, b_t.dtype)
+        a, b_t = a.to(dtype), b_t.to(dtype)
+    return dispatch.kernel("linear", a)(a, b_t, out_dtype, state.profile().gemm_row_multiple)
+
+
+def invariant_input_grad(dy: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """dx = dy (T, N) @ weight (N, K) by the invariant GEMM (bitwise training), cast once."""
+    return _invariant_product(dy, weight.t(), out_dtype)
+
+
+def invariant_weight_grad(dy: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """dW = dy^T (N, T) @ x (T, K) by the invariant GEMM (bitwise training): the micro-batch's
+    tokens in their given order, fp32-accumulated, cast once."""
+    return _invariant_product(dy.t(), x.t(), out_dtype)
+
+
+def bitwise_backward() -> bool:
+    """The profile asks for the backward in canonical order (``bitwise_training``)."""
+    return state.enabled() and state.profile().bitwise_training
+
+
 class _PlainBackward(torch.autograd.Function):
     """``compute(x, w)`` (an invariant fp32-accumulating product of x (M, K) and w (N, K)) with the
     backward an unpatched linear has: dx = dy @ w and dw = dy^T @ x in the inputs' dtype (the wider
     of the two, e.g. fp32 for a bf16 input to an fp32 router).
 
-    Only the forward must be bitwise layout-invariant (it gives the logprobs); letting autograd
+    Under ``bitwise_training`` both products are the invariant GEMM instead (``invariant_input_grad``,
+    ``invariant_weight_grad``): a row-parallel layer's dx and dW then never depend on the shard.
+
+    Otherwise only the forward must be bitwise layout-invariant (it gives the logprobs); letting autograd
     differentiate the invariant kernel would keep fp32 copies of x and w and every leaf product
     alive for the backward and run it as fp32 GEMMs, where vanilla keeps x and runs bf16 GEMMs.
     """
@@ -37,6 +65,10 @@ class _PlainBackward(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         dtype = torch.promote_types(x.dtype, weight.dtype)
         grad = grad.to(dtype)
+        if bitwise_backward():
+            dx = invariant_input_grad(grad, weight.to(dtype), x.dtype) if ctx.needs_input_grad[0] else None
+            dw = invariant_weight_grad(grad, x.to(dtype), weight.dtype) if ctx.needs_input_grad[1] else None
+            return dx, dw, None
         gemm = dispatch.kernel("grad_matmul", grad)
         dx = gemm(grad, weight.to(dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
         dw = gemm(grad.t(), x.to(dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None

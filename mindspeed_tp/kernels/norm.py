@@ -11,9 +11,17 @@ def _row_mean(x: torch.Tensor) -> torch.Tensor:
     return dispatch.kernel("row_mean", x)(x)
 
 
-def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+def normalized(x: torch.Tensor, eps: float, normalization: str = "RMSNorm") -> torch.Tensor:
+    """The fp32 normalized tokens, before the affine step (RMSNorm or LayerNorm)."""
     xf = x.float()
-    y = xf * torch.rsqrt(_row_mean(xf.pow(2)) + eps)
+    if normalization == "RMSNorm":
+        return xf * torch.rsqrt(_row_mean(xf.pow(2)) + eps)
+    centered = xf - _row_mean(xf)
+    return centered * torch.rsqrt(_row_mean(centered.pow(2)) + eps)
+
+
+def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    y = normalized(x, eps, "RMSNorm")
     if weight is not None:
         y = y * weight.float()
     return y.to(x.dtype)
@@ -22,9 +30,7 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> tor
 def layer_norm(
     x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float
 ) -> torch.Tensor:
-    xf = x.float()
-    centered = xf - _row_mean(xf)
-    y = centered * torch.rsqrt(_row_mean(centered.pow(2)) + eps)
+    y = normalized(x, eps, "LayerNorm")
     if weight is not None:
         y = y * weight.float()
     if bias is not None:

@@ -80,8 +80,20 @@ def gpt_model_init(original, registry: PatchRegistry):
         head = getattr(self, "output_layer", None)
         if head is not None:
             head._mindspeed_tp_logits = True
+        mark_gated_fc1(self)
 
     return __init__
+
+
+def mark_gated_fc1(model) -> None:
+    """A gated MLP's fc1 holds [gate_r; up_r] on each rank: the bitwise backward's canonical leaves
+    take chunk i of both parts (modes/bitwise_training/column_parallel.py)."""
+    from ..modes.bitwise_training.column_parallel import PARTS_ATTR
+
+    for name, module in model.named_modules():
+        config = getattr(module, "config", None)
+        if name.endswith("mlp.linear_fc1") and getattr(config, "gated_linear_unit", False):
+            setattr(module.weight, PARTS_ATTR, 2)
 
 
 def _holds_megatron_modules(target) -> bool:

@@ -8,7 +8,11 @@ import torch
 from .. import state
 from ..contract import refusals
 from ..contract.refusals import refuse
+from .. import compat
 from ..kernels import layer_norm, rms_norm
+from ..kernels.norm import normalized
+from ..modes.bitwise_training import token_sums
+from ..modes.bitwise_training.patches import TP_FOLDED_ATTR
 from ..patching import PatchRegistry
 
 
@@ -31,11 +35,17 @@ class ConsistentNorm(torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.zeros(hidden_size)) if normalization == "LayerNorm" else None
         for p in self.parameters():
             setattr(p, "sequence_parallel", sequence_parallel)
+            # bitwise_training folds these gradients across TP in the backward (token_sums)
+            setattr(p, TP_FOLDED_ATTR, True)
 
     def forward(self, x):
         prof = state.profile() if state.enabled() else None
         if prof is not None and prof.engine_name == "vllm":  # the engine's RMSNorm (also of the fp32 fused-add sum)
             return _vllm().norm(x, self.weight, self.eps, self.normalization)
+        if prof is not None and prof.bitwise_training:  # parameter gradients as canonical token sums
+            x_hat = normalized(x, self.eps, self.normalization)
+            seq_parallel = getattr(self.weight, "sequence_parallel", False)
+            return token_sums.scale(x_hat, self.weight, self.bias, seq_parallel, compat.tp_group_of()).to(x.dtype)
         if self.normalization == "RMSNorm":
             return rms_norm(x, self.weight, self.eps)
         return layer_norm(x, self.weight, self.bias, self.eps)

@@ -8,6 +8,8 @@ from ..kernels.collectives import fold_across_ranks, group_rank, group_size
 from ..contract.refusals import refuse
 from ..kernels import folded_leaf_partials, invariant_linear, mask_padded_vocab, vocab_parallel_logprob
 from ..patching import PatchRegistry
+from ..kernels import dispatch
+from ..modes.bitwise_training import column_parallel as bitwise_column
 from ..modes.rollout_layout.linear import full_vocab_parallel_logprob, rollout_layout_linear
 
 def _vllm():
@@ -56,15 +58,35 @@ def consistent_linear(
     if async_grad_allreduce is not None:  # 0.12 spelling of allreduce_dgrad
         allreduce_dgrad = allreduce_dgrad or async_grad_allreduce
     group = tp_group if tp_group is not None else compat.tp_group_of()
+    prof = state.profile()
+    if prof.bitwise_training:
+        return _bitwise_column_linear(input, weight, bias, group, sequence_parallel, allreduce_dgrad, prof)
     if sequence_parallel:
         input = compat.gather_from_sequence_parallel_region(input, group)
     elif allreduce_dgrad:
         input = compat.copy_to_tensor_model_parallel_region(input, group)
-    prof = state.profile()
     if prof.engine_name == "vllm":  # the engine's GEMM; its logits stay in the model dtype
         return _vllm().column_linear(input, weight, bias)
     out_dtype = torch.float32 if state.want_fp32_output() else input.dtype
     return invariant_linear(input, weight, bias, out_dtype=out_dtype, row_multiple=prof.gemm_row_multiple)
+
+
+def _bitwise_column_linear(input, weight, bias, group, sequence_parallel, allreduce_dgrad, prof):
+    """bitwise_training: the SP gather and the dgrad sum inside one function whose input gradient
+    is folded in canonical order (modes/bitwise_training/column_parallel.py)."""
+    if bias is not None:
+        raise refuse("bitwise_training_bias", layer="column-parallel")
+    logits = state.want_fp32_output()
+    out_dtype = torch.float32 if logits else input.dtype
+    vocab = true_vocab_size(weight.shape[0] * group_size(group)) if logits else None
+    # The gradient is summed over TP when the input is shared (SP gather or replicated input).
+    reduce_group = group if (sequence_parallel or allreduce_dgrad) else None
+    row_multiple = prof.gemm_row_multiple
+
+    def compute(x2d, w, dtype):
+        return dispatch.kernel("linear", x2d)(x2d, w, dtype, row_multiple)
+
+    return bitwise_column.column_linear(input, weight, reduce_group, sequence_parallel, out_dtype, compute, vocab)
 
 
 def row_parallel_forward(self, input_):
@@ -123,7 +145,10 @@ def column_parallel_forward(original):
 
     def forward(self, *args, **kwargs):
         if getattr(self, "_mindspeed_tp_logits", False):
-            with state.fp32_output():
+            # The config's vocab_size (the true size, where the config states it) for the bitwise
+            # backward's vocab leaves; the loss patch reads it again under compute_language_model_loss.
+            vocab = getattr(getattr(self, "config", None), "vocab_size", None)
+            with state.fp32_output(), state.model_vocab_size(vocab or state.model_vocab()):
                 return original(self, *args, **kwargs)
         return original(self, *args, **kwargs)
 

@@ -27,7 +27,9 @@ from ...kernels.collectives import gather_along_rank
 from ..models.builder import build_gpt_chunks
 from ..models.layout import Layout
 from ..models.spec import ModelSpec
-from ..models.weights import SeededWeights, load_weights, param_shards, shard
+from ..models.weights import SeededWeights, load_weights
+from .snapshots import (OPTIMIZER_STATE_KEYS, ShardComparison, optimizer_states, params_of, reduced_main_grads,
+                        state_values)
 from ...contract.profile import Profile
 from ..batch import ScoringBatch, make_batch
 from ..harness import _setup_parallel_state, run_device
@@ -129,31 +131,6 @@ def _gather_losses(recorder: _LossRecorder, batch: ScoringBatch) -> torch.Tensor
     return everyone[owners.argmax(0), torch.arange(g)]
 
 
-class ParamComparison:
-    """max |param - reference| over every rank's shards (the reference holds full TP=1 tensors)."""
-
-    def __init__(self, spec: ModelSpec, layout: Layout, chunks):
-        self.spec, self.layout, self.chunks = spec, layout, chunks
-
-    def snapshot(self) -> Dict[str, torch.Tensor]:
-        """This rank's parameters by global name (the full tensors on one device)."""
-        return {name: p.detach().float().cpu().clone() for chunk in self.chunks
-                for name, p, _, _, _ in param_shards(chunk, self.spec, self.layout)}
-
-    def max_abs_diff(self, reference: Dict[str, torch.Tensor]) -> float:
-        worst = torch.zeros(1, dtype=torch.float64)
-        for chunk in self.chunks:
-            for name, p, rule, size, rank in param_shards(chunk, self.spec, self.layout):
-                part = shard(reference[name], rule, size, rank)
-                if part.shape != p.shape:
-                    raise RuntimeError(f"train-check: {name} of shape {tuple(p.shape)} is no shard of the reference "
-                                       f"{tuple(reference[name].shape)}")
-                diff = (p.detach().double().cpu() - part.double()).abs().max()
-                worst = torch.maximum(worst, diff.reshape(1))
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        return float(worst)
-
-
 def _model_parallel_chunks(spec, layout, dtype, profile, settings):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -215,31 +192,40 @@ def _wire_config(config, wrapped, ddp_config, optimizer) -> None:
 
 
 def train_layout(spec: ModelSpec, layout: Layout, dtype: torch.dtype, profile: Profile, settings: TrainSettings,
-                 vanilla: bool, reference_params: Optional[List[Dict[str, torch.Tensor]]] = None) -> Dict:
+                 vanilla: bool, reference: Optional[Dict] = None) -> Dict:
     """Train ``settings.steps`` steps in ``layout``. Returns, identical on every rank:
     ``loss`` (K,), ``logprobs`` (G, s) of step 1 (from inside the training step), ``grad_norm`` (K,),
-    and either ``params`` (the full parameters after each step; one-device run) or
-    ``param_max_abs_diff`` (K,) against ``reference_params``."""
+    and for each of ``params`` (after each step), ``grads`` (the reduced gradients of each step) and
+    ``optimizer_state/<key>`` (after each step): the full tensors by name (one-device run, no
+    ``reference``), or else ``<field>_diff``: per step (max |diff|, names that differ) against it."""
     from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     disable() if vanilla else enable(profile)
+    # After enable: a name bound before it would be the unpatched function.
+    from megatron.core.pipeline_parallel import get_forward_backward_func
     _setup_parallel_state(layout, settings.seed, training=True)
     batch = train_batch(spec, settings)
     chunks, wrapped, ddp_config = _model_parallel_chunks(spec, layout, dtype, profile, settings)
     optimizer = _optimizer(wrapped, dtype, settings)
     _wire_config(chunks[0].config, wrapped, ddp_config, optimizer)
-    compare = ParamComparison(spec, layout, chunks)
+    compare = ShardComparison(spec, layout, chunks)
     rows = micro_batch_rows(settings, layout.dp, ps.get_data_parallel_rank())
     forward_backward = get_forward_backward_func()
-    losses, grad_norms, params, param_diffs = [], [], [], []
+    losses, grad_norms = [], []
+    recorded: Dict[str, List] = {}
     logprobs = None
 
-    def record_params(step: int) -> None:  # the parameters after optimizer step ``step`` (0-based)
-        if reference_params is None:
-            params.append(compare.snapshot())
+    def record(field: str, step: int, values) -> None:
+        if reference is None:
+            recorded.setdefault(field, []).append(compare.snapshot(values))
         else:
-            param_diffs.append(compare.max_abs_diff(reference_params[step]))
+            recorded.setdefault(field + "_diff", []).append(compare.compare(values, reference[field][step]))
+
+    def record_after_step(step: int) -> None:  # parameters and optimizer state after step ``step`` (0-based)
+        record("params", step, params_of(chunks))
+        states = optimizer_states(optimizer)
+        for key in OPTIMIZER_STATE_KEYS:
+            record(f"optimizer_state/{key}", step, state_values(states, key))
 
     for step in range(settings.steps):
         for m in wrapped:
@@ -254,8 +240,9 @@ def train_layout(spec: ModelSpec, layout: Layout, dtype: torch.dtype, profile: P
             num_microbatches=len(rows), seq_length=settings.seq_length, micro_batch_size=settings.micro_batch_size,
             decoder_seq_length=settings.seq_length, forward_only=False,
         )
+        record("grads", step, reduced_main_grads(wrapped))
         if step > 0:  # with overlap_param_gather, last step's update reached the params in this forward
-            record_params(step - 1)
+            record_after_step(step - 1)
         _, grad_norm, _ = optimizer.step()
         per_token = _gather_losses(recorder, batch)
         if step == 0:
@@ -265,10 +252,7 @@ def train_layout(spec: ModelSpec, layout: Layout, dtype: torch.dtype, profile: P
     if ddp_config.overlap_param_gather:
         for m in wrapped:  # the last update's parameter all-gather, as before a checkpoint
             m.start_param_sync(force_sync=True)
-    record_params(settings.steps - 1)
+    record_after_step(settings.steps - 1)
     out = dict(loss=torch.stack(losses), logprobs=logprobs, grad_norm=torch.stack(grad_norms), scored=batch.scored)
-    if reference_params is None:
-        out["params"] = params
-    else:
-        out["param_max_abs_diff"] = param_diffs
+    out.update(recorded)
     return out

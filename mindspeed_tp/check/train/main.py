@@ -25,7 +25,7 @@ from .loop import RECOMPUTE, TrainSettings
 DEFAULTS = dict(
     model=None, profile="default", layouts="tp2-sp", dtype="bf16", seed=1234, steps=3, micro_batch_size=2,
     global_batch_size=8, seq_length=64, lr=3e-3, distributed_optimizer=False, overlap=False, recompute="none",
-    dispatcher="alltoall", json=None, vanilla=False, compare_vanilla=False, timeout=600.0, reference=None,
+    dispatcher="alltoall", bitwise_training=False, json=None, vanilla=False, compare_vanilla=False, timeout=600.0, reference=None,
     save_reference=None, launch_layouts=None, results=None,
 )
 
@@ -50,6 +50,9 @@ def build_parser(prog: str = "mindspeed-tp train-check") -> argparse.ArgumentPar
                    help="overlap_grad_reduce, and overlap_param_gather with --distributed-optimizer")
     p.add_argument("--recompute", choices=sorted(RECOMPUTE), help="activation recomputation (default none)")
     p.add_argument("--dispatcher", choices=["alltoall", "allgather"], help="MoE token dispatcher (default alltoall)")
+    p.add_argument("--bitwise-training", action="store_true", default=None,
+                   help="the profile's bitwise_training: the backward pass and optimizer step in canonical order too; "
+                        "the verdict then covers every step's loss, gradients, parameters and optimizer state")
     p.add_argument("--json", help="write the report as JSON to this path")
     p.add_argument("--vanilla", action="store_true", default=None, help="no patches: plain megatron-core")
     p.add_argument("--compare-vanilla", action="store_true", default=None,
@@ -97,6 +100,8 @@ def parse_layouts(text: Optional[str]) -> List[Layout]:
 def plan(ns: argparse.Namespace) -> Plan:
     """Static validation of model, profile, layouts and batch sizes."""
     profile = load_profile(ns.profile)
+    if ns.bitwise_training and not profile.bitwise_training:
+        profile = profile.replace(bitwise_training=True)
     spec = load_model_spec(ns.model or "tiny-dense")
     layouts = parse_layouts(ns.layouts)
     if not layouts:
@@ -183,7 +188,7 @@ def run(ns: argparse.Namespace) -> int:
         for vanilla in pl.modes:
             progress.step(f"{layout.name} ({report.mode_name(vanilla)})")
             ref = reference[report.mode_key(vanilla)]
-            out = train_layout(pl.spec, layout, dtype, pl.profile, pl.settings, vanilla, reference_params=ref["params"])
+            out = train_layout(pl.spec, layout, dtype, pl.profile, pl.settings, vanilla, reference=ref)
             rows.append(report.result_row(layout, vanilla, out, ref, pl, ns.dtype))
     progress.finish()
     code = 0

@@ -2,13 +2,17 @@
 
 JSON: ``results[]`` (one per layout and mode: ``layout``, ``vanilla``, ``steps[]`` with ``loss``,
 ``loss_bitwise_equal``, ``logprobs_bitwise_equal`` (step 1; null after), ``grads_bitwise_equal``,
-``params_bitwise_equal``, ``grad_norm_max_abs_diff``, ``param_max_abs_diff``), ``reference`` (the
-one-device run's loss and gradient norm per step) and ``all_bitwise_equal``: the verdict this check
-promises -- step-1 loss and in-step logprobs bitwise equal to one device in every layout (judged on
-mindspeed-tp's rows; vanilla's only when it runs alone).
+``params_bitwise_equal``, ``optimizer_state_bitwise_equal`` (each: every element of every parameter's
+full logical tensor, ``torch.equal`` to the one-device run), the max |diff| of each and the names of
+the parameters that differ, ``grad_norm`` and its |diff|), ``reference`` (the one-device run's loss
+and gradient norm per step), ``bitwise_training`` and ``all_bitwise_equal``: the verdict this check
+promises, judged on mindspeed-tp's rows (vanilla's only when it runs alone) -- the step-1 loss and
+in-step logprobs bitwise equal to one device in every layout; with ``--bitwise-training`` (or the
+profile's ``bitwise_training``) also every step's loss, gradients, parameters and optimizer state.
 
-``grads_bitwise_equal`` compares the global gradient norm the optimizer computed (one number that
-sees every gradient element), ``params_bitwise_equal`` every parameter element after the step.
+``grads`` are the gradients the optimizer steps on (after the data-parallel reduction, before
+clipping), ``params`` and ``optimizer_state`` (Adam's two moments and the fp32 main parameter) are
+taken after each step.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from ..metrics import bitwise_equal
+from .snapshots import OPTIMIZER_STATE_KEYS
 from ..reference import load_reference, save_reference
 from ..report import write_json_atomic
 
@@ -31,13 +36,19 @@ def mode_name(vanilla: bool) -> str:
     return "vanilla" if vanilla else "mindspeed-tp"
 
 
+# Per-step full tensors by parameter name that the one-device run records.
+TENSOR_FIELDS = ("params", "grads") + tuple(f"optimizer_state/{k}" for k in OPTIMIZER_STATE_KEYS)
+SCALAR_FIELDS = ("loss", "logprobs", "grad_norm", "scored")
+
+
 def save_reference_run(path: str, reference: Dict[str, Dict], meta: Dict[str, str]) -> None:
     tensors = {}
     for key, run in reference.items():
-        for field in ("loss", "logprobs", "grad_norm", "scored"):
+        for field in SCALAR_FIELDS:
             tensors[f"{key}/{field}"] = run[field]
-        for step, params in enumerate(run["params"]):
-            tensors.update({f"{key}/params/{step}/{name}": t for name, t in params.items()})
+        for field in TENSOR_FIELDS:
+            for step, values in enumerate(run[field]):
+                tensors.update({f"{key}/{field}/{step}/{name}": t.contiguous() for name, t in values.items()})
     save_reference(path, tensors, meta)
 
 
@@ -47,13 +58,14 @@ def load_reference_run(path: str, meta: Dict[str, str], modes: List[bool], steps
     out = {}
     for vanilla in modes:
         key = mode_key(vanilla)
-        run = {field: flat[f"{key}/{field}"] for field in ("loss", "logprobs", "grad_norm", "scored")}
-        run["params"] = [{} for _ in range(steps)]
-        prefix = f"{key}/params/"
-        for name, t in flat.items():
-            if name.startswith(prefix):
-                step, _, param = name[len(prefix):].partition("/")
-                run["params"][int(step)][param] = t
+        run = {field: flat[f"{key}/{field}"] for field in SCALAR_FIELDS}
+        for field in TENSOR_FIELDS:
+            run[field] = [{} for _ in range(steps)]
+            prefix = f"{key}/{field}/"
+            for name, t in flat.items():
+                if name.startswith(prefix):
+                    step, _, param = name[len(prefix):].partition("/")
+                    run[field][int(step)][param] = t
         out[key] = run
     return out
 
@@ -70,17 +82,27 @@ def result_row(layout, vanilla: bool, out: Dict, ref: Dict, pl, dtype: str) -> D
     for k in range(pl.settings.steps):
         loss, ref_loss = out["loss"][k], ref["loss"][k]
         gn, ref_gn = out["grad_norm"][k], ref["grad_norm"][k]
-        pdiff = float(out["param_max_abs_diff"][k])
+        grad_diff, grads_differ = out["grads_diff"][k]
+        param_diff, params_differ = out["params_diff"][k]
+        state = [out[f"optimizer_state/{key}_diff"][k] for key in OPTIMIZER_STATE_KEYS]
+        state_differ = sorted({f"{key}:{name}" for key, (_, names) in zip(OPTIMIZER_STATE_KEYS, state) for name in names})
         steps.append(dict(
             step=k + 1,
             loss=float(loss),
             loss_bitwise_equal=_bits_equal(loss, ref_loss),
             logprobs_bitwise_equal=_bits_equal(out["logprobs"][scored], ref["logprobs"][scored]) if k == 0 else None,
-            grads_bitwise_equal=_bits_equal(gn, ref_gn),
-            params_bitwise_equal=pdiff == 0.0,
+            grads_bitwise_equal=not grads_differ,
+            params_bitwise_equal=not params_differ,
+            optimizer_state_bitwise_equal=not state_differ,
             grad_norm=float(gn),
+            grad_norm_bitwise_equal=_bits_equal(gn, ref_gn),
             grad_norm_max_abs_diff=float((gn.double() - ref_gn.double()).abs()),
-            param_max_abs_diff=pdiff,
+            grad_max_abs_diff=grad_diff,
+            param_max_abs_diff=param_diff,
+            optimizer_state_max_abs_diff=max(d for d, _ in state),
+            grads_differ=grads_differ,
+            params_differ=params_differ,
+            optimizer_state_differ=state_differ,
         ))
     return dict(layout=layout.to_dict(), vanilla=vanilla, model=pl.spec.name, dtype=dtype,
                 megatron_core_version=megatron_version(), profile=pl.profile.name,
@@ -101,10 +123,17 @@ def read_part(path: str) -> Dict:
         return json.load(f)
 
 
-def verdict(results: List[Dict]) -> bool:
+TRAINING_VERDICT_KEYS = ("loss_bitwise_equal", "grads_bitwise_equal", "params_bitwise_equal",
+                         "optimizer_state_bitwise_equal")
+
+
+def verdict(results: List[Dict], bitwise_training: bool = False) -> bool:
+    """Step-1 loss and logprobs in every judged row; with bitwise_training also every step's loss,
+    gradients, parameters and optimizer state."""
     judged = [r for r in results if not r["vanilla"]] or results
-    return bool(judged) and all(r["steps"][0]["loss_bitwise_equal"] and r["steps"][0]["logprobs_bitwise_equal"]
-                                for r in judged)
+    first = all(r["steps"][0]["loss_bitwise_equal"] and r["steps"][0]["logprobs_bitwise_equal"] for r in judged)
+    every = all(s[key] for r in judged for s in r["steps"] for key in TRAINING_VERDICT_KEYS)
+    return bool(judged) and first and (every or not bitwise_training)
 
 
 def _yes(flag) -> str:
@@ -112,8 +141,8 @@ def _yes(flag) -> str:
 
 
 def format_table(results: List[Dict], reference: Dict[str, Dict]) -> str:
-    head = (f"{'layout':<18}{'mode':<14}{'step':>5}{'loss':>12}{'loss=':>7}{'logp=':>7}{'gnorm=':>8}"
-            f"{'|dgnorm|':>11}{'|dparam|':>11}")
+    head = (f"{'layout':<18}{'mode':<14}{'step':>5}{'loss':>12}{'loss=':>7}{'logp=':>7}{'grads=':>8}"
+            f"{'params=':>9}{'optim=':>8}{'|dgrad|':>11}{'|dparam|':>11}")
     lines = [head, "-" * len(head)]
     for key, run in reference.items():
         for k, loss in enumerate(run["loss"]):
@@ -123,7 +152,8 @@ def format_table(results: List[Dict], reference: Dict[str, Dict]) -> str:
             lines.append(
                 f"{r['layout']['name']:<18}{mode_name(r['vanilla']):<14}{s['step']:>5}{s['loss']:>12.7f}"
                 f"{_yes(s['loss_bitwise_equal']):>7}{_yes(s['logprobs_bitwise_equal']):>7}"
-                f"{_yes(s['grads_bitwise_equal']):>8}{_fmt(s['grad_norm_max_abs_diff']):>11}"
+                f"{_yes(s['grads_bitwise_equal']):>8}{_yes(s['params_bitwise_equal']):>9}"
+                f"{_yes(s['optimizer_state_bitwise_equal']):>8}{_fmt(s['grad_max_abs_diff']):>11}"
                 f"{_fmt(s['param_max_abs_diff']):>11}")
     return "\n".join(lines)
 
@@ -138,14 +168,19 @@ def finish(parts: List[List[Dict]], reference: Dict[str, Dict], pl, ns, show: bo
 
     results = [r for rows in parts for r in rows]
     results.sort(key=lambda r: r["vanilla"], reverse=True)  # vanilla rows first, then ours
-    ok = verdict(results)
+    training = bool(pl.profile.bitwise_training)
+    ok = verdict(results, training)
+    promise = ("every step's loss, gradients, parameters and optimizer state" if training
+               else "step-1 loss and in-step logprobs")
     if show:
         print(f"mindspeed-tp train-check: model={pl.spec.name} dtype={ns.dtype} profile={pl.profile.name} "
               f"megatron-core={megatron_version()} steps={pl.settings.steps} micro-batch={pl.settings.micro_batch_size} "
               f"global-batch={pl.settings.global_batch_size} distributed-optimizer={pl.settings.distributed_optimizer} "
-              f"overlap={pl.settings.overlap} recompute={pl.settings.recompute}")
+              f"overlap={pl.settings.overlap} recompute={pl.settings.recompute} "
+              f"bitwise-training={training}")
         print(format_table(results, reference))
-        print("RESULT:", ("" if ok else "NOT ") + "bitwise equal to the one-device run (step-1 loss and in-step logprobs)")
+        print("RESULT:", ("" if ok else "NOT ") + f"bitwise equal to the one-device run ({promise})")
         if ns.json:
-            write_json_atomic(ns.json, {"results": results, "reference": reference, "all_bitwise_equal": ok})
+            write_json_atomic(ns.json, {"results": results, "reference": reference, "bitwise_training": training,
+                                        "all_bitwise_equal": ok})
     return 0 if ok else 1

@@ -1,0 +1,106 @@
+"""Column-parallel layers under bitwise training: the input gradient in canonical order.
+
+A column-parallel layer (QKV, fc1, the LM head) splits its output features over TP, so its input
+gradient ``dx = dy @ W`` is a sum over those features that vanilla Megatron adds in the collective
+(the dgrad all-reduce, or the SP all-gather's backward reduce-scatter), each rank's bf16 partial
+rounded first. Here the output features are cut into canonical leaves of a fixed width (C leaves
+per part, or ``vocab_leaf_width`` rows for the LM head), each leaf's product is an fp32 GEMM of the
+same shape in every layout, a rank folds its contiguous run of leaves (a subtree), and the ranks'
+subtrees are folded by moving data (``kernels.collectives.fold_across_ranks``), cast once.
+
+A gated fc1 (SwiGLU) holds two parts per rank, ``[gate_r; up_r]``: leaf i is gate chunk i
+followed by up chunk i, so its rows are the same features in every layout. The LM head's padded
+vocab rows have zero gradient, and a perfect tree with zero leaves appended is the same sum, so
+Megatron's TP-dependent vocab padding does not change the bits.
+"""
+from typing import Optional
+
+import torch
+
+from ... import state
+from ...contract.refusals import refuse
+from ...kernels.collectives import _all_gather_rows, fold_across_ranks, group_size
+from ...kernels.linear import _fold_leaves, invariant_weight_grad
+from ...kernels.logprob import vocab_leaf_width
+
+# Attribute a model patch sets on a gated fc1 weight: how many parts its output rows hold.
+PARTS_ATTR = "_mindspeed_tp_output_parts"
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n >= 1 and not n & (n - 1)
+
+
+def _leaf_rows(n_local: int, parts: int, leaves: int, device) -> Optional[torch.Tensor]:
+    """Row order putting leaf i's rows (chunk i of every part, part order) contiguously; None if
+    the rows are in that order already (one part)."""
+    if parts == 1:
+        return None
+    chunk = n_local // (parts * leaves)
+    idx = torch.arange(n_local, device=device).view(parts, leaves, chunk).transpose(0, 1)
+    return idx.reshape(-1)
+
+
+def leaves_per_rank(weight: torch.Tensor, tp: int, vocab: Optional[int]) -> int:
+    """How many canonical leaves this rank's output rows hold (refused if not a power of two)."""
+    prof = state.profile()
+    n_local = weight.shape[0]
+    if vocab is not None:  # the LM head: leaves of the width the forward's vocab tree uses
+        width = vocab_leaf_width(vocab, prof.canonical_shards, prof.vocab_pad_multiple)
+        leaves = n_local // width
+        if n_local % width or not _is_power_of_two(leaves):
+            raise refuse("bitwise_vocab_leaves", v_local=n_local, width=width, vocab=vocab)
+        return leaves
+    parts = getattr(weight, PARTS_ATTR, 1)
+    leaves = prof.canonical_shards // tp
+    if n_local % (parts * leaves):
+        raise refuse("bitwise_column_indivisible", n=n_local * tp, parts=parts, c=prof.canonical_shards)
+    return leaves
+
+
+class CanonicalColumnLinear(torch.autograd.Function):
+    """Forward: gather the SP slices (moved, not summed), one invariant GEMM. Backward: dW by the
+    invariant GEMM over the micro-batch's tokens, dx by the canonical leaf tree folded across TP
+    (SP: each rank keeps its sequence slice)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group, sequence_parallel, out_dtype, leaves, compute):
+        ctx.group, ctx.sp, ctx.leaves = group, sequence_parallel, leaves
+        ctx.save_for_backward(x, weight)
+        full = _gather_sequence(x, group) if sequence_parallel else x
+        lead = full.shape[:-1]
+        out = compute(full.reshape(-1, full.shape[-1]), weight, out_dtype)
+        return out.reshape(*lead, weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        full = _gather_sequence(x, ctx.group) if ctx.sp else x
+        lead = full.shape[:-1]
+        x2d = full.reshape(-1, full.shape[-1])
+        dtype = torch.promote_types(x.dtype, weight.dtype)
+        dy = grad.reshape(-1, grad.shape[-1]).to(dtype)
+        dw = invariant_weight_grad(dy, x2d.to(dtype), weight.dtype) if ctx.needs_input_grad[1] else None
+        dx = None
+        if ctx.needs_input_grad[0]:
+            order = _leaf_rows(weight.shape[0], getattr(weight, PARTS_ATTR, 1), ctx.leaves, weight.device)
+            dyl, wl = (dy, weight) if order is None else (dy[:, order], weight[order])
+            # x = dy's leaf columns, "weight" = W^T: leaf i is dy[:, leaf_i] @ W[leaf_i, :] in fp32.
+            partial = _fold_leaves(dyl, wl.t().to(dtype), ctx.leaves, state.profile().gemm_row_multiple)
+            partial = partial.reshape(*lead, partial.shape[-1])
+            dx = fold_across_ranks(partial, ctx.group, x.dtype, scatter_dim0=ctx.sp)
+        return dx, dw, None, None, None, None, None
+
+
+def _gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    if group_size(group) == 1:
+        return x
+    full = _all_gather_rows(x.reshape(x.shape[0], -1), group)
+    return full.reshape(-1, *x.shape[1:])
+
+
+def column_linear(x, weight, group, sequence_parallel: bool, out_dtype, compute, vocab: Optional[int] = None):
+    """The column-parallel GEMM under bitwise training. ``compute(x2d, weight, out_dtype)`` is the
+    forward's invariant GEMM; ``vocab``: the true vocab size when this is the LM head."""
+    leaves = leaves_per_rank(weight, group_size(group), vocab)
+    return CanonicalColumnLinear.apply(x, weight, group, bool(sequence_parallel), out_dtype, leaves, compute)

@@ -1,0 +1,148 @@
+"""Registry entries of bitwise training: megatron-core's DDP, schedules, finalize and clipping.
+
+Each wrapper does nothing unless ``bitwise_training`` is on (``active()``), then:
+- DDP construction: refuses what the mode does not cover (MoE, tied embeddings, several
+  distributed-optimizer instances) -- its own refusals run at model build and in the kernels;
+- the schedule (``get_forward_backward_func``'s result): records and checks the micro-batch plan;
+- DDP's backward hook: counts micro-batches into groups (``accumulation``);
+- a bucket group's ``start_grad_sync``: folds the groups before the DP reduction;
+- finalize's TP all-reduce of norm gradients: skipped, they were folded across TP in the backward
+  (``token_sums``); any other parameter that asks for it is refused;
+- ``get_grad_norm_fp32``: the exact sum of squares (``grad_norm``).
+"""
+import math
+
+import torch.distributed as dist
+
+from ...contract.refusals import refuse
+from ...patching import PatchRegistry
+from . import accumulation, active
+from .grad_norm import grad_norm
+
+DDP = "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel"
+BUCKETS = "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup"
+FINALIZE = "megatron.core.distributed.finalize_model_grads"
+# Set on parameters whose gradient the backward already folded across TP (norms, QK-norms).
+TP_FOLDED_ATTR = "_mindspeed_tp_tp_folded"
+
+
+def check_ddp(module, ddp_config) -> None:
+    """What bitwise training refuses, read off the model and the DDP config."""
+    config = getattr(module, "config", None)
+    if getattr(config, "num_moe_experts", None):
+        raise refuse("bitwise_moe")
+    if any(getattr(m, "share_embeddings_and_output_weights", False) for m in module.modules()):
+        raise refuse("bitwise_tied_embeddings")
+    instances = getattr(ddp_config, "num_distributed_optimizer_instances", 1)
+    if instances != 1:
+        raise refuse("bitwise_ddp_setting", setting="num_distributed_optimizer_instances", value=instances,
+                     why="the all-reduce across optimizer instances adds in the library's order")
+    if getattr(ddp_config, "use_megatron_fsdp", False) or getattr(ddp_config, "use_custom_fsdp", False):
+        raise refuse("bitwise_ddp_setting", setting="use_megatron_fsdp", value=True,
+                     why="FSDP reduces gradients in its own buffers")
+
+
+def ddp_init(original):
+    def __init__(self, config, ddp_config, module, *args, **kwargs):
+        if active():
+            check_ddp(module, ddp_config)
+        original(self, config, ddp_config, module, *args, **kwargs)
+
+    return __init__
+
+
+def backward_post_hook(original):
+    def _make_backward_post_hook(self, param):
+        hook = original(self, param)
+        setattr(param, accumulation.HOOKED_ATTR, True)
+
+        def bitwise_hook(*unused):
+            if active() and param in self.param_to_bucket_group and param.grad is not None:
+                accumulation.count_microbatch(param)
+            return hook(*unused)
+
+        return bitwise_hook
+
+    return _make_backward_post_hook
+
+
+def start_grad_sync(original):
+    def wrapped(self, *args, **kwargs):
+        if active():
+            accumulation.fold_groups(self.params)
+        return original(self, *args, **kwargs)
+
+    return wrapped
+
+
+def forward_backward_func(original):
+    def get_forward_backward_func(*args, **kwargs):
+        schedule = original(*args, **kwargs)
+
+        def forward_backward(*a, **kw):
+            if active():
+                from megatron.core import parallel_state as ps
+
+                from ... import state
+
+                accumulation.reset()
+                accumulation.set_schedule(int(kw["num_microbatches"]),
+                                          ps.get_data_parallel_world_size(with_context_parallel=True),
+                                          state.profile().microbatch_groups)
+            return schedule(*a, **kw)
+
+        return forward_backward
+
+    return get_forward_backward_func
+
+
+def tp_norm_allreduce(original):
+    def allreduce(model, config, *args, **kwargs):
+        if not active():
+            return original(model, config, *args, **kwargs)
+        for chunk in model:
+            for name, param in chunk.named_parameters():
+                if not param.requires_grad:
+                    continue
+                if getattr(param, "average_gradients_across_tp_domain", False):
+                    raise refuse("bitwise_tp_reduced_param", name=name)
+                wants = (getattr(config, "sequence_parallel", False) and getattr(param, "sequence_parallel", False)) \
+                    or (getattr(config, "qk_layernorm", False) and ("q_layernorm" in name or "k_layernorm" in name))
+                if wants and not getattr(param, TP_FOLDED_ATTR, False):
+                    raise refuse("bitwise_tp_reduced_param", name=name)
+        return None
+
+    return allreduce
+
+
+def clip_norm(original):
+    def get_grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=None):
+        if not active() or float(norm_type) == math.inf:  # max is exact in any order
+            return original(grads_for_norm, norm_type, grad_stats_parallel_group)
+        if float(norm_type) != 2.0:
+            raise refuse("bitwise_ddp_setting", setting="clip_grad norm_type", value=norm_type,
+                         why="only the L2 norm has an exact sum here")
+        grads = [grads_for_norm] if not isinstance(grads_for_norm, (list, tuple)) else list(grads_for_norm)
+        device = grads[0].device if grads else "cpu"
+        group = grad_stats_parallel_group if grad_stats_parallel_group is not None else dist.group.WORLD
+        return grad_norm(grads, [group], device)
+
+    return get_grad_norm_fp32
+
+
+def register(reg: PatchRegistry) -> None:
+    why = "bitwise_training: "
+    reg.register(f"{DDP}.__init__", why + "refuses models and DDP settings the mode does not cover",
+                 wraps=True)(ddp_init)
+    reg.register(f"{DDP}._make_backward_post_hook", why + "counts each parameter's micro-batch gradients into "
+                 "canonical groups (a group's sum set aside at its end)", wraps=True)(backward_post_hook)
+    reg.register(f"{BUCKETS}.start_grad_sync", why + "folds the micro-batch groups by a tree before the DP "
+                 "reduction", wraps=True)(start_grad_sync)
+    reg.register("megatron.core.pipeline_parallel.schedules:get_forward_backward_func", why + "checks and records "
+                 "the micro-batch plan of each step", wraps=True)(forward_backward_func)
+    reg.register(f"{FINALIZE}:_allreduce_non_tensor_model_parallel_grads", why + "norm gradients are already folded "
+                 "across TP in the backward (no second all-reduce)", wraps=True, optional=True)(tp_norm_allreduce)
+    reg.register(f"{FINALIZE}:_allreduce_layernorm_grads", why + "norm gradients are already folded across TP in "
+                 "the backward (megatron-core 0.12's name)", wraps=True, optional=True)(tp_norm_allreduce)
+    reg.register("megatron.core.optimizer.clip_grads:get_grad_norm_fp32", why + "the clipping norm from an exact, "
+                 "order-independent sum of squares", wraps=True)(clip_norm)
