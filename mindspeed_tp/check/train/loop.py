@@ -223,7 +223,7 @@ def train_layout(spec: ModelSpec, layout: Layout, dtype: torch.dtype, profile: P
 
     def record_after_step(step: int) -> None:  # parameters and optimizer state after step ``step`` (0-based)
         record("params", step, params_of(chunks))
-        states = optimizer_states(optimizer)
+        states = optimizer_states(optimizer, chunks)
         for key in OPTIMIZER_STATE_KEYS:
             record(f"optimizer_state/{key}", step, state_values(states, key))
 

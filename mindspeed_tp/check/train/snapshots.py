@@ -67,33 +67,41 @@ def _pairs(opt) -> Iterable[Tuple[torch.nn.Parameter, torch.nn.Parameter]]:
             yield from ((p, p) for p in group["params"])
 
 
-def optimizer_states(optimizer) -> Dict[torch.nn.Parameter, Dict[str, torch.Tensor]]:
+def optimizer_states(optimizer, chunks) -> Dict[torch.nn.Parameter, Dict[str, torch.Tensor]]:
     from megatron.core import parallel_state as ps
 
-    out = {}
+    local, sharded = {}, False
     for opt in _leaf_optimizers(optimizer):
-        sharded = hasattr(opt, "shard_fp32_from_float16_groups")
         for model_param, main in _pairs(opt):
             state = opt.optimizer.state.get(main, {})
             values = {"exp_avg": state.get("exp_avg"), "exp_avg_sq": state.get("exp_avg_sq"), "main_param": main}
-            if not sharded:
-                out[model_param] = {k: v.detach().float().clone().view(model_param.shape)
-                                    for k, v in values.items() if v is not None}
-                continue
-            rng = opt._get_model_param_range_map(model_param)["param"]
-            full = {}
-            for key in OPTIMIZER_STATE_KEYS:
-                t = torch.zeros(model_param.numel(), dtype=torch.float32, device=main.device)
+            if hasattr(opt, "shard_fp32_from_float16_groups"):
+                sharded = True
+                rng = opt._get_model_param_range_map(model_param)["param"]
+                local[model_param] = (rng, values)
+            else:
+                local[model_param] = (None, values)
+    params = [p for chunk in chunks for p in chunk.parameters()]  # the same order on every DP rank
+    if not sharded:
+        return {p: {k: v.detach().float().clone().view(p.shape) for k, v in local[p][1].items() if v is not None}
+                for p in params if p in local}
+    # Each DP rank owns a range of some parameters: zero-filled full copies, one sum over DP (exact:
+    # every element comes from one rank, the others add +0).
+    flat = torch.zeros(len(OPTIMIZER_STATE_KEYS), sum(p.numel() for p in params), dtype=torch.float32)
+    offset, where = 0, {}
+    for p in params:
+        where[p] = offset
+        if p in local:
+            rng, values = local[p]
+            for i, key in enumerate(OPTIMIZER_STATE_KEYS):
                 if values[key] is not None:
-                    t[rng.start:rng.end] = values[key].detach().float().view(-1)
-                full[key] = t
-            stacked = torch.stack([full[k] for k in OPTIMIZER_STATE_KEYS])
-            group = opt.data_parallel_group if getattr(opt, "data_parallel_group", None) is not None \
-                else ps.get_data_parallel_group()
-            if group.size() > 1:
-                dist.all_reduce(stacked, group=group)
-            out[model_param] = {k: stacked[i].view(model_param.shape) for i, k in enumerate(OPTIMIZER_STATE_KEYS)}
-    return out
+                    flat[i, offset + rng.start: offset + rng.end] = values[key].detach().float().view(-1).cpu()
+        offset += p.numel()
+    group = ps.get_data_parallel_group(with_context_parallel=True)
+    if dist.get_world_size(group=group) > 1:
+        dist.all_reduce(flat, group=group)
+    return {p: {k: flat[i, where[p]: where[p] + p.numel()].view(p.shape) for i, k in enumerate(OPTIMIZER_STATE_KEYS)}
+            for p in params}
 
 
 class ShardComparison:

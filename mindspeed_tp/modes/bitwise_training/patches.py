@@ -88,6 +88,7 @@ def forward_backward_func(original):
                 accumulation.reset()
                 accumulation.set_schedule(int(kw["num_microbatches"]),
                                           ps.get_data_parallel_world_size(with_context_parallel=True),
+                                          ps.get_data_parallel_rank(with_context_parallel=True),
                                           state.profile().microbatch_groups)
             return schedule(*a, **kw)
 
