@@ -109,6 +109,8 @@ def row_parallel_forward(self, input_):
         return _rollout_layout_forward(self, input_, group, prof)
     if k_full % prof.canonical_shards:
         raise refuse("row_k_indivisible", k=k_full, cls=type(self).__name__, c=prof.canonical_shards)
+    if prof.bitwise_training and self.bias is not None:
+        raise refuse("bitwise_training_bias", layer="row-parallel")
     lead = input_.shape[:-1]
     x2d = input_.reshape(-1, input_.shape[-1])
     leaves = prof.canonical_shards // tp

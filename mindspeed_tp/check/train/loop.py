@@ -28,6 +28,7 @@ from ..models.builder import build_gpt_chunks
 from ..models.layout import Layout
 from ..models.spec import ModelSpec
 from ..models.weights import SeededWeights, load_weights
+from .state_file import load_state, save_state
 from .snapshots import (OPTIMIZER_STATE_KEYS, ShardComparison, optimizer_states, params_of, reduced_main_grads,
                         state_values)
 from ...contract.profile import Profile
@@ -192,12 +193,14 @@ def _wire_config(config, wrapped, ddp_config, optimizer) -> None:
 
 
 def train_layout(spec: ModelSpec, layout: Layout, dtype: torch.dtype, profile: Profile, settings: TrainSettings,
-                 vanilla: bool, reference: Optional[Dict] = None) -> Dict:
+                 vanilla: bool, reference: Optional[Dict] = None, load_state_path: Optional[str] = None,
+                 save_state_path: Optional[str] = None) -> Dict:
     """Train ``settings.steps`` steps in ``layout``. Returns, identical on every rank:
     ``loss`` (K,), ``logprobs`` (G, s) of step 1 (from inside the training step), ``grad_norm`` (K,),
     and for each of ``params`` (after each step), ``grads`` (the reduced gradients of each step) and
     ``optimizer_state/<key>`` (after each step): the full tensors by name (one-device run, no
-    ``reference``), or else ``<field>_diff``: per step (max |diff|, names that differ) against it."""
+    ``reference``), or else ``<field>_diff``: per step (max |diff|, names that differ) against it.
+    ``load_state_path`` / ``save_state_path``: start from / write a layout-free state (state_file)."""
     from megatron.core import parallel_state as ps
 
     disable() if vanilla else enable(profile)
@@ -207,6 +210,7 @@ def train_layout(spec: ModelSpec, layout: Layout, dtype: torch.dtype, profile: P
     batch = train_batch(spec, settings)
     chunks, wrapped, ddp_config = _model_parallel_chunks(spec, layout, dtype, profile, settings)
     optimizer = _optimizer(wrapped, dtype, settings)
+    steps_before = load_state(load_state_path, spec, layout, chunks, optimizer) if load_state_path else 0
     _wire_config(chunks[0].config, wrapped, ddp_config, optimizer)
     compare = ShardComparison(spec, layout, chunks)
     rows = micro_batch_rows(settings, layout.dp, ps.get_data_parallel_rank())
@@ -253,6 +257,8 @@ def train_layout(spec: ModelSpec, layout: Layout, dtype: torch.dtype, profile: P
         for m in wrapped:  # the last update's parameter all-gather, as before a checkpoint
             m.start_param_sync(force_sync=True)
     record_after_step(settings.steps - 1)
+    if save_state_path:
+        save_state(save_state_path, spec, layout, profile, chunks, optimizer, steps_before + settings.steps)
     out = dict(loss=torch.stack(losses), logprobs=logprobs, grad_norm=torch.stack(grad_norms), scored=batch.scored)
     out.update(recorded)
     return out

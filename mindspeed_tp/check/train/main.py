@@ -26,7 +26,7 @@ DEFAULTS = dict(
     model=None, profile="default", layouts="tp2-sp", dtype="bf16", seed=1234, steps=3, micro_batch_size=2,
     global_batch_size=8, seq_length=64, lr=3e-3, distributed_optimizer=False, overlap=False, recompute="none",
     dispatcher="alltoall", bitwise_training=False, json=None, vanilla=False, compare_vanilla=False, timeout=600.0, reference=None,
-    save_reference=None, launch_layouts=None, results=None,
+    save_reference=None, launch_layouts=None, results=None, load_state=None, save_state=None,
 )
 
 
@@ -61,6 +61,10 @@ def build_parser(prog: str = "mindspeed-tp train-check") -> argparse.ArgumentPar
                                                  "code 3 (default 600)")
     p.add_argument("--reference", help="load the one-device run from this safetensors file (--save-reference)")
     p.add_argument("--save-reference", help="save the one-device run (world of one process) to this file")
+    p.add_argument("--save-state", help="write the trained state of the (single) layout in --layouts after the last "
+                                        "step: full parameters, fp32 main parameters, Adam moments (safetensors)")
+    p.add_argument("--load-state", help="start every run (one device and each layout) from a --save-state file "
+                                        "instead of the seeded weights, e.g. saved in another layout")
     p.add_argument("--launch-layouts", help=argparse.SUPPRESS)  # the launcher: this world's share of --layouts
     p.add_argument("--results", help=argparse.SUPPRESS)         # the launcher: where this world's rows go
     p.add_argument("--status-file", help=argparse.SUPPRESS)
@@ -82,6 +86,8 @@ def resolve_args(argv: Optional[List[str]]) -> argparse.Namespace:
         raise ConfigError("--timeout must be > 0 seconds")
     if ns.vanilla and ns.compare_vanilla:
         raise ConfigError("--vanilla and --compare-vanilla: pick one")
+    if ns.save_state and len(parse_layouts(ns.layouts)) != 1:
+        raise ConfigError("--save-state saves one layout's state: name exactly one layout in --layouts")
     return ns
 
 
@@ -177,7 +183,8 @@ def run(ns: argparse.Namespace) -> int:
         reference = {}
         for vanilla in pl.modes:
             progress.step(f"one device ({report.mode_name(vanilla)})")
-            reference[report.mode_key(vanilla)] = train_layout(pl.spec, Layout(), dtype, pl.profile, pl.settings, vanilla)
+            reference[report.mode_key(vanilla)] = train_layout(pl.spec, Layout(), dtype, pl.profile, pl.settings, vanilla,
+                                                               load_state_path=ns.load_state)
         if ns.save_reference and rank == 0:
             report.save_reference_run(ns.save_reference, reference, meta)
     else:
@@ -188,7 +195,9 @@ def run(ns: argparse.Namespace) -> int:
         for vanilla in pl.modes:
             progress.step(f"{layout.name} ({report.mode_name(vanilla)})")
             ref = reference[report.mode_key(vanilla)]
-            out = train_layout(pl.spec, layout, dtype, pl.profile, pl.settings, vanilla, reference=ref)
+            save = ns.save_state if not vanilla else None
+            out = train_layout(pl.spec, layout, dtype, pl.profile, pl.settings, vanilla, reference=ref,
+                               load_state_path=ns.load_state, save_state_path=save)
             rows.append(report.result_row(layout, vanilla, out, ref, pl, ns.dtype))
     progress.finish()
     code = 0

@@ -1,0 +1,185 @@
+"""Bitwise training (profile bitwise_training, ``mindspeed-tp train-check --bitwise-training``): with
+the same global batch, every layout's loss, every gradient, every parameter and the optimizer state
+(Adam's moments and the fp32 main parameters) are ``torch.equal`` to the one-device run after every
+step -- each parameter's full logical tensor, compared shard by shard -- for TP in {1, 2, 4} x SP x
+PP in {1, 2} (1F1B and interleaved) x DP in {1, 2}, bf16 (distributed optimizer, overlapped grad
+reduce and param gather) and fp32 (plain optimizer, selective recompute), 3 Adam steps with clipping;
+vanilla megatron-core is not. One train-check launch per dtype; the refusals and the exact norm are
+checked in-process."""
+import json
+import math
+import random
+from fractions import Fraction
+
+import pytest
+import torch
+
+from conftest import explain, run_cli
+
+LAYOUTS = ["tp2", "tp2-sp", "tp4-sp", "tp1-pp2", "tp1-dp2", "tp2-sp-pp2", "tp2-sp-dp2", "tp2-pp2-vpp2", "tp4-sp-pp2",
+           "tp2-sp-pp2-dp2"]
+RUNS = {
+    "bf16": ["--distributed-optimizer", "--overlap"],
+    "fp32": ["--recompute", "selective"],
+}
+VERDICTS = ("loss_bitwise_equal", "grads_bitwise_equal", "params_bitwise_equal", "optimizer_state_bitwise_equal")
+# Layouts splitting a sum over TP or DP ranks (tp1-pp2 splits none; vanilla may or may not match there).
+SPLIT_SUMS = [n for n in LAYOUTS if n != "tp1-pp2"]
+
+
+@pytest.fixture(scope="module", params=sorted(RUNS))
+def report(request, tmp_path_factory):
+    dtype = request.param
+    path = tmp_path_factory.mktemp("bitwise") / "report.json"
+    proc = run_cli("train-check", "--model", "tiny-dense", "--layouts", ",".join(LAYOUTS), "--dtype", dtype,
+                   "--steps", "3", "--global-batch-size", "4", "--micro-batch-size", "1", "--seq-length", "32",
+                   "--bitwise-training", "--compare-vanilla", "--json", str(path), *RUNS[dtype], timeout=1500)
+    assert proc.returncode in (0, 1) and path.exists(), explain(proc)
+    with open(path) as f:
+        return dtype, proc, json.load(f)
+
+
+def _rows(data, vanilla):
+    return {r["layout"]["name"]: r for r in data["results"] if r["vanilla"] == vanilla}
+
+
+def test_every_step_bitwise_in_every_layout(report):
+    dtype, proc, data = report
+    assert proc.returncode == 0, explain(proc)
+    assert data["bitwise_training"] is True and data["all_bitwise_equal"] is True
+    ours = _rows(data, vanilla=False)
+    assert sorted(ours) == sorted(LAYOUTS)
+    for name, row in ours.items():
+        assert row["dtype"] == dtype
+        assert [s["step"] for s in row["steps"]] == [1, 2, 3]
+        for s in row["steps"]:
+            bad = [k for k in VERDICTS if not s[k]]
+            assert not bad, (name, s["step"], bad, s["grads_differ"][:3], s["optimizer_state_differ"][:3])
+            assert s["grads_differ"] == [] and s["params_differ"] == [] and s["optimizer_state_differ"] == []
+            assert s["grad_max_abs_diff"] == 0.0 and s["param_max_abs_diff"] == 0.0
+            assert s["grad_norm_bitwise_equal"], (name, s["step"])
+
+
+def test_training_moves_the_loss(report):
+    _, _, data = report
+    losses = data["reference"]["consistent"]["loss"]
+    assert losses[2] < losses[0]
+
+
+def test_vanilla_differs_wherever_a_sum_is_split(report):
+    _, _, data = report
+    vanilla = _rows(data, vanilla=True)
+    assert sorted(vanilla) == sorted(LAYOUTS)
+    for name in SPLIT_SUMS:
+        steps = vanilla[name]["steps"]
+        assert not all(s[k] for s in steps for k in VERDICTS), name
+        assert any(s["grads_differ"] for s in steps), name
+
+
+# ---- in-process: the exact norm and the refusals ----
+
+def _exact(tensors):
+    return float(sum(Fraction(float(v)) ** 2 for t in tensors for v in t.reshape(-1).tolist()))
+
+
+def test_exact_grad_norm_is_order_independent_and_correctly_rounded():
+    from mindspeed_tp.modes.bitwise_training.grad_norm import exact_sum_of_squares, exponent_sums
+
+    gen = torch.Generator().manual_seed(0)
+    random.seed(0)
+    grads = [torch.randn(500, generator=gen) * 10 ** random.uniform(-20, 4) for _ in range(6)]
+    total = exact_sum_of_squares(exponent_sums(grads))
+    flat = torch.cat(grads)
+    shuffled = flat[torch.randperm(flat.numel(), generator=gen)]
+    parts = [exponent_sums([shuffled[:777]]), exponent_sums([shuffled[777:2000], shuffled[2000:]])]
+    assert exact_sum_of_squares(parts[1] + parts[0]) == total  # any split, any order of the integer sums
+    assert total == _exact(grads)
+
+
+def test_exact_grad_norm_edge_values():
+    from mindspeed_tp.modes.bitwise_training.grad_norm import exact_sum_of_squares, exponent_sums
+
+    assert exact_sum_of_squares(exponent_sums([torch.zeros(4)])) == 0.0
+    assert math.isnan(exact_sum_of_squares(exponent_sums([torch.tensor([1.0, float("inf")])])))
+    tiny = torch.tensor([1e-45, -3e-39, 3.0e38])  # subnormals and the largest exponents
+    assert exact_sum_of_squares(exponent_sums([tiny])) == _exact([tiny])
+
+
+@pytest.mark.parametrize("microbatches,dp,groups", [(1, 1, 2), (3, 2, 2), (2, 4, 4), (4, 2, 1), (6, 1, 2)])
+def test_refusals_microbatch_plan(microbatches, dp, groups):
+    from mindspeed_tp.errors import ConfigError
+    from mindspeed_tp.modes.bitwise_training import accumulation
+
+    with pytest.raises(ConfigError, match="microbatch_groups"):
+        accumulation.set_schedule(microbatches, dp, 0, groups)
+
+
+def test_microbatch_plan_accepted_and_groups_follow_the_sampler():
+    from mindspeed_tp.modes.bitwise_training import accumulation
+
+    accumulation.set_schedule(4, 1, 0, 2)
+    assert [accumulation._group(k) for k in range(4)] == [0, 1, 0, 1]
+    accumulation.set_schedule(2, 2, 1, 2)
+    assert [accumulation._group(k) for k in range(2)] == [1, 1]
+    assert [accumulation._bit_reversed(g, 4) for g in range(4)] == [0, 2, 1, 3]
+
+
+def test_refusals_models_the_mode_does_not_cover():
+    from types import SimpleNamespace
+
+    from mindspeed_tp.errors import ConfigError
+    from mindspeed_tp.modes.bitwise_training.patches import check_ddp
+
+    class Model(torch.nn.Module):
+        def __init__(self, **config):
+            super().__init__()
+            self.config = SimpleNamespace(**config)
+
+    ddp = SimpleNamespace(num_distributed_optimizer_instances=1)
+    with pytest.raises(ConfigError, match="num_moe_experts"):
+        check_ddp(Model(num_moe_experts=4), ddp)
+    tied = Model()
+    tied.share_embeddings_and_output_weights = True
+    with pytest.raises(ConfigError, match="share_embeddings_and_output_weights"):
+        check_ddp(tied, ddp)
+    with pytest.raises(ConfigError, match="num_distributed_optimizer_instances"):
+        check_ddp(Model(), SimpleNamespace(num_distributed_optimizer_instances=2))
+    check_ddp(Model(), ddp)  # a dense untied model passes
+
+
+def test_profile_field_validation():
+    from mindspeed_tp.contract.profile import load_profile
+    from mindspeed_tp.errors import ConfigError
+
+    base = load_profile("default")
+    assert base.bitwise_training is False and base.microbatch_groups == 2
+    for bad in (dict(microbatch_groups=3), dict(bitwise_training="yes")):
+        with pytest.raises(ConfigError):
+            base.replace(**bad)
+    with pytest.raises(ConfigError, match="canonical_tree"):
+        load_profile("rollout-tp1").replace(bitwise_training=True)
+
+
+def test_resharding_mid_run(tmp_path):
+    """2 steps at tp2-sp-pp2, saved (full logical tensors), 2 more at tp1-dp2 from that file: the
+    same parameters, main parameters and Adam moments as 4 steps on one device."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    common = ["--model", "tiny-dense", "--dtype", "bf16", "--global-batch-size", "4", "--micro-batch-size", "1",
+              "--seq-length", "32", "--bitwise-training"]
+    half, resumed, straight = (str(tmp_path / n) for n in ("half.safetensors", "resumed.safetensors",
+                                                            "straight.safetensors"))
+    for args in (["--layouts", "tp2-sp-pp2", "--steps", "2", "--save-state", half],
+                 ["--layouts", "tp1-dp2", "--steps", "2", "--load-state", half, "--save-state", resumed],
+                 ["--layouts", "tp1", "--steps", "4", "--save-state", straight]):
+        proc = run_cli("train-check", *common, *args)
+        assert proc.returncode == 0, explain(proc)
+    a, b = load_file(resumed), load_file(straight)
+    assert sorted(a) == sorted(b) and any(k.startswith("exp_avg_sq/") for k in a)
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert differ == []
+    with safe_open(resumed, framework="pt") as f:
+        assert f.metadata()["steps"] == "4"
+    first = load_file(half)
+    assert not torch.equal(first["param/output_layer.weight"], b["param/output_layer.weight"])  # it trained on
