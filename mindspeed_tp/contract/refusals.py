@@ -451,11 +451,6 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "bitwise_training covers dense models only: MoE layers (num_moe_experts) need canonical token orders "
             "inside each expert and router-gradient trees, not implemented; set bitwise_training: false",
             "expert and router gradients are not canonical yet"),
-    Refusal("bitwise_tied_embeddings", TRAINING, "share_embeddings_and_output_weights",
-            "bitwise_training: tied input/output embeddings are not covered yet (the two gradient contributions "
-            "meet in autograd at PP=1 and in an all-reduce at PP>1); set share_embeddings_and_output_weights=False "
-            "(untie_embeddings_and_output_weights) or bitwise_training: false",
-            "the two contributions must be added in one fixed order in every layout"),
     Refusal("bitwise_microbatch_groups", TRAINING, "microbatch_groups / micro-batch count / DP",
             "bitwise_training: {microbatches} micro-batches per DP rank x DP={dp} are not split into "
             "microbatch_groups={groups} equal groups with DP dividing it; use a global batch of groups x k "

@@ -81,6 +81,7 @@ def gpt_model_init(original, registry: PatchRegistry):
         if head is not None:
             head._mindspeed_tp_logits = True
         mark_gated_fc1(self)
+        mark_tied_head(self)
 
     return __init__
 
@@ -94,6 +95,16 @@ def mark_gated_fc1(model) -> None:
         config = getattr(module, "config", None)
         if name.endswith("mlp.linear_fc1") and getattr(config, "gated_linear_unit", False):
             setattr(module.weight, PARTS_ATTR, 2)
+
+
+def mark_tied_head(model) -> None:
+    """Embedding and LM head sharing one weight on this stage (PP=1): bitwise training keeps the
+    head's gradient apart, as a pipeline's last stage does (modes/bitwise_training/accumulation.py)."""
+    from ..modes.bitwise_training.accumulation import TIED_HEAD_ATTR
+
+    if getattr(model, "share_embeddings_and_output_weights", False) and getattr(model, "pre_process", False) \
+            and getattr(model, "post_process", False):
+        setattr(model.embedding.word_embeddings.weight, TIED_HEAD_ATTR, True)
 
 
 def _holds_megatron_modules(target) -> bool:

@@ -33,7 +33,10 @@ def shard_rule(name: str) -> str:
 def global_param_name(model, local_name: str, ep_rank: int = 0) -> str:
     """Global name: decoder.layers.<local>.* renumbered to the global layer index (PP stages
     number from 0), and experts.local_experts.<j> to the global expert index (EP ranks hold
-    contiguous runs of experts)."""
+    contiguous runs of experts). With tied embeddings a last pipeline stage's own copy of the shared
+    weight (output_layer.weight) is the embedding's: megatron keeps the two equal."""
+    if local_name == "output_layer.weight" and getattr(model, "share_embeddings_and_output_weights", False):
+        return "embedding.word_embeddings.weight"
     parts = local_name.split(".")
     if len(parts) > 2 and parts[0] == "decoder" and parts[1] == "layers":
         layer = model.decoder.layers[int(parts[2])]

@@ -12,14 +12,19 @@ many micro-batches each rank holds. The canonical order here:
   order. A DP rank's groups (those = r mod DP) are then one subtree: it folds them before the DP
   reduction, whose single level for DP=2 is one addition of two values, the same whoever adds.
 
-A rank holding several groups keeps each group's chain while another is being accumulated (an fp32
-copy per extra group: G/DP - 1 of them). The backward hook (``count_microbatch``) runs before
-Megatron's own hook adds the micro-batch's gradient; ``fold_groups`` runs when a bucket group starts
-its gradient sync (after the last micro-batch, with or without overlap_grad_reduce).
+A rank holding several groups accumulates its last one (in bit-reversed order) in ``main_grad`` and
+each other one in an fp32 buffer of its own (G/DP - 1 buffers, kept across steps; none at DP = G).
+The backward hook (``route_microbatch``) runs before Megatron's own hook: a micro-batch of another
+group is added to that group's buffer and Megatron's hook is told it was added already
+(``grad_added_to_main_grad``). ``fold_groups`` runs when a bucket group starts its gradient sync
+(after the last micro-batch, with or without overlap_grad_reduce): the tree over the rank's groups,
+written into ``main_grad``.
 """
+from types import SimpleNamespace
 from typing import Dict
 
 import torch
+import torch.distributed as dist
 
 from ...contract.refusals import refuse
 from ...contract.tree import tree_fold
@@ -28,8 +33,15 @@ from ...errors import ConfigError
 # Set per forward_backward call by the schedule wrapper.
 _plan: Dict[str, int] = {}
 _counts: Dict[int, int] = {}
-_chains: Dict[int, Dict[int, torch.Tensor]] = {}
+# On a parameter (or a tied-head accumulator): {group: fp32 buffer}, living as long as it does.
+BUFFERS_ATTR = "_mindspeed_tp_group_buffers"
 HOOKED_ATTR = "_mindspeed_tp_bitwise_hook"
+# Tied embeddings on one stage (PP=1): the LM head's share of the shared weight's gradient, kept
+# apart as on a pipeline's last stage and added once, after both are accumulated and DP-reduced.
+TIED_HEAD_ATTR = "_mindspeed_tp_tied_head"
+# The LM-head accumulators of this step's tied weights (the accumulator itself lives on the weight).
+_heads: Dict[int, SimpleNamespace] = {}
+HEAD_ATTR = "_mindspeed_tp_tied_head_grad"
 
 
 def set_schedule(num_microbatches: int, dp: int, dp_rank: int, groups: int) -> None:
@@ -50,24 +62,70 @@ def _bit_reversed(g: int, groups: int) -> int:
     return int(format(g, f"0{bits}b")[::-1], 2) if bits else 0
 
 
-def count_microbatch(param: torch.nn.Parameter) -> None:
-    """Before the hook adds micro-batch k's gradient: if it belongs to another group than k-1,
-    set the previous group's chain aside and continue this group's (or start it from zero)."""
+def _home(groups_of_rank) -> int:
+    """The group accumulated in main_grad: this rank's last in bit-reversed order."""
+    return max(groups_of_rank, key=lambda g: _bit_reversed(g, _plan["groups"]))
+
+
+def _rank_groups():
+    return sorted({_group(k) for k in range(_plan["local"])}, key=lambda g: _bit_reversed(g, _plan["groups"]))
+
+
+def route_microbatch(holder, grad: torch.Tensor) -> bool:
+    """Before micro-batch k's gradient ``grad`` is added to ``holder.main_grad``: if k belongs to
+    another group than main_grad's, add it to that group's buffer and return True (added)."""
     if not _plan:
         raise ConfigError("bitwise_training: a backward pass ran outside megatron's forward_backward_func (the "
                           "micro-batch plan is unknown); run training steps through get_forward_backward_func()")
-    key = id(param)
+    key = id(holder)
     k = _counts.get(key, 0)
     _counts[key] = k + 1
-    if k == 0 or _group(k) == _group(k - 1):
+    groups = _rank_groups()
+    g = _group(k)
+    if len(groups) == 1 or g == _home(groups):
+        return False
+    buffers = getattr(holder, BUFFERS_ATTR, None)
+    if buffers is None:
+        buffers = {}
+        setattr(holder, BUFFERS_ATTR, buffers)
+    buf = buffers.get(g)
+    if buf is None:
+        buf = buffers[g] = torch.zeros_like(holder.main_grad)
+    buf.add_(grad)
+    return True
+
+
+def add_tied_head_grad(param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+    """The LM head's gradient of a weight it shares with the embedding on this stage: accumulated
+    in its own fp32 buffer, micro-batch by micro-batch in the same groups as a parameter's."""
+    head = getattr(param, HEAD_ATTR, None)
+    if head is None:
+        head = SimpleNamespace(param=param, main_grad=torch.zeros_like(param, dtype=torch.float32), pending=False)
+        setattr(param, HEAD_ATTR, head)
+    _heads[id(param)] = head
+    head.pending = True
+    if not route_microbatch(head, grad):
+        head.main_grad.add_(grad)
+
+
+def _fold(holder) -> None:
+    key = id(holder)
+    seen = _counts.pop(key, 0)
+    if seen and seen != _plan.get("local"):
+        raise RuntimeError(f"bitwise_training: a parameter received {seen} micro-batch gradients, the schedule "
+                           f"ran {_plan.get('local')}; every parameter must be used by every micro-batch")
+    buffers = getattr(holder, BUFFERS_ATTR, None)
+    if not seen or not buffers:
         return
-    chains = _chains.setdefault(key, {})
-    chains[_group(k - 1)] = param.main_grad.detach().clone()
-    resumed = chains.pop(_group(k), None)
-    if resumed is None:
-        param.main_grad.zero_()
+    groups = _rank_groups()
+    home = _home(groups)
+    leaves = [holder.main_grad if g == home else buffers[g] for g in groups]
+    if len(leaves) == 2:
+        holder.main_grad.add_(leaves[0])  # one addition: the same bits in either operand order
     else:
-        param.main_grad.copy_(resumed)
+        holder.main_grad.copy_(tree_fold(torch.stack(leaves), dim=0))
+    for buf in buffers.values():
+        buf.zero_()
 
 
 def fold_groups(params) -> None:
@@ -77,19 +135,46 @@ def fold_groups(params) -> None:
             raise ConfigError("bitwise_training: this DistributedDataParallel was built before mindspeed-tp was "
                               "enabled with bitwise_training, so its gradient hooks are megatron's own; enable first, "
                               "then build the model and DDP")
-        key = id(param)
-        seen = _counts.pop(key, 0)
-        if seen and seen != _plan.get("local"):
-            raise RuntimeError(f"bitwise_training: a parameter received {seen} micro-batch gradients, the schedule "
-                               f"ran {_plan.get('local')}; every parameter must be used by every micro-batch")
-        chains = _chains.pop(key, None)
-        if not chains:
+        _fold(param)
+        head = getattr(param, HEAD_ATTR, None)
+        if head is not None and head.pending:
+            _fold(head)
+
+
+def add_tied_heads(model) -> None:
+    """After the DP reduction (finalize's word-embedding step): each kept LM-head gradient, scaled
+    and DP-reduced as its bucket was (one addition for DP=2), added once to the embedding's -- what
+    the all-reduce between a pipeline's first and last stage computes."""
+    for head in _heads.values():
+        if not head.pending:
             continue
-        chains[_group(seen - 1)] = param.main_grad.detach().clone()
-        order = sorted(chains, key=lambda g: _bit_reversed(g, _plan["groups"]))
-        param.main_grad.copy_(tree_fold(torch.stack([chains[g] for g in order]), dim=0))
+        head.pending = False
+        param = head.param
+        for chunk in model:
+            group_of = getattr(chunk, "param_to_bucket_group", {})
+            if param not in group_of:
+                continue
+            bucket_group = group_of[param]
+            bucket = bucket_group.param_to_bucket[param]
+            if bucket.gradient_scaling_factor != 1.0:
+                head.main_grad *= bucket.gradient_scaling_factor
+            group = getattr(bucket_group, "intra_distributed_optimizer_instance_group", None) or \
+                getattr(bucket_group, "data_parallel_group")
+            if dist.get_world_size(group=group) > 1:
+                dist.all_reduce(head.main_grad, group=group)
+                if bucket_group.ddp_config.average_in_collective:
+                    head.main_grad /= dist.get_world_size(group=group)
+            param.main_grad.add_(head.main_grad)
+            head.main_grad.zero_()
+            break
+        else:
+            raise RuntimeError("bitwise_training: a tied embedding weight is in no DDP bucket")
 
 
 def reset() -> None:
+    """A new step: the counts start over (group and tied-head buffers are kept, zeroed after use)."""
     _counts.clear()
-    _chains.clear()
+    for head in _heads.values():
+        head.main_grad.zero_()
+        head.pending = False
+    _heads.clear()

@@ -22,6 +22,7 @@ from ...contract.refusals import refuse
 from ...kernels.collectives import _all_gather_rows, fold_across_ranks, group_size
 from ...kernels.linear import _fold_leaves, invariant_weight_grad
 from ...kernels.logprob import vocab_leaf_width
+from . import accumulation
 
 # Attribute a model patch sets on a gated fc1 weight: how many parts its output rows hold.
 PARTS_ATTR = "_mindspeed_tp_output_parts"
@@ -81,6 +82,9 @@ class CanonicalColumnLinear(torch.autograd.Function):
         dtype = torch.promote_types(x.dtype, weight.dtype)
         dy = grad.reshape(-1, grad.shape[-1]).to(dtype)
         dw = invariant_weight_grad(dy, x2d.to(dtype), weight.dtype) if ctx.needs_input_grad[1] else None
+        if dw is not None and getattr(weight, accumulation.TIED_HEAD_ATTR, False):
+            accumulation.add_tied_head_grad(weight, dw)  # kept apart from the embedding's (PP=1, tied)
+            dw = None
         dx = None
         if ctx.needs_input_grad[0]:
             order = _leaf_rows(weight.shape[0], getattr(weight, PARTS_ATTR, 1), ctx.leaves, weight.device)

@@ -16,6 +16,8 @@ import torch.distributed as dist
 # frexp exponents of finite fp32 values lie in [-148, 128].
 _E_MIN, _BINS = -160, 300
 _HALF = 24
+# Elements per pass: the integer temporaries (about 40 bytes an element) stay bounded.
+_CHUNK = 1 << 20
 
 
 def exponent_sums(grads: List[torch.Tensor]) -> torch.Tensor:
@@ -23,19 +25,24 @@ def exponent_sums(grads: List[torch.Tensor]) -> torch.Tensor:
     counts non-finite elements."""
     acc = torch.zeros(3, _BINS, dtype=torch.int64)
     for g in grads:
-        flat = g.detach().reshape(-1).float()
-        finite = torch.isfinite(flat)
-        bad = int((~finite).sum())
-        if bad:
-            acc[2, 0] += bad
-            flat = torch.where(finite, flat, torch.zeros_like(flat))
-        mantissa, exponent = torch.frexp(flat)
-        m = torch.ldexp(mantissa.abs(), torch.tensor(_HALF, dtype=torch.int32)).to(torch.int64)  # exact
-        sq = m * m
-        idx = (exponent.to(torch.int64) - _E_MIN).cpu()
-        acc[0].index_add_(0, idx, (sq >> _HALF).cpu())
-        acc[1].index_add_(0, idx, (sq & ((1 << _HALF) - 1)).cpu())
+        whole = g.detach().reshape(-1)
+        for start in range(0, whole.numel(), _CHUNK):
+            _add_chunk(acc, whole[start:start + _CHUNK].float())
     return acc
+
+
+def _add_chunk(acc: torch.Tensor, flat: torch.Tensor) -> None:
+    finite = torch.isfinite(flat)
+    bad = int((~finite).sum())
+    if bad:
+        acc[2, 0] += bad
+        flat = torch.where(finite, flat, torch.zeros_like(flat))
+    mantissa, exponent = torch.frexp(flat)
+    m = torch.ldexp(mantissa.abs(), torch.tensor(_HALF, dtype=torch.int32)).to(torch.int64)  # exact
+    sq = m * m
+    idx = (exponent.to(torch.int64) - _E_MIN).cpu()
+    acc[0].index_add_(0, idx, (sq >> _HALF).cpu())
+    acc[1].index_add_(0, idx, (sq & ((1 << _HALF) - 1)).cpu())
 
 
 def exact_sum_of_squares(acc: torch.Tensor) -> float:

@@ -1,13 +1,15 @@
 """Registry entries of bitwise training: megatron-core's DDP, schedules, finalize and clipping.
 
 Each wrapper does nothing unless ``bitwise_training`` is on (``active()``), then:
-- DDP construction: refuses what the mode does not cover (MoE, tied embeddings, several
+- DDP construction: refuses what the mode does not cover (MoE, several
   distributed-optimizer instances) -- its own refusals run at model build and in the kernels;
 - the schedule (``get_forward_backward_func``'s result): records and checks the micro-batch plan;
-- DDP's backward hook: counts micro-batches into groups (``accumulation``);
+- DDP's backward hook: routes each micro-batch's gradient to its group (``accumulation``);
 - a bucket group's ``start_grad_sync``: folds the groups before the DP reduction;
 - finalize's TP all-reduce of norm gradients: skipped, they were folded across TP in the backward
   (``token_sums``); any other parameter that asks for it is refused;
+- finalize's word-embedding all-reduce: on one stage with tied embeddings, adds the LM head's
+  gradient kept apart (``accumulation.add_tied_heads``);
 - ``get_grad_norm_fp32``: the exact sum of squares (``grad_norm``).
 """
 import math
@@ -31,8 +33,6 @@ def check_ddp(module, ddp_config) -> None:
     config = getattr(module, "config", None)
     if getattr(config, "num_moe_experts", None):
         raise refuse("bitwise_moe")
-    if any(getattr(m, "share_embeddings_and_output_weights", False) for m in module.modules()):
-        raise refuse("bitwise_tied_embeddings")
     instances = getattr(ddp_config, "num_distributed_optimizer_instances", 1)
     if instances != 1:
         raise refuse("bitwise_ddp_setting", setting="num_distributed_optimizer_instances", value=instances,
@@ -57,8 +57,21 @@ def backward_post_hook(original):
         setattr(param, accumulation.HOOKED_ATTR, True)
 
         def bitwise_hook(*unused):
-            if active() and param in self.param_to_bucket_group and param.grad is not None:
-                accumulation.count_microbatch(param)
+            if active() and param in self.param_to_bucket_group and param.grad is not None \
+                    and not param.grad_added_to_main_grad:
+                if accumulation.route_microbatch(param, param.grad.data):
+                    # added to its group's buffer: megatron's hook must not add it to main_grad too
+                    # (zero_out_wgrad, set on a tied weight at PP=1, would make it add regardless)
+                    zero_out = getattr(param, "zero_out_wgrad", None)
+                    param.grad_added_to_main_grad = True
+                    if zero_out is not None:
+                        param.zero_out_wgrad = False
+                    try:
+                        return hook(*unused)
+                    finally:
+                        param.grad_added_to_main_grad = False
+                        if zero_out is not None:
+                            param.zero_out_wgrad = zero_out
             return hook(*unused)
 
         return bitwise_hook
@@ -116,6 +129,15 @@ def tp_norm_allreduce(original):
     return allreduce
 
 
+def word_embedding_allreduce(original):
+    def _allreduce_word_embedding_grads(model, config, *args, **kwargs):
+        original(model, config, *args, **kwargs)
+        if active():
+            accumulation.add_tied_heads(model)
+
+    return _allreduce_word_embedding_grads
+
+
 def clip_norm(original):
     def get_grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=None):
         if not active() or float(norm_type) == math.inf:  # max is exact in any order
@@ -145,5 +167,8 @@ def register(reg: PatchRegistry) -> None:
                  "across TP in the backward (no second all-reduce)", wraps=True, optional=True)(tp_norm_allreduce)
     reg.register(f"{FINALIZE}:_allreduce_layernorm_grads", why + "norm gradients are already folded across TP in "
                  "the backward (megatron-core 0.12's name)", wraps=True, optional=True)(tp_norm_allreduce)
+    reg.register(f"{FINALIZE}:_allreduce_word_embedding_grads", why + "tied embeddings on one stage: the LM head's "
+                 "gradient, accumulated apart and DP-reduced, added once to the embedding's (as between a pipeline's "
+                 "first and last stage)", wraps=True)(word_embedding_allreduce)
     reg.register("megatron.core.optimizer.clip_grads:get_grad_norm_fp32", why + "the clipping norm from an exact, "
                  "order-independent sum of squares", wraps=True)(clip_norm)
