@@ -105,7 +105,7 @@ def test_exact_grad_norm_edge_values():
     assert exact_sum_of_squares(exponent_sums([tiny])) == _exact([tiny])
 
 
-@pytest.mark.parametrize("microbatches,dp,groups", [(1, 1, 2), (3, 2, 2), (2, 4, 4), (4, 2, 1), (6, 1, 2)])
+@pytest.mark.parametrize("microbatches,dp,groups", [(1, 1, 2), (3, 2, 2), (2, 4, 2), (4, 2, 1), (6, 1, 2)])
 def test_refusals_microbatch_plan(microbatches, dp, groups):
     from mindspeed_tp.errors import ConfigError
     from mindspeed_tp.modes.bitwise_training import accumulation
@@ -179,6 +179,30 @@ def test_resharding_mid_run(tmp_path):
         assert f.metadata()["steps"] == "4"
     first = load_file(half)
     assert not torch.equal(first["param/output_layer.weight"], b["param/output_layer.weight"])  # it trained on
+
+
+DP4_LAYOUTS = ["tp1-dp4", "tp1-dp2", "tp2-sp-dp2"]
+
+
+def test_four_dp_ranks_fold_the_tree_by_moving_data(tmp_path):
+    """microbatch_groups: 4 and DP=4: the DP levels are folded by an all-to-all of bucket slices and
+    local adds (ranks in the tree's order), not by the collective's sum; DP=2 then folds two groups
+    per rank locally first. Distributed optimizer on (the reduce-scatter shape)."""
+    profile = tmp_path / "g4.yaml"
+    profile.write_text("name: bitwise-g4\nbitwise_training: true\nmicrobatch_groups: 4\n")
+    path = tmp_path / "dp4.json"
+    proc = run_cli("train-check", "--model", "tiny-dense", "--profile", str(profile), "--layouts", ",".join(DP4_LAYOUTS),
+                   "--dtype", "bf16", "--steps", "2", "--global-batch-size", "8", "--micro-batch-size", "1",
+                   "--seq-length", "32", "--distributed-optimizer", "--json", str(path))
+    assert proc.returncode == 0, explain(proc)
+    with open(path) as f:
+        data = json.load(f)
+    assert data["bitwise_training"] is True
+    ours = _rows(data, vanilla=False)
+    assert sorted(ours) == sorted(DP4_LAYOUTS)
+    for name, row in ours.items():
+        for s in row["steps"]:
+            assert all(s[k] for k in VERDICTS), (name, s["step"], s["grads_differ"][:3])
 
 
 TIED_LAYOUTS = ["tp2-sp", "tp1-pp2", "tp2-sp-pp2-dp2"]

@@ -452,9 +452,9 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "inside each expert and router-gradient trees, not implemented; set bitwise_training: false",
             "expert and router gradients are not canonical yet"),
     Refusal("bitwise_microbatch_groups", TRAINING, "microbatch_groups / micro-batch count / DP",
-            "bitwise_training: {microbatches} micro-batches per DP rank x DP={dp} are not split into "
-            "microbatch_groups={groups} equal groups with DP dividing it; use a global batch of groups x k "
-            "micro-batches with DP | {groups} (profile field microbatch_groups)",
+            "bitwise_training: {microbatches} micro-batches per DP rank x DP={dp} are not a power of two split "
+            "into microbatch_groups={groups} equal groups with DP dividing it; use a power-of-two global batch of "
+            "groups x k micro-batches with DP | {groups} (profile field microbatch_groups)",
             "gradient accumulation is a tree over micro-batch groups; a DP rank's groups must be a subtree"),
     Refusal("bitwise_ddp_setting", TRAINING, "{setting}",
             "bitwise_training: DistributedDataParallelConfig.{setting}={value} is not supported ({why})",

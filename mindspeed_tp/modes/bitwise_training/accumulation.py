@@ -47,7 +47,7 @@ HEAD_ATTR = "_mindspeed_tp_tied_head_grad"
 def set_schedule(num_microbatches: int, dp: int, dp_rank: int, groups: int) -> None:
     """Validate and record one step's micro-batch plan (called by the schedule wrapper)."""
     total = num_microbatches * dp
-    if dp > 2 or groups % dp or total % groups or total & (total - 1):
+    if groups % dp or total % groups or total & (total - 1):
         raise refuse("bitwise_microbatch_groups", microbatches=num_microbatches, dp=dp, groups=groups)
     _plan.update(local=num_microbatches, dp=dp, dp_rank=dp_rank, groups=groups)
 
@@ -169,6 +169,44 @@ def add_tied_heads(model) -> None:
             break
         else:
             raise RuntimeError("bitwise_training: a tied embedding weight is in no DDP bucket")
+
+
+class _Done:
+    """The handle megatron waits on after an overlapped sync; this reduction is already complete."""
+
+    def wait(self):
+        return None
+
+
+def reduce_over_dp(bucket_group, sharded: bool) -> None:
+    """The DP levels of the tree for DP > 2, replacing the bucket group's all-reduce / reduce-scatter:
+    every rank's bucket cut into DP slices, slice i moved to rank i (all-to-all), folded there in the
+    tree's leaf order (ranks in bit-reversed order: rank r holds the groups = r mod DP, a subtree),
+    then gathered back (all-reduce) or kept as the rank's shard (distributed optimizer)."""
+    group = bucket_group.intra_distributed_optimizer_instance_group if sharded else bucket_group.data_parallel_group
+    dp, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
+    order = sorted(range(dp), key=lambda r: _bit_reversed(r, dp))
+    average = bucket_group.ddp_config.average_in_collective
+    for bucket in bucket_group.buckets:
+        data = bucket.grad_data
+        if bucket.gradient_scaling_factor != 1.0:
+            data *= bucket.gradient_scaling_factor
+        n = data.numel()
+        per = -(-n // dp)
+        flat = data if per * dp == n else torch.cat([data, data.new_zeros(per * dp - n)])
+        received = torch.empty_like(flat)
+        dist.all_to_all_single(received, flat.contiguous(), group=group)
+        mine = tree_fold(received.view(dp, per)[order], dim=0)
+        if average:
+            mine /= dp
+        if sharded:  # the distributed optimizer pads buckets to a multiple of DP
+            data.view(dp, per)[rank].copy_(mine)
+        else:
+            full = torch.empty_like(flat)
+            dist.all_gather_into_tensor(full, mine.contiguous(), group=group)
+            data.copy_(full[:n])
+    if bucket_group.ddp_config.overlap_grad_reduce:
+        bucket_group.grad_reduce_handle = _Done()
 
 
 def reset() -> None:

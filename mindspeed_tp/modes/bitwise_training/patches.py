@@ -5,7 +5,8 @@ Each wrapper does nothing unless ``bitwise_training`` is on (``active()``), then
   distributed-optimizer instances) -- its own refusals run at model build and in the kernels;
 - the schedule (``get_forward_backward_func``'s result): records and checks the micro-batch plan;
 - DDP's backward hook: routes each micro-batch's gradient to its group (``accumulation``);
-- a bucket group's ``start_grad_sync``: folds the groups before the DP reduction;
+- a bucket group's ``start_grad_sync``: folds the groups before the DP reduction, and for DP > 2
+  replaces the reduction by the tree folded by moving data;
 - finalize's TP all-reduce of norm gradients: skipped, they were folded across TP in the backward
   (``token_sums``); any other parameter that asks for it is refused;
 - finalize's word-embedding all-reduce: on one stage with tied embeddings, adds the LM head's
@@ -79,10 +80,23 @@ def backward_post_hook(original):
     return _make_backward_post_hook
 
 
+def _dp_size(bucket_group) -> int:
+    sharded = bucket_group.ddp_config.use_distributed_optimizer
+    group = bucket_group.intra_distributed_optimizer_instance_group if sharded else bucket_group.data_parallel_group
+    return dist.get_world_size(group=group)
+
+
 def start_grad_sync(original):
     def wrapped(self, *args, **kwargs):
         if active():
             accumulation.fold_groups(self.params)
+            if _dp_size(self) > 2:  # two ranks: one addition, whoever adds; more: the tree by moving data
+                if self.ddp_config.check_for_nan_in_grad:
+                    raise refuse("bitwise_ddp_setting", setting="check_for_nan_in_grad", value=True,
+                                 why="not run by the tree reduction over more than two DP ranks; check the "
+                                     "gradient norm (NaN when any gradient is) instead")
+                accumulation.reduce_over_dp(self, self.ddp_config.use_distributed_optimizer)
+                return None
         return original(self, *args, **kwargs)
 
     return wrapped
