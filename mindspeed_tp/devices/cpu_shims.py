@@ -193,8 +193,16 @@ _CUDA_AS_CPU = (
     ("megatron.core.pipeline_parallel.schedules:forward_backward_pipelining_with_interleaving",
      "the token count is allocated on the CUDA device"),
 )
+# Only in some megatron-core lines (skipped where absent).
+_CUDA_AS_CPU_OPTIONAL = (
+    (f"{_OPT}.optimizer:MegatronOptimizer.has_grad_norm_group",
+     "0.19: the separate-grad-norm-group flag is allocated on device='cuda' (every step of ChainedOptimizer)"),
+)
 for _target, _why in _CUDA_AS_CPU:
     _shims.add(Patch(target=_target, replacement=_cuda_as_cpu, wraps=True,
+                     reason=_why + ": allocate on the CPU and name CPU tensors by their CUDA type while it runs"))
+for _target, _why in _CUDA_AS_CPU_OPTIONAL:
+    _shims.add(Patch(target=_target, replacement=_cuda_as_cpu, wraps=True, optional=True,
                      reason=_why + ": allocate on the CPU and name CPU tensors by their CUDA type while it runs"))
 
 
