@@ -3,7 +3,8 @@ the same global batch, every layout's loss, every gradient, every parameter and 
 (Adam's moments and the fp32 main parameters) are ``torch.equal`` to the one-device run after every
 step -- each parameter's full logical tensor, compared shard by shard -- for TP in {1, 2, 4} x SP x
 PP in {1, 2} (1F1B and interleaved) x DP in {1, 2}, bf16 (distributed optimizer, overlapped grad
-reduce and param gather) and fp32 (plain optimizer, selective recompute), 3 Adam steps with clipping;
+reduce and param gather, full recompute) and fp32 (plain optimizer, selective recompute), 3 Adam steps
+with clipping;
 vanilla megatron-core is not. One train-check launch per dtype; the refusals and the exact norm are
 checked in-process."""
 import json
@@ -19,7 +20,7 @@ from conftest import explain, run_cli
 LAYOUTS = ["tp2", "tp2-sp", "tp4-sp", "tp1-pp2", "tp1-dp2", "tp2-sp-pp2", "tp2-sp-dp2", "tp2-pp2-vpp2", "tp4-sp-pp2",
            "tp2-sp-pp2-dp2"]
 RUNS = {
-    "bf16": ["--distributed-optimizer", "--overlap"],
+    "bf16": ["--distributed-optimizer", "--overlap", "--recompute", "full"],
     "fp32": ["--recompute", "selective"],
 }
 VERDICTS = ("loss_bitwise_equal", "grads_bitwise_equal", "params_bitwise_equal", "optimizer_state_bitwise_equal")
