@@ -45,12 +45,12 @@ def reduced_main_grads(wrapped) -> Dict[torch.nn.Parameter, torch.Tensor]:
     return out
 
 
-def _leaf_optimizers(optimizer) -> Iterable:
+def leaf_optimizers(optimizer) -> Iterable:
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         yield opt
 
 
-def _pairs(opt) -> Iterable[Tuple[torch.nn.Parameter, torch.nn.Parameter]]:
+def main_param_pairs(opt) -> Iterable[Tuple[torch.nn.Parameter, torch.nn.Parameter]]:
     """(model parameter, the tensor the inner torch optimizer steps) for every parameter."""
     if hasattr(opt, "shard_fp32_from_float16_groups"):  # DistributedOptimizer: shards of main params
         for models, shards in ((opt.model_float16_groups, opt.shard_fp32_from_float16_groups),
@@ -71,8 +71,8 @@ def optimizer_states(optimizer, chunks) -> Dict[torch.nn.Parameter, Dict[str, to
     from megatron.core import parallel_state as ps
 
     local, sharded = {}, False
-    for opt in _leaf_optimizers(optimizer):
-        for model_param, main in _pairs(opt):
+    for opt in leaf_optimizers(optimizer):
+        for model_param, main in main_param_pairs(opt):
             state = opt.optimizer.state.get(main, {})
             values = {"exp_avg": state.get("exp_avg"), "exp_avg_sq": state.get("exp_avg_sq"), "main_param": main}
             if hasattr(opt, "shard_fp32_from_float16_groups"):

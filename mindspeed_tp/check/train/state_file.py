@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from ...errors import ConfigError
 from ...kernels.collectives import gather_along_rank
 from ..models.weights import full_weight_shapes, param_shards, shard, unshard
-from .snapshots import _leaf_optimizers, _pairs, optimizer_states
+from .snapshots import leaf_optimizers, main_param_pairs, optimizer_states
 
 KINDS = ("param", "main_param", "exp_avg", "exp_avg_sq")
 
@@ -76,14 +76,15 @@ def load_state(path: str, spec, layout, chunks, optimizer) -> int:
             by_param[p] = {kind: shard(full[f"{kind}/{name}"], rule, size, rank) for kind in KINDS}
             with torch.no_grad():
                 p.copy_(by_param[p]["param"].to(p.dtype))
-    for opt in _leaf_optimizers(optimizer):
+    for opt in leaf_optimizers(optimizer):
         sharded = hasattr(opt, "shard_fp32_from_float16_groups")
-        for model_param, main in _pairs(opt):
+        for model_param, main in main_param_pairs(opt):
             values = by_param[model_param]
-            pick = (lambda t: t.reshape(-1)) if not sharded else None
-            if sharded:
-                rng = opt._get_model_param_range_map(model_param)["param"]
-                pick = (lambda t, r=rng: t.reshape(-1)[r.start:r.end])
+            rng = opt._get_model_param_range_map(model_param)["param"] if sharded else None
+
+            def pick(t, r=rng):  # this rank's range of the flattened parameter (all of it unsharded)
+                return t.reshape(-1) if r is None else t.reshape(-1)[r.start:r.end]
+
             with torch.no_grad():
                 main.view(-1).copy_(pick(values["main_param"]).to(main.dtype))
             opt.optimizer.state[main] = {
