@@ -4,7 +4,7 @@
                                      [--steps 3] [--seq-length 128] [--dtype bf16]
 
 One torchrun launch per (layout, mode) -- vanilla, mindspeed-tp (default profile), mindspeed-tp with
-bitwise_training -- through the train-check's own training script (megatron's DDP with the
+bitwise_training (and at DP=1 with microbatch_groups: 1) -- through the train-check's own training script (megatron's DDP with the
 distributed optimizer, the schedules, finalize_model_grads, Adam with clipping) without its
 comparisons. Step time: the mean of steps 2..K (max over ranks); peak memory: the largest rank's
 peak RSS growth from just before the model is built. Prints both and their ratios to vanilla; no
@@ -21,6 +21,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = ("vanilla", "mindspeed-tp", "bitwise")
+# The cheaper order the contract allows at DP=1: one micro-batch group (no extra fp32 gradient
+# buffer), which fixes the job to DP=1 layouts.
+DP1_MODES = ("bitwise-g1",)
 
 
 def _rss_mb() -> float:
@@ -50,7 +53,8 @@ def worker(ns) -> None:
     init_distributed(1800.0)
     install_cpu_shims()
     spec, layout = load_model_spec(ns.model), Layout.parse(ns.layout)
-    profile = load_profile("default").replace(bitwise_training=ns.mode == "bitwise")
+    profile = load_profile("default").replace(bitwise_training=ns.mode.startswith("bitwise"),
+                                              microbatch_groups=1 if ns.mode == "bitwise-g1" else 2)
     settings = TrainSettings(steps=ns.steps, micro_batch_size=1, global_batch_size=ns.global_batch_size,
                              seq_length=ns.seq_length, distributed_optimizer=True)
     disable() if ns.mode == "vanilla" else enable(profile)
@@ -107,9 +111,10 @@ def main() -> None:
     print(f"{'layout':<14}{'mode':<14}{'step s':>9}{'peak MB':>10}{'time x':>8}{'mem x':>8}")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for name in ns.layouts.split(","):
-        world = Layout.parse(name).world_size
+        layout = Layout.parse(name)
+        world = layout.world_size
         base = None
-        for mode in MODES:
+        for mode in MODES + (DP1_MODES if layout.dp == 1 else ()):
             with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                        os.path.abspath(__file__), "--worker", "--layout", name, "--mode", mode, "--out", tmp.name,

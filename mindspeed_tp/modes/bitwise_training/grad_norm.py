@@ -2,10 +2,13 @@
 
 Megatron sums each rank's squared norms in fp32 and all-reduces them over the model-parallel (and,
 with the distributed optimizer, data-parallel) ranks: the order follows the layout, and so do the
-norm's bits and the clip coefficient. Here every fp32 gradient element g = m * 2^e (m a 24-bit
-integer) contributes m^2, split into two 24-bit halves, to an int64 accumulator of its exponent e.
-Integer sums are exact and associative, so the collective library may add the accumulators in any
-order; the total is then formed once, exactly, as a Python integer and rounded once to fp64.
+norm's bits and the clip coefficient. Here every fp32 gradient element's square is formed exactly in
+float64 (48 significant bits), read off its bits as significand s (53-bit integer) and biased
+exponent e, and s -- split into two 26-bit halves -- goes to the accumulator of e. Within a chunk of
+2^16 elements the halves are summed per exponent as float64 (integers below 2^43: exact in any
+order), then added to int64 accumulators; integer sums are exact and associative, so the collective
+library may add the ranks' accumulators in any order. The total is formed once, exactly, as a Python
+integer and rounded once.
 """
 import math
 from typing import List, Optional
@@ -13,56 +16,44 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-# frexp exponents of finite fp32 values lie in [-148, 128].
-_E_MIN, _BINS = -160, 300
-_HALF = 24
-# Elements per pass: the integer temporaries (about 40 bytes an element) stay bounded.
-_CHUNK = 1 << 20
+_BINS = 2048  # biased float64 exponents; 0 holds only zeros, 2047 the non-finite squares
+_HALF = 26
+_MASK = (1 << _HALF) - 1
+# Elements per pass: cache-sized (measured fastest on CPU) and the per-exponent float64 sums exact.
+_CHUNK = 1 << 16
 
 
 def exponent_sums(grads: List[torch.Tensor]) -> torch.Tensor:
-    """int64 (3, bins): per exponent the sums of the high and low halves of m^2; row 2, slot 0
-    counts non-finite elements."""
-    acc = torch.zeros(3, _BINS, dtype=torch.int64)
+    """int64 (2, bins): per biased exponent of g^2 the sums of the high and low halves of its
+    significand (bin 2047: inf/nan, bin 0: zeros)."""
+    acc = torch.zeros(2, _BINS, dtype=torch.int64)
     for g in grads:
         whole = g.detach().reshape(-1)
         for start in range(0, whole.numel(), _CHUNK):
-            _add_chunk(acc, whole[start:start + _CHUNK].float())
+            _add_chunk(acc, whole[start:start + _CHUNK].cpu())
     return acc
 
 
-def _add_chunk(acc: torch.Tensor, flat: torch.Tensor) -> None:
-    finite = torch.isfinite(flat)
-    bad = int((~finite).sum())
-    if bad:
-        acc[2, 0] += bad
-        flat = torch.where(finite, flat, torch.zeros_like(flat))
-    mantissa, exponent = torch.frexp(flat)
-    m = torch.ldexp(mantissa.abs(), torch.tensor(_HALF, dtype=torch.int32)).to(torch.int64)  # exact
-    sq = m * m
-    idx = (exponent.to(torch.int64) - _E_MIN).cpu()
-    acc[0].index_add_(0, idx, (sq >> _HALF).cpu())
-    acc[1].index_add_(0, idx, (sq & ((1 << _HALF) - 1)).cpu())
+def _add_chunk(acc: torch.Tensor, chunk: torch.Tensor) -> None:
+    square = chunk.double()
+    square.mul_(square)  # exact: an fp32 significand squared fits float64's
+    bits = square.view(torch.int64)
+    exponent = bits >> 52
+    significand = (bits & ((1 << 52) - 1)) | (1 << 52)
+    acc[0] += torch.bincount(exponent, weights=(significand >> _HALF).double(), minlength=_BINS).long()
+    acc[1] += torch.bincount(exponent, weights=(significand & _MASK).double(), minlength=_BINS).long()
 
 
 def exact_sum_of_squares(acc: torch.Tensor) -> float:
-    """The total of the accumulators, rounded once to fp64 (inf/nan if any element was)."""
-    if int(acc[2, 0]):
+    """The total of the accumulators, rounded once to fp64 (nan if any element was not finite)."""
+    if int(acc[0, _BINS - 1]) or int(acc[1, _BINS - 1]):
         return float("nan")
-    total, lowest = 0, None
-    for i in range(_BINS):
-        hi, lo = int(acc[0, i]), int(acc[1, i])
+    total = 0
+    for e in range(1, _BINS - 1):  # bin 0: zeros (their implicit bit is not real)
+        hi, lo = int(acc[0, e]), int(acc[1, e])
         if hi or lo:
-            e = i + _E_MIN
-            # m^2 * 2^(2e - 48): shift every bin to the lowest exponent present
-            value = (hi << _HALF) + lo
-            if lowest is None:
-                lowest = 2 * e
-            total += value << (2 * e - lowest)
-    if lowest is None:
-        return 0.0
-    scale = lowest - 2 * _HALF
-    return float(total << scale) if scale >= 0 else total / (1 << -scale)
+            total += ((hi << _HALF) + lo) << (e - 1)  # s * 2^(e - 1075), relative to 2^(1 - 1075)
+    return total / (1 << 1074) if total else 0.0
 
 
 def grad_norm(grads, groups: List[Optional[dist.ProcessGroup]], device) -> float:
