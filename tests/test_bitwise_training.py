@@ -182,6 +182,39 @@ def test_resharding_mid_run(tmp_path):
     assert not torch.equal(first["param/output_layer.weight"], b["param/output_layer.weight"])  # it trained on
 
 
+def test_lm_head_with_a_non_power_of_two_run_of_vocab_leaves(tmp_path):
+    """A real vocabulary leaves each rank a non-power-of-two number of vocab leaves (vocab 1100 padded
+    to 1536: 12, 6 and 3 leaves of 128 rows at TP 1, 2, 4): the LM head's input gradient folds each
+    rank's range as aligned blocks and merges all blocks in tree order -- the same bits."""
+    model = tmp_path / "v1100.yaml"
+    model.write_text("name: tiny-dense-v1100\nnum_layers: 2\nhidden_size: 128\nnum_attention_heads: 8\n"
+                     "num_query_groups: 4\nkv_channels: 32\nffn_hidden_size: 256\nvocab_size: 1100\n"
+                     "padded_vocab_size: 1536\nmax_position_embeddings: 512\nrotary_base: 1000000\n"
+                     "norm_epsilon: 1.0e-6\nqk_layernorm: true\ntie_word_embeddings: false\n")
+    path = tmp_path / "v1100.json"
+    proc = run_cli("train-check", "--model", str(model), "--layouts", "tp2-sp,tp4-sp", "--dtype", "bf16", "--steps", "2",
+                   "--global-batch-size", "4", "--micro-batch-size", "1", "--seq-length", "32", "--bitwise-training",
+                   "--json", str(path))
+    assert proc.returncode == 0, explain(proc)
+    with open(path) as f:
+        data = json.load(f)
+    for row in data["results"]:
+        for s in row["steps"]:
+            assert all(s[k] for k in VERDICTS), (row["layout"]["name"], s["step"], s["grads_differ"][:3])
+
+
+def test_dyadic_blocks_partition_a_range_into_subtrees():
+    from mindspeed_tp.modes.bitwise_training.column_parallel import dyadic_blocks
+
+    assert dyadic_blocks(0, 12) == [(0, 8), (8, 4)]
+    assert dyadic_blocks(3, 6) == [(3, 1), (4, 2)]
+    assert dyadic_blocks(6, 9) == [(6, 2), (8, 1)]
+    for start, stop in [(0, 1), (5, 37), (9536, 19072)]:
+        blocks = dyadic_blocks(start, stop)
+        assert sum(size for _, size in blocks) == stop - start
+        assert all(s % size == 0 for s, size in blocks)  # aligned: each block is a subtree
+
+
 DP4_LAYOUTS = ["tp1-dp4", "tp1-dp2", "tp2-sp-dp2"]
 
 
