@@ -44,6 +44,27 @@ def _rows(data, vanilla):
     return {r["layout"]["name"]: r for r in data["results"] if r["vanilla"] == vanilla}
 
 
+def _bitwise_run(tmp_path, model, layouts, *extra, steps="2", global_batch="4"):
+    """One train-check launch (32 tokens, micro-batches of 1); returns its JSON report after
+    asserting exit 0 and that mindspeed-tp's rows are exactly ``layouts``."""
+    path = tmp_path / "report.json"
+    proc = run_cli("train-check", "--model", str(model), "--layouts", ",".join(layouts), "--dtype", "bf16",
+                   "--steps", steps, "--global-batch-size", global_batch, "--micro-batch-size", "1",
+                   "--seq-length", "32", "--json", str(path), *extra)
+    assert proc.returncode == 0, explain(proc)
+    with open(path) as f:
+        data = json.load(f)
+    assert data["bitwise_training"] is True and data["all_bitwise_equal"] is True
+    assert sorted(_rows(data, vanilla=False)) == sorted(layouts)
+    return data
+
+
+def _assert_every_step_bitwise(data):
+    for name, row in _rows(data, vanilla=False).items():
+        for s in row["steps"]:
+            assert all(s[k] for k in VERDICTS), (name, s["step"], s["grads_differ"][:3])
+
+
 def test_every_step_bitwise_in_every_layout(report):
     dtype, proc, data = report
     assert proc.returncode == 0, explain(proc)
@@ -191,16 +212,7 @@ def test_lm_head_with_a_non_power_of_two_run_of_vocab_leaves(tmp_path):
                      "num_query_groups: 4\nkv_channels: 32\nffn_hidden_size: 256\nvocab_size: 1100\n"
                      "padded_vocab_size: 1536\nmax_position_embeddings: 512\nrotary_base: 1000000\n"
                      "norm_epsilon: 1.0e-6\nqk_layernorm: true\ntie_word_embeddings: false\n")
-    path = tmp_path / "v1100.json"
-    proc = run_cli("train-check", "--model", str(model), "--layouts", "tp2-sp,tp4-sp", "--dtype", "bf16", "--steps", "2",
-                   "--global-batch-size", "4", "--micro-batch-size", "1", "--seq-length", "32", "--bitwise-training",
-                   "--json", str(path))
-    assert proc.returncode == 0, explain(proc)
-    with open(path) as f:
-        data = json.load(f)
-    for row in data["results"]:
-        for s in row["steps"]:
-            assert all(s[k] for k in VERDICTS), (row["layout"]["name"], s["step"], s["grads_differ"][:3])
+    _assert_every_step_bitwise(_bitwise_run(tmp_path, model, ["tp2-sp", "tp4-sp"], "--bitwise-training"))
 
 
 def test_dyadic_blocks_partition_a_range_into_subtrees():
@@ -224,19 +236,8 @@ def test_four_dp_ranks_fold_the_tree_by_moving_data(tmp_path):
     per rank locally first. Distributed optimizer on (the reduce-scatter shape)."""
     profile = tmp_path / "g4.yaml"
     profile.write_text("name: bitwise-g4\nbitwise_training: true\nmicrobatch_groups: 4\n")
-    path = tmp_path / "dp4.json"
-    proc = run_cli("train-check", "--model", "tiny-dense", "--profile", str(profile), "--layouts", ",".join(DP4_LAYOUTS),
-                   "--dtype", "bf16", "--steps", "2", "--global-batch-size", "8", "--micro-batch-size", "1",
-                   "--seq-length", "32", "--distributed-optimizer", "--json", str(path))
-    assert proc.returncode == 0, explain(proc)
-    with open(path) as f:
-        data = json.load(f)
-    assert data["bitwise_training"] is True
-    ours = _rows(data, vanilla=False)
-    assert sorted(ours) == sorted(DP4_LAYOUTS)
-    for name, row in ours.items():
-        for s in row["steps"]:
-            assert all(s[k] for k in VERDICTS), (name, s["step"], s["grads_differ"][:3])
+    _assert_every_step_bitwise(_bitwise_run(tmp_path, "tiny-dense", DP4_LAYOUTS, "--profile", str(profile),
+                                            "--distributed-optimizer", global_batch="8"))
 
 
 TIED_LAYOUTS = ["tp2-sp", "tp1-pp2", "tp2-sp-pp2-dp2"]
@@ -245,18 +246,8 @@ TIED_LAYOUTS = ["tp2-sp", "tp1-pp2", "tp2-sp-pp2-dp2"]
 def test_tied_embeddings_every_step_bitwise(tmp_path):
     """The input embedding and the LM head share one weight: on one stage its two gradients meet in
     one parameter, across a pipeline on two ranks; both are accumulated apart and added once."""
-    path = tmp_path / "tied.json"
-    proc = run_cli("train-check", "--model", "tiny-dense-tied", "--layouts", ",".join(TIED_LAYOUTS), "--dtype", "bf16",
-                   "--steps", "3", "--global-batch-size", "4", "--micro-batch-size", "1", "--seq-length", "32",
-                   "--bitwise-training", "--distributed-optimizer", "--json", str(path))
-    assert proc.returncode == 0, explain(proc)
-    with open(path) as f:
-        data = json.load(f)
-    ours = _rows(data, vanilla=False)
-    assert sorted(ours) == sorted(TIED_LAYOUTS)
-    for name, row in ours.items():
-        for s in row["steps"]:
-            assert all(s[k] for k in VERDICTS), (name, s["step"], s["grads_differ"][:3])
+    _assert_every_step_bitwise(_bitwise_run(tmp_path, "tiny-dense-tied", TIED_LAYOUTS, "--bitwise-training",
+                                            "--distributed-optimizer", steps="3"))
 
 
 @pytest.mark.version_lines
@@ -264,14 +255,5 @@ def test_bitwise_training_on_this_megatron_line(tmp_path):
     """The DDP hook, bucket sync, finalize and clipping targets differ by name and signature across
     megatron-core lines (0.12's _allreduce_layernorm_grads, 0.16/0.19's tp_group argument): one small
     run per line, overlap and the distributed optimizer on, TP with SP and DP."""
-    path = tmp_path / "line.json"
-    proc = run_cli("train-check", "--model", "tiny-dense", "--layouts", "tp2-sp,tp1-dp2", "--dtype", "bf16",
-                   "--steps", "2", "--global-batch-size", "4", "--micro-batch-size", "1", "--seq-length", "32",
-                   "--bitwise-training", "--distributed-optimizer", "--overlap", "--json", str(path))
-    assert proc.returncode == 0, explain(proc)
-    with open(path) as f:
-        data = json.load(f)
-    assert data["all_bitwise_equal"] is True
-    for row in data["results"]:
-        for s in row["steps"]:
-            assert all(s[k] for k in VERDICTS), (row["layout"]["name"], s["step"])
+    _assert_every_step_bitwise(_bitwise_run(tmp_path, "tiny-dense", ["tp2-sp", "tp1-dp2"], "--bitwise-training",
+                                            "--distributed-optimizer", "--overlap"))

@@ -55,7 +55,7 @@ class EngineSpec:
             raise ConfigError("profile field 'engine.version' must name the engine releases, e.g. '0.32.0'")
         if self.cpu_isa not in ENGINE_CPU_ISAS:
             raise ConfigError(f"profile field 'engine.cpu_isa' must be one of {ENGINE_CPU_ISAS}, got {self.cpu_isa!r}")
-        if not _is_power_of_two(self.block_size) or self.block_size < 16:
+        if not is_power_of_two(self.block_size) or self.block_size < 16:
             raise ConfigError(f"profile field 'engine.block_size' must be a power of two >= 16, got {self.block_size!r}")
 
 
@@ -79,7 +79,7 @@ def engine_from_dict(data: Any, source: str) -> Optional[EngineSpec]:
     return EngineSpec(**fields)
 
 
-def _is_power_of_two(n: int) -> bool:
+def is_power_of_two(n: int) -> bool:
     return isinstance(n, int) and not isinstance(n, bool) and n >= 1 and (n & (n - 1)) == 0
 
 
@@ -160,7 +160,7 @@ class Profile:
                 f"profile field 'reduction' must be one of {REDUCTION_MODES}, got {self.reduction!r}"
             )
         self._validate_rollout()
-        if not _is_power_of_two(self.canonical_shards):
+        if not is_power_of_two(self.canonical_shards):
             raise ConfigError(
                 f"profile field 'canonical_shards' must be a power of two, got {self.canonical_shards!r}"
             )
@@ -184,7 +184,7 @@ class Profile:
             )
         if not isinstance(self.bitwise_training, bool):
             raise ConfigError(f"profile field 'bitwise_training' must be true or false, got {self.bitwise_training!r}")
-        if not _is_power_of_two(self.microbatch_groups):
+        if not is_power_of_two(self.microbatch_groups):
             raise ConfigError(f"profile field 'microbatch_groups' must be a power of two, got {self.microbatch_groups!r}")
         if self.bitwise_training and self.reduction != "canonical_tree":
             raise ConfigError("profile field 'bitwise_training' needs reduction: canonical_tree (the rollout-layout "
@@ -211,7 +211,7 @@ class Profile:
                     f"set reduction: rollout_layout or remove rollout_tp"
                 )
             return
-        if not _is_power_of_two(self.rollout_tp):
+        if not is_power_of_two(self.rollout_tp):
             raise ConfigError(
                 f"profile field 'rollout_tp' must be the rollout engine's TP size, a power of two, with "
                 f"reduction: rollout_layout; got {self.rollout_tp!r}"
@@ -259,7 +259,7 @@ class Profile:
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def check_tp(self, tp: int, setting: str = "tensor_model_parallel_size") -> None:
-        if not _is_power_of_two(tp) or self.canonical_shards % tp != 0:
+        if not is_power_of_two(tp) or self.canonical_shards % tp != 0:
             raise refusals.refuse("tp_not_power_of_two_dividing_c", setting=setting, tp=tp, c=self.canonical_shards)
 
     def padded_vocab_size(self, vocab_size: int) -> int:

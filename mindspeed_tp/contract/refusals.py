@@ -456,7 +456,11 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "into microbatch_groups={groups} equal groups with DP dividing it; use a power-of-two global batch of "
             "groups x k micro-batches with DP | {groups} (profile field microbatch_groups)",
             "gradient accumulation is a tree over micro-batch groups; a DP rank's groups must be a subtree"),
-    Refusal("bitwise_ddp_setting", TRAINING, "{setting}",
+    Refusal("bitwise_clip_norm_type", TRAINING, "clip_grad norm_type",
+            "bitwise_training: gradient clipping with norm_type={value} is not supported; use the L2 norm (2) or inf",
+            "only the L2 norm has an exact, order-independent sum here (the max is exact anyway)"),
+    Refusal("bitwise_ddp_setting", TRAINING,
+            "DistributedDataParallelConfig (num_distributed_optimizer_instances, use_megatron_fsdp, check_for_nan_in_grad)",
             "bitwise_training: DistributedDataParallelConfig.{setting}={value} is not supported ({why})",
             "the data-parallel reduction must be the canonical fold"),
     Refusal("bitwise_tp_reduced_param", TRAINING, "average_gradients_across_tp_domain",

@@ -16,3 +16,15 @@ def tree_fold(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
     while t.shape[0] > 1:
         t = t[0::2] + t[1::2]
     return t[0]
+
+
+def padded_tree_fold(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """``tree_fold`` over any length: zero leaves appended up to a power of two (an exact zero
+    added changes nothing, so this is the perfect tree the leaves are a prefix of)."""
+    n = t.shape[dim]
+    size = 1 << max(0, (n - 1).bit_length())
+    if size != n:
+        pad = list(t.shape)
+        pad[dim] = size - n
+        t = torch.cat([t, t.new_zeros(pad)], dim=dim)
+    return tree_fold(t, dim=dim)

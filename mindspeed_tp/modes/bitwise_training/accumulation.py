@@ -29,6 +29,7 @@ import torch.distributed as dist
 from ...contract.refusals import refuse
 from ...contract.tree import tree_fold
 from ...errors import ConfigError
+from ...kernels.collectives import _all_gather_rows, _all_to_all_rows
 
 # Set per forward_backward call by the schedule wrapper.
 _plan: Dict[str, int] = {}
@@ -49,7 +50,12 @@ def set_schedule(num_microbatches: int, dp: int, dp_rank: int, groups: int) -> N
     total = num_microbatches * dp
     if groups % dp or total % groups or total & (total - 1):
         raise refuse("bitwise_microbatch_groups", microbatches=num_microbatches, dp=dp, groups=groups)
+    _plan.clear()
     _plan.update(local=num_microbatches, dp=dp, dp_rank=dp_rank, groups=groups)
+    # This rank's groups in tree order, and the one accumulated in main_grad (the last): fixed per step.
+    _plan["rank_groups"] = sorted({_group(k) for k in range(num_microbatches)},
+                                  key=lambda g: _bit_reversed(g, groups))
+    _plan["home"] = _plan["rank_groups"][-1]
 
 
 def _group(k: int) -> int:
@@ -62,15 +68,6 @@ def _bit_reversed(g: int, groups: int) -> int:
     return int(format(g, f"0{bits}b")[::-1], 2) if bits else 0
 
 
-def _home(groups_of_rank) -> int:
-    """The group accumulated in main_grad: this rank's last in bit-reversed order."""
-    return max(groups_of_rank, key=lambda g: _bit_reversed(g, _plan["groups"]))
-
-
-def _rank_groups():
-    return sorted({_group(k) for k in range(_plan["local"])}, key=lambda g: _bit_reversed(g, _plan["groups"]))
-
-
 def route_microbatch(holder, grad: torch.Tensor) -> bool:
     """Before micro-batch k's gradient ``grad`` is added to ``holder.main_grad``: if k belongs to
     another group than main_grad's, add it to that group's buffer and return True (added)."""
@@ -80,9 +77,8 @@ def route_microbatch(holder, grad: torch.Tensor) -> bool:
     key = id(holder)
     k = _counts.get(key, 0)
     _counts[key] = k + 1
-    groups = _rank_groups()
     g = _group(k)
-    if len(groups) == 1 or g == _home(groups):
+    if g == _plan["home"]:
         return False
     buffers = getattr(holder, BUFFERS_ATTR, None)
     if buffers is None:
@@ -117,9 +113,7 @@ def _fold(holder) -> None:
     buffers = getattr(holder, BUFFERS_ATTR, None)
     if not seen or not buffers:
         return
-    groups = _rank_groups()
-    home = _home(groups)
-    leaves = [holder.main_grad if g == home else buffers[g] for g in groups]
+    leaves = [holder.main_grad if g == _plan["home"] else buffers[g] for g in _plan["rank_groups"]]
     if len(leaves) == 2:
         holder.main_grad.add_(leaves[0])  # one addition: the same bits in either operand order
     else:
@@ -194,17 +188,14 @@ def reduce_over_dp(bucket_group, sharded: bool) -> None:
         n = data.numel()
         per = -(-n // dp)
         flat = data if per * dp == n else torch.cat([data, data.new_zeros(per * dp - n)])
-        received = torch.empty_like(flat)
-        dist.all_to_all_single(received, flat.contiguous(), group=group)
-        mine = tree_fold(received.view(dp, per)[order], dim=0)
+        received = _all_to_all_rows(flat.view(dp, per), group)  # (dp, 1, per): slot i from rank i
+        mine = tree_fold(received[order, 0], dim=0)
         if average:
             mine /= dp
         if sharded:  # the distributed optimizer pads buckets to a multiple of DP
             data.view(dp, per)[rank].copy_(mine)
         else:
-            full = torch.empty_like(flat)
-            dist.all_gather_into_tensor(full, mine.contiguous(), group=group)
-            data.copy_(full[:n])
+            data.copy_(_all_gather_rows(mine.view(1, per), group).view(-1)[:n])
     if bucket_group.ddp_config.overlap_grad_reduce:
         bucket_group.grad_reduce_handle = _Done()
 

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ... import state
+from ...contract.profile import is_power_of_two
 from ...contract.refusals import refuse
 from ...kernels.collectives import _all_gather_rows, fold_across_ranks, group_size
 from ...kernels.linear import _fold_leaves, invariant_weight_grad, leaf_partials
@@ -29,10 +30,6 @@ from . import accumulation
 
 # Attribute a model patch sets on a gated fc1 weight: how many parts its output rows hold.
 PARTS_ATTR = "_mindspeed_tp_output_parts"
-
-
-def _is_power_of_two(n: int) -> bool:
-    return n >= 1 and not n & (n - 1)
 
 
 def _leaf_rows(n_local: int, parts: int, leaves: int, device) -> Optional[torch.Tensor]:
@@ -92,7 +89,7 @@ class CanonicalColumnLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             order = _leaf_rows(weight.shape[0], getattr(weight, PARTS_ATTR, 1), ctx.leaves, weight.device)
             dyl, wl = (dy, weight) if order is None else (dy[:, order], weight[order])
-            if _is_power_of_two(ctx.leaves):  # this rank's leaves are one subtree
+            if is_power_of_two(ctx.leaves):  # this rank's leaves are one subtree
                 # x = dy's leaf columns, "weight" = W^T: leaf i is dy[:, leaf_i] @ W[leaf_i, :] in fp32.
                 partial = _fold_leaves(dyl, wl.t().to(dtype), ctx.leaves, state.profile().gemm_row_multiple)
                 partial = partial.reshape(*lead, partial.shape[-1])

@@ -56,12 +56,11 @@ def exact_sum_of_squares(acc: torch.Tensor) -> float:
     return total / (1 << 1074) if total else 0.0
 
 
-def grad_norm(grads, groups: List[Optional[dist.ProcessGroup]], device) -> float:
-    """L2 norm of ``grads`` over every rank of ``groups`` (summed over each group in turn)."""
+def grad_norm(grads, group: Optional[dist.ProcessGroup], device) -> float:
+    """L2 norm of ``grads`` over every rank of ``group`` (None: this rank alone)."""
     if isinstance(grads, torch.Tensor):
         grads = [grads]
     acc = exponent_sums(list(grads)).to(device)
-    for group in groups:
-        if group is not None and dist.get_world_size(group=group) > 1:
-            dist.all_reduce(acc, group=group)
+    if group is not None and dist.get_world_size(group=group) > 1:
+        dist.all_reduce(acc, group=group)
     return math.sqrt(exact_sum_of_squares(acc.cpu()))

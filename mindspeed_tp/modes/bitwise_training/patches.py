@@ -17,6 +17,7 @@ import math
 
 import torch.distributed as dist
 
+from ... import state
 from ...contract.refusals import refuse
 from ...patching import PatchRegistry
 from . import accumulation, active
@@ -110,8 +111,6 @@ def forward_backward_func(original):
             if active():
                 from megatron.core import parallel_state as ps
 
-                from ... import state
-
                 accumulation.reset()
                 accumulation.set_schedule(int(kw["num_microbatches"]),
                                           ps.get_data_parallel_world_size(with_context_parallel=True),
@@ -157,12 +156,11 @@ def clip_norm(original):
         if not active() or float(norm_type) == math.inf:  # max is exact in any order
             return original(grads_for_norm, norm_type, grad_stats_parallel_group)
         if float(norm_type) != 2.0:
-            raise refuse("bitwise_ddp_setting", setting="clip_grad norm_type", value=norm_type,
-                         why="only the L2 norm has an exact sum here")
+            raise refuse("bitwise_clip_norm_type", value=norm_type)
         grads = [grads_for_norm] if not isinstance(grads_for_norm, (list, tuple)) else list(grads_for_norm)
         device = grads[0].device if grads else "cpu"
         group = grad_stats_parallel_group if grad_stats_parallel_group is not None else dist.group.WORLD
-        return grad_norm(grads, [group], device)
+        return grad_norm(grads, group, device)
 
     return get_grad_norm_fp32
 

@@ -16,17 +16,8 @@ import torch
 
 from ... import state
 from ...contract.refusals import refuse
-from ...contract.tree import tree_fold
+from ...contract.tree import padded_tree_fold, tree_fold
 from ...kernels.collectives import gather_along_rank, group_size
-
-
-def _pad_fold(t: torch.Tensor) -> torch.Tensor:
-    """Perfect tree over dim 0, zero-padded to a power of two (a zero leaf adds nothing)."""
-    n = t.shape[0]
-    size = 1 << max(0, (n - 1).bit_length())
-    if size != n:
-        t = torch.cat([t, t.new_zeros(size - n, *t.shape[1:])])
-    return tree_fold(t, dim=0)
 
 
 def token_tree_sum(values: torch.Tensor, seq_split: bool, heads: bool, group) -> torch.Tensor:
@@ -48,7 +39,7 @@ def token_tree_sum(values: torch.Tensor, seq_split: bool, heads: bool, group) ->
         raise refuse("bitwise_heads_power_of_two", heads=hh * tp)
     # [leaves, tokens of a leaf, H, h] -> each leaf's tree over its tokens ([s, b] order)
     per_leaf = v.reshape(leaves, (s // leaves) * b, hh, h).transpose(0, 1)
-    leaf_sums = _pad_fold(per_leaf)                                    # [leaves, H, h]
+    leaf_sums = padded_tree_fold(per_leaf)                                    # [leaves, H, h]
     local = tree_fold(leaf_sums.transpose(0, 1).reshape(hh * leaves, h), dim=0)  # heads outer
     if tp == 1 or not (seq_split or heads):
         return local
