@@ -177,7 +177,8 @@ def reduce_over_dp(bucket_group, sharded: bool) -> None:
     every rank's bucket cut into DP slices, slice i moved to rank i (all-to-all), folded there in the
     tree's leaf order (ranks in bit-reversed order: rank r holds the groups = r mod DP, a subtree),
     then gathered back (all-reduce) or kept as the rank's shard (distributed optimizer)."""
-    group = bucket_group.intra_distributed_optimizer_instance_group if sharded else bucket_group.data_parallel_group
+    group = bucket_group.intra_distributed_optimizer_instance_group \
+        if bucket_group.ddp_config.use_distributed_optimizer else bucket_group.data_parallel_group
     dp, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
     order = sorted(range(dp), key=lambda r: _bit_reversed(r, dp))
     average = bucket_group.ddp_config.average_in_collective

@@ -96,7 +96,9 @@ def start_grad_sync(original):
                     raise refuse("bitwise_ddp_setting", setting="check_for_nan_in_grad", value=True,
                                  why="not run by the tree reduction over more than two DP ranks; check the "
                                      "gradient norm (NaN when any gradient is) instead")
-                accumulation.reduce_over_dp(self, self.ddp_config.use_distributed_optimizer)
+                # force_all_reduce (0.16+): every rank keeps the whole reduced bucket, as megatron does
+                force = kwargs.get("force_all_reduce", args[0] if args else False)
+                accumulation.reduce_over_dp(self, self.ddp_config.use_distributed_optimizer and not force)
                 return None
         return original(self, *args, **kwargs)
 
