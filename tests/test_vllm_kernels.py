@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from mindspeed_tp.integrations.vllm import kernels
+from mindspeed_tp.integrations.vllm import host, kernels
 from mindspeed_tp.integrations.vllm.scoring import ScoringPlan
 
 DTYPES = [torch.bfloat16, torch.float32]
@@ -26,6 +26,24 @@ def test_engine_gemm_rows_and_columns_do_not_depend_on_the_rest(dtype):
         assert torch.equal(kernels.engine_linear(x[:m], w), full[:m])
     cols = torch.randperm(384, generator=torch.Generator().manual_seed(3))[:96]
     assert torch.equal(kernels.engine_linear(x, w[cols].contiguous()), full[:, cols])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+def test_the_moe_kernel_runs_with_the_experts_class_the_engine_selects_for_the_dtype(dtype):
+    """The experts ISA comes from vLLM's MoE oracle for this layer (on an AMX host: 'amx' for bf16,
+    'vec' for fp32, whose AMX kernel would abort the process); the kernel then runs with it."""
+    isa = host.moe_experts_isa(dtype, 64, 64, 4, 2)
+    assert isa in ("amx", "vec"), isa
+    assert (isa == "amx") == (dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported())
+    w13, w2 = _randn(4, 128, 64, seed=4, dtype=dtype, scale=0.1), _randn(4, 64, 64, seed=5, dtype=dtype, scale=0.1)
+    packed, got = kernels.prepack_experts(w13, w2, 1, 2)
+    assert got == isa
+    h = _randn(5, 64, seed=6, dtype=dtype)
+    topk_w, topk_ids = kernels.route(_randn(5, 4, seed=7, dtype=dtype), 2, True)
+    out = kernels.fused_moe(h, topk_w, topk_ids, w13, w2, packed, isa, torch.float32)
+    ref = kernels._moe_reference(h, topk_w, topk_ids, w13, w2)
+    assert torch.allclose(out.float(), ref, atol=0.05 if dtype == torch.bfloat16 else 1e-4)
+    print(f"\nMoE experts ISA on this host ({host.host_isa()}) for {dtype}: {isa}")
 
 
 def test_plain_backward_of_gemm_rope_attention_and_moe_match_fp32_autograd():
@@ -72,7 +90,7 @@ def test_plain_backward_of_gemm_rope_attention_and_moe_match_fp32_autograd():
     logits = torch.randn(5, 4, requires_grad=True)
     for r in (1, 2):
         topk_w, topk_ids = kernels.route(logits, 2, True)
-        packed, isa = kernels.prepack_experts(w13.detach(), w2.detach(), r)
+        packed, isa = kernels.prepack_experts(w13.detach(), w2.detach(), r, 2)
         out = kernels.fused_moe(h, topk_w, topk_ids, w13, w2, packed, isa, torch.float32)
         ref = kernels._moe_reference(h, topk_w, topk_ids, w13, w2)
         assert torch.allclose(out, ref, atol=1e-4)

