@@ -111,3 +111,28 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "version_lines: touches a megatron-core version difference; scripts/test.sh runs only these on "
                    "the 0.12.x line")
+
+
+def host_cpu() -> str:
+    """The CPU the tests ran on (model name and the ISA features the kernels choose by): the
+    GEMM-invariance and engine tests are only as good as the CPUs they have run on."""
+    import torch
+
+    model, flags = "unknown", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16") if f in flags]
+    return f"{model}; {' '.join(isa) or 'no x86 ISA flags'}; torch CPU capability {torch.backends.cpu.get_cpu_capability()}"
+
+
+def pytest_report_header(config):
+    return f"cpu: {host_cpu()}"

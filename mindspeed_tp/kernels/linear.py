@@ -96,8 +96,8 @@ def invariant_linear(
         linear = dispatch.kernel("linear", x2d)
         out = _with_plain_backward(x2d, weight, lambda a, w: linear(a, w, out_dtype, row_multiple))
         return out.reshape(*lead, weight.shape[0])
-    matmul = dispatch.kernel("matmul", x2d)
-    out = _with_plain_backward(x2d, weight, lambda a, w: matmul(a, w.t(), row_multiple))
+    linear = dispatch.kernel("linear", x2d)
+    out = _with_plain_backward(x2d, weight, lambda a, w: linear(a, w, torch.float32, row_multiple))
     return (out + bias.float()).to(out_dtype).reshape(*lead, weight.shape[0])
 
 

@@ -2,9 +2,14 @@
 
 These define the primitives' semantics; other backends (``npu.py``) implement the same names.
 - GEMMs: a row of the output depends only on that row of the input and on the weights, never on how
-  many rows were computed together nor on which column shard a rank holds. On CPU BLAS this holds
-  once the row count is padded to a fixed multiple (MKL switches code path, and so its K order, for
-  small or odd M; measured in tests/test_kernels.py). CPU only: dispatch refuses CUDA tensors.
+  many rows were computed together nor on which column shard a rank holds. CPU BLAS libraries pick
+  their kernel, and with it the K order, from the call's shape (MKL and oneDNN switch paths for small
+  or odd M, for column tails and per ISA: AVX2, AVX-512, AMX), so the shape a linear layer's weight
+  reaches the library with is fixed by construction: rows padded to a multiple of ``row_multiple``,
+  output columns in tiles of ``COLUMN_TILE`` (the last one zero-padded), one call per tile. A column
+  shard a rank holds is then a run of the same calls the full weight makes (tested over K, N, M,
+  threads and dtypes in tests/test_gemm_invariance.py, which names the CPU it ran on). CPU only:
+  dispatch refuses CUDA tensors.
 - Attention: per query and head, fp32 scores, keys visited in fixed blocks of ``block_size``
   aligned to absolute key positions, online softmax in fp32, invisible keys excluded by select
   (never a large negative additive mask), one final division and one cast. A fully invisible block
@@ -35,13 +40,30 @@ def matmul(a: torch.Tensor, b: torch.Tensor, row_multiple: int = 16) -> torch.Te
     return out[..., :rows, :]
 
 
+# The output columns one GEMM call computes (see the module docstring). A multiple of every x86 BLAS
+# micro-kernel width; 128 divides the projections of real models and vocabularies padded to 128 * C.
+COLUMN_TILE = 128
+
+
 def linear(x2d: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype, row_multiple: int = 16) -> torch.Tensor:
-    """``x2d @ weight.T`` accumulated in fp32, cast once to ``out_dtype`` (forward only)."""
-    if x2d.dtype == weight.dtype == out_dtype == torch.bfloat16 and x2d.device.type == "cpu":
-        # CPU bf16: oneDNN's bf16 GEMM accumulates in fp32 and rounds once, 2-2.5x faster than an
-        # fp32 GEMM of upcast inputs; row- and shard-invariant once rows are padded (tested).
-        return torch.matmul(_pad_rows(x2d, row_multiple), weight.t())[: x2d.shape[0]]
-    return matmul(x2d, weight.t(), row_multiple).to(out_dtype)
+    """``x2d @ weight.T`` accumulated in fp32, cast once to ``out_dtype`` (forward only): one library
+    call of shape (rows padded, K, COLUMN_TILE) per tile of output columns."""
+    rows, n = x2d.shape[0], weight.shape[0]
+    # CPU bf16: oneDNN's bf16 GEMM accumulates in fp32 and rounds once, 2-2.5x faster than an fp32 GEMM
+    # of upcast inputs (5x with native AVX-512-BF16 / AMX); row- and shard-invariant at fixed shapes.
+    native_bf16 = x2d.dtype == weight.dtype == out_dtype == torch.bfloat16 and x2d.device.type == "cpu"
+    a = _pad_rows(x2d if native_bf16 else x2d.float(), row_multiple)
+    w = weight if native_bf16 else weight.float()
+    tiles = []
+    for start in range(0, n, COLUMN_TILE):
+        tile = w[start:start + COLUMN_TILE]
+        if tile.shape[0] < COLUMN_TILE:
+            tile = torch.cat([tile, tile.new_zeros(COLUMN_TILE - tile.shape[0], tile.shape[1])])
+        tiles.append(torch.matmul(a, tile.t()))
+    if not tiles:
+        return x2d.new_zeros(rows, 0, dtype=out_dtype)
+    out = tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=1)
+    return out[:rows, :n].to(out_dtype)
 
 
 def grad_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
