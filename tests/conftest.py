@@ -136,3 +136,16 @@ def host_cpu() -> str:
 
 def pytest_report_header(config):
     return f"cpu: {host_cpu()}"
+
+
+MATRIX_ENV = "MINDSPEED_TP_TEST_MATRIX"
+
+
+def full_matrix() -> bool:
+    """The whole layout x dtype matrices (the main line, the default), or a representative subset
+    (``MINDSPEED_TP_TEST_MATRIX=lines``: scripts/test.sh on the other megatron-core lines, where the
+    version-sensitive code is the same patch set and only its targets differ)."""
+    value = os.environ.get(MATRIX_ENV, "full")
+    if value not in ("full", "lines"):
+        raise pytest.UsageError(f"{MATRIX_ENV}={value!r}: use 'full' (default) or 'lines'")
+    return value == "full"
