@@ -129,7 +129,7 @@ class Profile:
     # Vocab padded to a multiple of vocab_pad_multiple * canonical_shards (TP-independent).
     vocab_pad_multiple: int = 128
     # Kernel backend: auto picks by device (npu kernels for tensors on an Ascend NPU, torch
-    # reference kernels otherwise); torch or npu force one (mindspeed_tp/backends/__init__.py).
+    # reference kernels otherwise); torch, npu or triton force one (mindspeed_tp/kernels/dispatch.py).
     backend: str = "auto"
     # Precision policy. Only fp32 accumulation is part of contract v1; the fields exist so a
     # profile states it explicitly and a future contract can change it visibly.

@@ -38,9 +38,9 @@ def consistent_linear(
     """Drop-in for linear_with_grad_accumulation_and_async_allreduce / linear_with_frozen_weight
     (column-parallel GEMMs), with every argument megatron-core 0.12, 0.16 and 0.19 pass:
 
-    - ``gradient_accumulation_fusion``: honoured; weight gradients land in ``weight.grad``, which
-      Megatron's DDP hook adds to ``main_grad`` (it only skips that when a fused kernel set
-      ``grad_added_to_main_grad``, which this path never does);
+    - ``gradient_accumulation_fusion``: refused by the model guard (refusal
+      ``gradient_accumulation_fusion``): this path writes weight gradients to ``weight.grad``, which
+      Megatron's DDP hook adds to ``main_grad``, not into ``main_grad`` as the fused kernel would;
     - ``allreduce_dgrad`` (0.12 also ``async_grad_allreduce``), ``sequence_parallel``, ``tp_group``
       (0.16+): the same communication as Megatron (SP all-gather forward / reduce-scatter backward,
       dgrad all-reduce);
@@ -53,6 +53,8 @@ def consistent_linear(
     """
     if grad_output_buffer is not None:
         raise refuse("defer_embedding_wgrad_compute")
+    if gradient_accumulation_fusion:  # the model guard refuses the config; a direct call is refused too
+        raise refuse("gradient_accumulation_fusion", value=gradient_accumulation_fusion)
     if gtp_remat_size is not None and gtp_remat_size != 1:
         raise refuse("gtp_remat_size", value=gtp_remat_size)
     if async_grad_allreduce is not None:  # 0.12 spelling of allreduce_dgrad

@@ -3,7 +3,7 @@ batch-invariant ops and the Ascend consistent flash-attention kernels; these fun
 the calls. That a row's result does not depend on the rows
 computed with it is the kernels' promise, verified on an NPU (README, "Ascend").
 
-Signatures used (sources named in ``mindspeed_tp/backends/npu.py``):
+Signatures used (the CANN and MindSpeed sources they come from: README, "Ascend"):
 
 - ``npu_mm_batch_invariant(a, b)`` (2-D), ``npu_matmul_batch_invariant(a, b)`` (batched);
 - ``npu_reduce_sum_batch_invariant(x, dim, keepdim)``, called with the last dim only (MindSpeed's
