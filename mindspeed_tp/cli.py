@@ -22,7 +22,7 @@ from typing import Dict, List, Optional
 
 from . import integrations, patches
 from .check.main import build_parser, plan, required_world_size, resolve_args
-from .contract.refusals import markdown
+from .contract.refusals import refusals_page
 from .devices.cpu_shims import shim_registry
 from .errors import ConfigError
 
@@ -202,8 +202,8 @@ def _patches(argv: List[str]) -> int:
 
 
 def _refusals(argv: List[str]) -> int:
-
-    print(markdown())
+    """The refusal table as docs/REFUSALS.md holds it (``mindspeed-tp refusals > docs/REFUSALS.md``)."""
+    print(refusals_page(), end="")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The refusal table is the one list of refused settings: the README shows it, every refusal the
+"""The refusal table is the one list of refused settings: docs/REFUSALS.md shows it, every refusal the
 code raises is in it, and every entry is raised somewhere."""
 import os
 import re
@@ -8,7 +8,6 @@ from conftest import ROOT
 from mindspeed_tp.contract import refusals
 
 PACKAGE = os.path.join(ROOT, "mindspeed_tp")
-BEGIN, END = "<!-- refusals:begin -->", "<!-- refusals:end -->"
 
 
 def _sources():
@@ -19,12 +18,18 @@ def _sources():
                     yield f.read()
 
 
-def test_readme_refused_list_is_the_table():
+def test_the_refusals_page_is_the_table_as_generated():
+    with open(os.path.join(ROOT, "docs", "REFUSALS.md")) as f:
+        page = f.read()
+    assert page == refusals.refusals_page(), "regenerate: mindspeed-tp refusals > docs/REFUSALS.md"
+    block = page.split(refusals.REFUSALS_PAGE_BEGIN, 1)[1].split(refusals.REFUSALS_PAGE_END, 1)[0].strip()
+    assert block == refusals.markdown()
+
+
+def test_the_readme_links_the_refusals_page_instead_of_copying_it():
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
-    assert BEGIN in readme and END in readme
-    block = readme.split(BEGIN, 1)[1].split(END, 1)[0].strip()
-    assert block == refusals.markdown()
+    assert "docs/REFUSALS.md" in readme and refusals.REFUSALS_PAGE_BEGIN not in readme
 
 
 def test_every_raised_refusal_is_in_the_table_and_every_entry_is_used():

@@ -529,3 +529,16 @@ def markdown() -> str:
     for r in _ENTRIES:
         lines.append(f"| {r.where} | `{r.setting}` | {r.reason} |")
     return "\n".join(lines)
+
+
+REFUSALS_PAGE_BEGIN, REFUSALS_PAGE_END = "<!-- refusals:begin -->", "<!-- refusals:end -->"
+
+
+def refusals_page() -> str:
+    """docs/REFUSALS.md: the table with a header saying where it comes from."""
+    return ("# Refused settings\n\n"
+            "Each setting below would leave a path whose bits depend on the layout, the engine or the host; it is\n"
+            "refused with a `ConfigError` naming the setting to change, where it is detected, never run silently.\n"
+            "Generated from `mindspeed_tp/contract/refusals.py` (`mindspeed-tp refusals > docs/REFUSALS.md`);\n"
+            "`tests/test_refusals.py` keeps this page in step.\n\n"
+            f"{REFUSALS_PAGE_BEGIN}\n{markdown()}\n{REFUSALS_PAGE_END}\n")
