@@ -33,10 +33,10 @@ from mindspeed_tp.check.harness import (  # noqa: E402
     _logprobs_from_logits, _pipeline_forward, _setup_parallel_state, _teardown_parallel_state, init_distributed,
 )
 from mindspeed_tp.check.report import write_json_atomic  # noqa: E402
-from mindspeed_tp.check.models.builder import DTYPES, build_gpt_stage  # noqa: E402
-from mindspeed_tp.check.models.layout import Layout  # noqa: E402
-from mindspeed_tp.check.models.spec import load_model_spec  # noqa: E402
-from mindspeed_tp.check.models.weights import load_seeded_weights  # noqa: E402
+from mindspeed_tp.check.builder import DTYPES, build_gpt_stage  # noqa: E402
+from mindspeed_tp.models.layout import Layout  # noqa: E402
+from mindspeed_tp.models.spec import load_model_spec  # noqa: E402
+from mindspeed_tp.models.weights import load_seeded_weights  # noqa: E402
 from mindspeed_tp.contract.profile import load_profile  # noqa: E402
 
 MAIN_CASES = [("tiny-dense", "tp2-sp", 512), ("tiny-moe", "tp1-ep2", 512), ("tiny-moe", "tp2-sp-ep2", 512),

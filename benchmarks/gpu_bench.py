@@ -57,7 +57,7 @@ def gemm_shapes(spec, tp, canonical_shards):
 
 
 def run_gemm(args):
-    from mindspeed_tp.check.models.spec import load_model_spec
+    from mindspeed_tp.models.spec import load_model_spec
     from mindspeed_tp.contract.profile import load_profile
     from mindspeed_tp.kernels.backends import triton as tb
 
@@ -108,10 +108,10 @@ def run_model(args):
     from mindspeed_tp.check.batch import make_batch
     from mindspeed_tp.check.harness import (_logprobs_from_logits, _pipeline_forward, _setup_parallel_state,
                                             _teardown_parallel_state, init_distributed, run_device)
-    from mindspeed_tp.check.models.builder import DTYPES, build_gpt_stage
-    from mindspeed_tp.check.models.layout import Layout
-    from mindspeed_tp.check.models.spec import load_model_spec
-    from mindspeed_tp.check.models.weights import load_seeded_weights
+    from mindspeed_tp.check.builder import DTYPES, build_gpt_stage
+    from mindspeed_tp.models.layout import Layout
+    from mindspeed_tp.models.spec import load_model_spec
+    from mindspeed_tp.models.weights import load_seeded_weights
     from mindspeed_tp.contract.profile import load_profile
     from mindspeed_tp.devices import accelerator_available
     from mindspeed_tp.devices.cpu_shims import install_cpu_shims

@@ -42,9 +42,9 @@ def worker(ns) -> None:
 
     from mindspeed_tp import disable, enable
     from mindspeed_tp.check.harness import _setup_parallel_state, init_distributed
-    from mindspeed_tp.check.models.builder import DTYPES
-    from mindspeed_tp.check.models.layout import Layout
-    from mindspeed_tp.check.models.spec import load_model_spec
+    from mindspeed_tp.check.builder import DTYPES
+    from mindspeed_tp.models.layout import Layout
+    from mindspeed_tp.models.spec import load_model_spec
     from mindspeed_tp.check.train.loop import (TrainSettings, _data, _forward_step, _LossRecorder, _model_parallel_chunks,
                                                _optimizer, _wire_config, micro_batch_rows, train_batch)
     from mindspeed_tp.contract.profile import load_profile
@@ -104,7 +104,7 @@ def main() -> None:
     ns = p.parse_args()
     if ns.worker:
         return worker(ns)
-    from mindspeed_tp.check.models.layout import Layout
+    from mindspeed_tp.models.layout import Layout
 
     print(f"model={ns.model} dtype={ns.dtype} seq={ns.seq_length} global-batch={ns.global_batch_size} "
           f"micro-batch=1 steps={ns.steps} distributed optimizer")

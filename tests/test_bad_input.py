@@ -8,7 +8,7 @@ from conftest import explain, run_cli, run_torchrun
 def _model_file(tmp_path, **overrides):
     import yaml
 
-    from mindspeed_tp.check.models.spec import load_model_spec
+    from mindspeed_tp.models.spec import load_model_spec
 
     data = load_model_spec("tiny-dense").to_dict()
     data.update(name="custom", **overrides)

@@ -199,7 +199,7 @@ def test_qwen3_30b_a3b_config_gives_the_bundled_spec():
     """Qwen/Qwen3-30B-A3B's config.json (transformers 4.51 format: rope_theta, num_experts) maps
     to the bundled qwen3-30b-a3b model config field for field."""
     from mindspeed_tp.hf import spec_from_hf_config
-    from mindspeed_tp.check.models.spec import load_model_spec
+    from mindspeed_tp.models.spec import load_model_spec
 
     cfg = {"architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
            "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
@@ -218,7 +218,7 @@ def test_qwen3_30b_a3b_config_gives_the_bundled_spec():
 @pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe", "qwen3-30b-a3b"])
 def test_config_json_for_export_maps_back_to_the_spec(name):
     from mindspeed_tp.hf import hf_config_from_spec, spec_from_hf_config
-    from mindspeed_tp.check.models.spec import load_model_spec
+    from mindspeed_tp.models.spec import load_model_spec
 
     spec = load_model_spec(name)
     assert spec_from_hf_config(hf_config_from_spec(spec), name).to_dict() == spec.to_dict()
@@ -226,7 +226,7 @@ def test_config_json_for_export_maps_back_to_the_spec(name):
 
 def test_deepseek_style_model_is_not_exported_as_qwen3():
     from mindspeed_tp.hf import hf_config_from_spec
-    from mindspeed_tp.check.models.spec import load_model_spec
+    from mindspeed_tp.models.spec import load_model_spec
 
     with pytest.raises(ConfigError, match="only Qwen3 / Qwen3-MoE style models"):
         hf_config_from_spec(load_model_spec("tiny-moe-shared"))

@@ -89,7 +89,7 @@ def test_exact_router_ties_pick_the_lower_expert_id_in_every_layout(tmp_path):
     """Router rows 3==5 and 0==6: those experts score exactly equal for every token, so whenever
     the top-k boundary falls between them the tie-break decides; it must pick the lower id in
     every layout."""
-    from mindspeed_tp.check.models.spec import load_model_spec
+    from mindspeed_tp.models.spec import load_model_spec
 
     data = load_model_spec("tiny-moe").to_dict()
     data.update(name="tiny-moe-ties", tied_router_rows=[[3, 5], [0, 6]])
@@ -129,7 +129,7 @@ def test_bad_moe_flags_exit_2(args, needle):
      ({"moe_router_score_function": "sinkhorn"}, "router type")],
 )
 def test_bad_moe_model_exits_2(tmp_path, override, needle):
-    from mindspeed_tp.check.models.spec import load_model_spec
+    from mindspeed_tp.models.spec import load_model_spec
 
     data = load_model_spec("tiny-moe").to_dict()
     data.update(name="bad", **override)
@@ -142,8 +142,8 @@ def test_bad_moe_model_exits_2(tmp_path, override, needle):
 
 def test_qwen3_30b_a3b_config_validates():
     from mindspeed_tp.errors import ConfigError
-    from mindspeed_tp.check.models.layout import Layout, validate_layout
-    from mindspeed_tp.check.models.spec import load_model_spec
+    from mindspeed_tp.models.layout import Layout, validate_layout
+    from mindspeed_tp.models.spec import load_model_spec
     from mindspeed_tp.contract.profile import load_profile
 
     spec = load_model_spec("qwen3-30b-a3b")

@@ -5,7 +5,7 @@ when it joined, the page size, or how its prompt was chunked."""
 import pytest
 import torch
 
-from mindspeed_tp.check.models.spec import load_model_spec
+from mindspeed_tp.models.spec import load_model_spec
 from mindspeed_tp.contract.profile import Profile, load_profile
 from mindspeed_tp.reference import ReferenceEngine, ReferenceModel, Request
 
@@ -15,10 +15,10 @@ SHAPES_CODE = """
 import torch, mindspeed_tp
 from mindspeed_tp.check.harness import init_distributed, _setup_parallel_state
 from mindspeed_tp.devices.cpu_shims import install_cpu_shims
-from mindspeed_tp.check.models.builder import build_gpt_stage
-from mindspeed_tp.check.models.layout import Layout
-from mindspeed_tp.check.models.spec import load_model_spec
-from mindspeed_tp.check.models.weights import full_weight_shapes
+from mindspeed_tp.check.builder import build_gpt_stage
+from mindspeed_tp.models.layout import Layout
+from mindspeed_tp.models.spec import load_model_spec
+from mindspeed_tp.models.weights import full_weight_shapes
 from mindspeed_tp.kernels import rope_inv_freq
 from mindspeed_tp.contract.profile import load_profile
 init_distributed(); install_cpu_shims(); mindspeed_tp.enable()

@@ -41,7 +41,7 @@ def test_fresh_process_with_only_the_environment_variable():
         "reg = registry()\n"
         "print('ENABLED', mindspeed_tp.is_enabled(), sum(p.applied for p in reg.patches) == len(reg.patches))\n"
         "from mindspeed_tp.check.harness import _setup_parallel_state, init_distributed\n"
-        "from mindspeed_tp.check.models.layout import Layout\n"
+        "from mindspeed_tp.models.layout import Layout\n"
         "init_distributed(); _setup_parallel_state(Layout(), 0)  # the spec reads the pipeline rank\n"
         "from megatron.core.transformer.transformer_config import TransformerConfig\n"
         "from mbridge.core import llm_bridge\n"
@@ -138,7 +138,7 @@ def test_megatron_bridge_provider_builds_the_local_spec():
     code = (
         "import inspect, torch, mindspeed_tp\n"
         "from mindspeed_tp.check.harness import _setup_parallel_state, init_distributed\n"
-        "from mindspeed_tp.check.models.layout import Layout\n"
+        "from mindspeed_tp.models.layout import Layout\n"
         "init_distributed(); mindspeed_tp.enable(); _setup_parallel_state(Layout(), 0)\n"
         "from megatron.bridge.models import gpt_provider\n"
         "p = gpt_provider.GPTModelProvider(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,\n"

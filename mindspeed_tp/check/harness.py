@@ -22,10 +22,10 @@ from ..patches import moe as moe_patch
 from ..switch import disable, enable
 from . import bisect, hooks
 from .batch import PackedBatch, ScoringBatch, pack_batch
-from .models.builder import build_gpt_stage
-from .models.layout import Layout
-from .models.spec import ModelSpec
-from .models.weights import SeededWeights, load_weights
+from .builder import build_gpt_stage
+from ..models.layout import Layout
+from ..models.spec import ModelSpec
+from ..models.weights import SeededWeights, load_weights
 
 # --timeout: the world's process group and every group Megatron creates fail a collective (or a
 # pipeline send/recv) that waits longer than this, so a dead or hung peer never hangs the others.

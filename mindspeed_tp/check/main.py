@@ -30,10 +30,10 @@ from . import bisect, hooks
 from .batch import make_batch
 from .harness import init_distributed, layout_logprobs, run_device
 from .metrics import compare_logprobs
-from .models.builder import DTYPES
-from .models.layout import Layout, validate_layout
-from .models.spec import ModelSpec, load_model_spec
-from .models.weights import SeededWeights
+from .builder import DTYPES
+from ..models.layout import Layout, validate_layout
+from ..models.spec import ModelSpec, load_model_spec
+from ..models.weights import SeededWeights
 from .outputs import write_reports
 from .progress import Progress
 from .prompts import batch_from_prompts, load_prompts

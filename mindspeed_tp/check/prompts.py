@@ -10,7 +10,7 @@ from typing import List, Optional
 import torch
 
 from ..errors import ConfigError
-from .models.spec import ModelSpec
+from ..models.spec import ModelSpec
 from .batch import ScoringBatch
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")

@@ -3,8 +3,8 @@ the token sequences and the engine's logprobs (tensors, no pickle) to score them
 import torch
 import torch.distributed as dist
 
-from .models.spec import ModelSpec
-from .models.weights import SeededWeights
+from ..models.spec import ModelSpec
+from ..models.weights import SeededWeights
 from ..contract.profile import Profile
 from ..reference import ReferenceEngine, ReferenceModel, Request
 from .batch import ScoringBatch
@@ -167,7 +167,7 @@ def make_vllm_rollouts(spec: ModelSpec, profile: Profile, dtype_name: str, seed:
     if dist.get_rank() == 0:
         from ..integrations.vllm.checkpoint import write_hf_checkpoint
         from ..integrations.vllm.engine import start_engine
-        from .models.builder import DTYPES
+        from .builder import DTYPES
 
         with tempfile.TemporaryDirectory(prefix="mindspeed-tp-vllm-") as tmp:
             model_dir = hf_checkpoint or write_hf_checkpoint(spec, weights, spec.padded_vocab(profile),

@@ -7,7 +7,7 @@ from typing import Any, Dict
 
 from ..contract.refusals import refuse
 from ..errors import ConfigError
-from ..check.models.spec import ModelSpec
+from ..models.spec import ModelSpec
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 

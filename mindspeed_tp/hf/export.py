@@ -19,8 +19,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..errors import ConfigError
-from ..check.models.spec import ModelSpec
-from ..check.models.weights import full_weight_shapes, global_param_name, shard_rule, unshard
+from ..models.spec import ModelSpec
+from ..models.weights import full_weight_shapes, global_param_name, shard_rule, unshard
 from .checkpoint import INDEX, SINGLE
 from .config import hf_config_from_spec
 from .mapping import expected_hf_shapes, megatron_pieces

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from ..check.models.spec import ModelSpec
+from ..models.spec import ModelSpec
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..errors import ConfigError
-from ..check.models.spec import ModelSpec
+from ..models.spec import ModelSpec
 from .checkpoint import SafetensorsCheckpoint
 from .config import read_hf_config, spec_from_hf_config
 from .mapping import Piece, expected_hf_shapes, megatron_pieces

@@ -19,8 +19,8 @@ from ..kernels import (
 )
 from ..kernels.moe import combine_slots, route
 from ..modes.rollout_layout.engine_math import full_vocab_logprob, rollout_row_parallel
-from ..check.models.spec import ModelSpec
-from ..check.models.weights import full_weights, seeded_full_weights
+from ..models.spec import ModelSpec
+from ..models.weights import full_weights, seeded_full_weights
 from ..contract.profile import Profile
 
 

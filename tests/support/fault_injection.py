@@ -50,7 +50,7 @@ def at_point(point: str, rank: int) -> None:
 def apply_to_model(model, layout, tp_rank: int) -> list:
     """perturb / perturb-input on this stage (single-device layouts are left alone). Returns hook
     handles to remove after the forward."""
-    from mindspeed_tp.check.models.weights import global_param_name
+    from mindspeed_tp.models.weights import global_param_name
     from mindspeed_tp.check.bisect import global_module_name
 
     handles = []

@@ -13,10 +13,10 @@ import mindspeed_tp
 from mindspeed_tp.devices.cpu_shims import install_cpu_shims
 from mindspeed_tp.check.batch import make_batch
 from mindspeed_tp.check.harness import _setup_parallel_state, init_distributed
-from mindspeed_tp.check.models.builder import build_gpt_stage
-from mindspeed_tp.check.models.layout import Layout
-from mindspeed_tp.check.models.spec import load_model_spec
-from mindspeed_tp.check.models.weights import load_seeded_weights
+from mindspeed_tp.check.builder import build_gpt_stage
+from mindspeed_tp.models.layout import Layout
+from mindspeed_tp.models.spec import load_model_spec
+from mindspeed_tp.models.weights import load_seeded_weights
 from mindspeed_tp.contract.profile import load_profile
 
 out_prefix = sys.argv[1]

@@ -8,9 +8,9 @@ import mindspeed_tp
 from mindspeed_tp.devices.cpu_shims import install_cpu_shims
 from mindspeed_tp.check.harness import _setup_parallel_state, init_distributed
 from mindspeed_tp.hf import export_hf_checkpoint, open_hf_model, read_hf_config
-from mindspeed_tp.check.models.builder import DTYPES, build_gpt_stage
-from mindspeed_tp.check.models.layout import Layout
-from mindspeed_tp.check.models.weights import load_weights
+from mindspeed_tp.check.builder import DTYPES, build_gpt_stage
+from mindspeed_tp.models.layout import Layout
+from mindspeed_tp.models.weights import load_weights
 from mindspeed_tp.contract.profile import load_profile
 
 hf_dir, layout_name, dtype_name, out_dir = sys.argv[1:5]

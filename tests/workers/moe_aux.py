@@ -16,10 +16,10 @@ from grad_helpers import finalize_grads, with_ddp
 import mindspeed_tp
 from mindspeed_tp.check.batch import make_batch
 from mindspeed_tp.check.harness import _setup_parallel_state, init_distributed
-from mindspeed_tp.check.models.builder import build_gpt_stage
-from mindspeed_tp.check.models.layout import Layout
-from mindspeed_tp.check.models.spec import load_model_spec
-from mindspeed_tp.check.models.weights import load_seeded_weights
+from mindspeed_tp.check.builder import build_gpt_stage
+from mindspeed_tp.models.layout import Layout
+from mindspeed_tp.models.spec import load_model_spec
+from mindspeed_tp.models.weights import load_seeded_weights
 from mindspeed_tp.compat import megatron_line
 from mindspeed_tp.contract.profile import load_profile
 from mindspeed_tp.devices.cpu_shims import install_cpu_shims

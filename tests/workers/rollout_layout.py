@@ -26,10 +26,10 @@ from mindspeed_tp.check.batch import make_batch
 from mindspeed_tp.check.harness import (
     _logprobs_from_logits, _pipeline_forward, _setup_parallel_state, init_distributed, layout_logprobs,
 )
-from mindspeed_tp.check.models.builder import build_gpt_stage
-from mindspeed_tp.check.models.layout import Layout
-from mindspeed_tp.check.models.spec import load_model_spec
-from mindspeed_tp.check.models.weights import load_seeded_weights
+from mindspeed_tp.check.builder import build_gpt_stage
+from mindspeed_tp.models.layout import Layout
+from mindspeed_tp.models.spec import load_model_spec
+from mindspeed_tp.models.weights import load_seeded_weights
 from mindspeed_tp.contract.profile import load_profile
 from mindspeed_tp.reference import ReferenceModel
 from mindspeed_tp.reference.model import whole_sequence_kv

@@ -31,9 +31,9 @@ import mindspeed_tp
 from mindspeed_tp.devices.cpu_shims import install_cpu_shims
 from mindspeed_tp.check.harness import _setup_parallel_state, init_distributed
 from mindspeed_tp.hf import open_hf_model
-from mindspeed_tp.check.models.builder import build_gpt_stage
-from mindspeed_tp.check.models.layout import Layout
-from mindspeed_tp.check.models.weights import load_weights
+from mindspeed_tp.check.builder import build_gpt_stage
+from mindspeed_tp.models.layout import Layout
+from mindspeed_tp.models.weights import load_weights
 from mindspeed_tp.contract.profile import load_profile
 from mindspeed_tp.reference import ReferenceModel
 from verl.models.mcore.model_forward import gptmodel_forward_model_engine

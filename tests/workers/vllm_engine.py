@@ -27,10 +27,10 @@ from mindspeed_tp.check.harness import (
 from mindspeed_tp.check.rollout import (
     broadcast_json, broadcast_rollouts, engine_budget, engine_report, prefill_chunk_ends, rollout_prompts,
 )
-from mindspeed_tp.check.models.builder import DTYPES, build_gpt_stage
-from mindspeed_tp.check.models.layout import Layout
-from mindspeed_tp.check.models.spec import load_model_spec
-from mindspeed_tp.check.models.weights import SeededWeights, load_weights
+from mindspeed_tp.check.builder import DTYPES, build_gpt_stage
+from mindspeed_tp.models.layout import Layout
+from mindspeed_tp.models.spec import load_model_spec
+from mindspeed_tp.models.weights import SeededWeights, load_weights
 from mindspeed_tp.contract.profile import load_profile
 
 SEED = 1234

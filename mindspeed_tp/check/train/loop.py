@@ -24,10 +24,10 @@ import torch.distributed as dist
 
 from ... import disable, enable
 from ...kernels.collectives import gather_along_rank
-from ..models.builder import build_gpt_chunks
-from ..models.layout import Layout
-from ..models.spec import ModelSpec
-from ..models.weights import SeededWeights, load_weights
+from ..builder import build_gpt_chunks
+from ...models.layout import Layout
+from ...models.spec import ModelSpec
+from ...models.weights import SeededWeights, load_weights
 from .state_file import load_state, save_state
 from .snapshots import (OPTIMIZER_STATE_KEYS, ShardComparison, optimizer_states, params_of, reduced_main_grads,
                         state_values)

@@ -16,8 +16,8 @@ from typing import Dict, List, NamedTuple, Optional
 
 from ...contract.refusals import refuse
 from ...errors import ConfigError
-from ..models.layout import Layout, validate_layout
-from ..models.spec import ModelSpec, load_model_spec
+from ...models.layout import Layout, validate_layout
+from ...models.spec import ModelSpec, load_model_spec
 from ...contract.profile import Profile, load_profile
 from ..main import _Parser, _digest, run_main, verify_same_on_all_ranks
 from .loop import RECOMPUTE, TrainSettings
@@ -154,7 +154,7 @@ def run(ns: argparse.Namespace) -> int:
     from ...devices import accelerator_available
     from ...devices.cpu_shims import install_cpu_shims
     from ...compat import megatron_version
-    from ..models.builder import DTYPES
+    from ..builder import DTYPES
     from ..harness import init_distributed
     from ..progress import Progress
     from . import report

@@ -18,7 +18,7 @@ from typing import Dict, Iterable, List, Tuple
 import torch
 import torch.distributed as dist
 
-from ..models.weights import param_shards, shard
+from ...models.weights import param_shards, shard
 
 OPTIMIZER_STATE_KEYS = ("exp_avg", "exp_avg_sq", "main_param")
 

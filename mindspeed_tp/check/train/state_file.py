@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from ...errors import ConfigError
 from ...kernels.collectives import gather_along_rank
-from ..models.weights import full_weight_shapes, param_shards, shard, unshard
+from ...models.weights import full_weight_shapes, param_shards, shard, unshard
 from .snapshots import leaf_optimizers, main_param_pairs, optimizer_states
 
 KINDS = ("param", "main_param", "exp_avg", "exp_avg_sq")

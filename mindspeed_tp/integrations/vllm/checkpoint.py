@@ -11,8 +11,8 @@ from safetensors.torch import save_file
 
 from ...hf.config import hf_config_from_spec
 from ...hf.export import megatron_to_hf
-from ...check.models.spec import ModelSpec
-from ...check.models.weights import full_weights
+from ...models.spec import ModelSpec
+from ...models.weights import full_weights
 
 _HF_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from ...contract.refusals import refuse
-from ...check.models.spec import ModelSpec
-from ...check.models.weights import global_param_name, shard_rule, unshard
+from ...models.spec import ModelSpec
+from ...models.weights import global_param_name, shard_rule, unshard
 from .checkpoint import hf_tensors_from_full
 
 

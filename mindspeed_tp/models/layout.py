@@ -6,10 +6,10 @@ import math
 import re
 from dataclasses import dataclass
 
-from ...contract import refusals
-from ...contract.refusals import refuse
-from ...errors import ConfigError
-from ...contract.profile import Profile
+from ..contract import refusals
+from ..contract.refusals import refuse
+from ..errors import ConfigError
+from ..contract.profile import Profile
 from .spec import ModelSpec
 
 _TOKEN = re.compile(r"^(tp|pp|ep|etp|dp|vpp)(\d+)$|^sp$")

@@ -8,9 +8,9 @@ from typing import Any, Dict, List, Optional
 
 import yaml
 
-from ...errors import ConfigError
+from ..errors import ConfigError
 
-MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "configs", "models")
+MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "models")
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...contract.profile import Profile
-from .layout import Layout
-from .spec import ModelSpec
+from ..contract.profile import Profile
+from ..models.layout import Layout
+from ..models.spec import ModelSpec
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -98,7 +98,7 @@ def build_gpt_chunks(spec: ModelSpec, layout: Layout, dtype: torch.dtype, profil
                      dispatcher: str = "alltoall", **config_overrides):
     """The model chunks this rank holds for training (one per virtual pipeline stage, ``layout.vpp``),
     in train mode, all sharing one TransformerConfig (``config_overrides`` on top)."""
-    from ... import compat
+    from .. import compat
 
     config = transformer_config(spec, layout, dtype, dispatcher, **config_overrides)
     chunks = []
