@@ -18,6 +18,7 @@ from mindspeed_tp.models.layout import Layout
 from mindspeed_tp.models.spec import load_model_spec
 from mindspeed_tp.models.weights import load_seeded_weights
 from mindspeed_tp.contract.profile import load_profile
+from worker_exit import finish_worker
 
 out_prefix = sys.argv[1]
 model_name = sys.argv[2] if len(sys.argv) > 2 else "tiny-dense"
@@ -63,5 +64,4 @@ for _ in range(6):
     losses.append(loss.detach())
 tensors["consistent/train_losses"] = torch.stack(losses)
 save_file({k: v.contiguous() for k, v in tensors.items()}, f"{out_prefix}.rank{dist.get_rank()}.safetensors")
-dist.barrier()
-dist.destroy_process_group()
+finish_worker()

@@ -12,6 +12,7 @@ from mindspeed_tp.check.builder import DTYPES, build_gpt_stage
 from mindspeed_tp.models.layout import Layout
 from mindspeed_tp.models.weights import load_weights
 from mindspeed_tp.contract.profile import load_profile
+from worker_exit import finish_worker
 
 hf_dir, layout_name, dtype_name, out_dir = sys.argv[1:5]
 init_distributed()
@@ -24,5 +25,4 @@ model = build_gpt_stage(spec, layout, DTYPES[dtype_name], profile)
 load_weights(model, spec, layout, weights)
 export_hf_checkpoint(model, spec, layout, spec.padded_vocab(profile), out_dir, hf_config=read_hf_config(hf_dir),
                      copy_from=hf_dir, max_shard_bytes=int(sys.argv[5]) if len(sys.argv) > 5 else 5 * 1024 ** 3)
-dist.barrier()
-dist.destroy_process_group()
+finish_worker()

@@ -6,12 +6,12 @@ copies it back -- what it must do for CUDA tensors on a shared GPU. Rank 0 print
 case and rank, "OK name" or "BAD name detail"; the test asserts on them.
 """
 import datetime
-import gc
 
 import torch
 import torch.distributed as dist
 
 from mindspeed_tp.check.host_staging import install_host_staging, remove_host_staging, staging_registry
+from worker_exit import finish_worker
 
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -108,9 +108,4 @@ everyone = [None] * world
 dist.all_gather_object(everyone, results)
 if rank == 0:
     print("\n".join(line for lines in everyone for line in lines), flush=True)
-# The p2p handles hold gloo work objects: released before the group is destroyed (one outliving it
-# to interpreter exit aborted the process there, ~1 run in 3 on a loaded machine).
-del works, handle
-gc.collect()
-dist.barrier()
-dist.destroy_process_group()
+finish_worker()

@@ -16,6 +16,7 @@ from mindspeed_tp.models.layout import Layout
 from mindspeed_tp.models.spec import load_model_spec
 from mindspeed_tp.models.weights import load_seeded_weights
 from mindspeed_tp.contract.profile import load_profile
+from worker_exit import finish_worker
 
 init_distributed()
 install_cpu_shims()
@@ -44,5 +45,4 @@ for name in ("tp1", "tp2-sp"):
     out[f"{name}/direct"] = direct.float().contiguous()
 if dist.get_rank() == 0:
     save_file(out, sys.argv[1])
-dist.barrier()
-dist.destroy_process_group()
+finish_worker()

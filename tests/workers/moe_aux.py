@@ -27,6 +27,7 @@ from mindspeed_tp.devices.cpu_shims import install_cpu_shims
 init_distributed()
 install_cpu_shims()
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, clear_aux_losses_tracker  # noqa: E402
+from worker_exit import finish_worker
 
 try:  # megatron-core >= 0.13 keeps the tracker in moe_utils, 0.12 in parallel_state
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
@@ -83,5 +84,4 @@ for variant, fields in VARIANTS.items():
     for layout in (Layout(), tp2):  # the forward with the router losses attached: still bitwise
         out[f"{variant}/consistent/per_token/{layout.name}"] = run(spec, layout, False, backward=False)[0]
 save_file({k: v.contiguous() for k, v in out.items()}, f"{sys.argv[1]}.rank{dist.get_rank()}.safetensors")
-dist.barrier()
-dist.destroy_process_group()
+finish_worker()

@@ -33,6 +33,7 @@ from mindspeed_tp.models.weights import load_seeded_weights
 from mindspeed_tp.contract.profile import load_profile
 from mindspeed_tp.reference import ReferenceModel
 from mindspeed_tp.reference.model import whole_sequence_kv
+from worker_exit import finish_worker
 
 out_prefix, model_name, layout_names, grad_layout_name = sys.argv[1:5]
 init_distributed()
@@ -156,5 +157,4 @@ grads["cache/losses"] = torch.stack([before, after_step, after_step_uncached, st
 save_file({k: v.contiguous() for k, v in grads.items()}, f"{out_prefix}.grads.rank{rank}.safetensors")
 if rank == 0:
     save_file({k: v.contiguous() for k, v in out.items()}, f"{out_prefix}.logprobs.safetensors")
-dist.barrier()
-dist.destroy_process_group()
+finish_worker()

@@ -16,6 +16,7 @@ init_distributed()
 install_cpu_shims()
 from megatron.core import ModelParallelConfig, parallel_state  # noqa: E402
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from worker_exit import finish_worker
 
 S, B, K, N, V = 24, 2, 96, 40, 1024
 gen = torch.Generator().manual_seed(0)
@@ -71,5 +72,4 @@ for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
                         results[f"{name}/logprob"] = lp
 if dist.get_rank() == 0:
     save_file({k: v.float().contiguous() for k, v in results.items()}, out_path)
-dist.barrier()
-dist.destroy_process_group()
+finish_worker()

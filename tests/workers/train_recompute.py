@@ -14,6 +14,7 @@ from mindspeed_tp.check.train.loop import TrainSettings, train_layout
 from mindspeed_tp.models.layout import Layout
 from mindspeed_tp.models.spec import load_model_spec
 from mindspeed_tp.contract.profile import load_profile
+from worker_exit import finish_worker
 
 init_distributed()
 install_cpu_shims()
@@ -27,5 +28,4 @@ for recompute in ("none", "selective", "full"):
     for name, t in run["params"][-1].items():
         out[f"{recompute}/param/{name}"] = t
 save_file({k: v.contiguous() for k, v in out.items()}, f"{sys.argv[1]}.rank{dist.get_rank()}.safetensors")
-dist.barrier()
-dist.destroy_process_group()
+finish_worker()

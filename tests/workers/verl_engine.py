@@ -38,6 +38,7 @@ from mindspeed_tp.contract.profile import load_profile
 from mindspeed_tp.reference import ReferenceModel
 from verl.models.mcore.model_forward import gptmodel_forward_model_engine
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
+from worker_exit import finish_worker
 
 out_path, checkpoints = sys.argv[1], sys.argv[2:]
 init_distributed()
@@ -149,5 +150,4 @@ for directory in checkpoints:
             out[f"lengths/{name}"] = torch.tensor(LENGTHS)
 if rank == 0:
     save_file({k: v.contiguous() for k, v in out.items()}, out_path)
-dist.barrier()
-dist.destroy_process_group()
+finish_worker()

@@ -32,6 +32,7 @@ from mindspeed_tp.models.layout import Layout
 from mindspeed_tp.models.spec import load_model_spec
 from mindspeed_tp.models.weights import SeededWeights, load_weights
 from mindspeed_tp.contract.profile import load_profile
+from worker_exit import finish_worker
 
 SEED = 1234
 NEW_TOKENS = 8
@@ -122,8 +123,7 @@ def main():
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_worker()
 
 
 def training_gemms(spec, dtype):

@@ -22,6 +22,7 @@ from mindspeed_tp.models.layout import Layout
 from mindspeed_tp.models.spec import load_model_spec
 from mindspeed_tp.models.weights import SeededWeights, load_weights
 from mindspeed_tp.contract.profile import load_profile
+from worker_exit import finish_worker
 
 VOCABS = [int(v) for v in sys.argv[2].split(",")]
 MEGATRON_DIVISIBLE_BY = 128
@@ -91,5 +92,4 @@ if dist.get_rank() == 0:
     save_file({k: v.contiguous() for k, v in out.items()}, f"{sys.argv[1]}.safetensors")
     with open(f"{sys.argv[1]}.json", "w") as f:
         json.dump(notes, f)
-dist.barrier()
-dist.destroy_process_group()
+finish_worker()
