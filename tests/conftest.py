@@ -100,11 +100,14 @@ def cli():
     return run_cli
 
 
-# Tests against the real engine need vLLM (the .venv-vllm venv, run by scripts/test.sh); the other
-# venvs do not collect them (they are not skipped there: they are not part of those runs).
+# Tests against the real engine need vLLM (the .venv-vllm venv, run by scripts/test.sh), the verl
+# tests the real verl (installed for megatron-core >= 0.16); the other venvs do not collect them
+# (they are not skipped there: they are not part of those runs).
 import importlib.util as _importlib_util  # noqa: E402
 
 collect_ignore = [] if _importlib_util.find_spec("vllm") is not None else ["test_vllm_engine.py", "test_vllm_kernels.py"]
+if _importlib_util.find_spec("verl") is None:
+    collect_ignore.append("test_verl_entry.py")
 
 
 def pytest_configure(config):

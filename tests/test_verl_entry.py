@@ -21,8 +21,6 @@ from safetensors.torch import load_file
 from conftest import ROOT, explain, run_python, run_torchrun
 from hf_models import make_qwen3, make_qwen3_moe
 
-pytest.importorskip("verl", reason="verl is installed by scripts/setup_env.sh for megatron-core >= 0.16")
-
 ENV = {"VERL_USE_EXTERNAL_MODULES": "mindspeed_tp.verl"}
 PROFILES = ("default", "rollout-tp1")
 MODELS = ("qwen3", "qwen3-moe")
