@@ -14,6 +14,10 @@ lines_only="${MEGATRON_CORE_LINES_ONLY:-0.12.2}"
 status=0
 summary=()
 began=$SECONDS
+# The CPU decides the BLAS and vLLM kernels the invariance tests exercise: every log names it.
+cpu_model="$(grep -m1 'model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2- | sed 's/^ *//' || true)"
+cpu_isa="$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | tr ' ' '\n' | grep -xE 'avx2|avx512f|avx512_bf16|amx_tile|amx_bf16' | tr '\n' ' ' || true)"
+echo "cpu: ${cpu_model:-unknown}; ${cpu_isa:-no x86 ISA flags}"
 
 # phase NAME CMD...: run CMD, note its wall time and exit code; a failing phase fails the run at the end.
 phase() {
