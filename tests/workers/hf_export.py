@@ -2,7 +2,6 @@
 back to Hugging Face format in OUT_DIR.  Usage: hf_export.py HF_DIR LAYOUT DTYPE OUT_DIR"""
 import sys
 
-import torch.distributed as dist
 
 import mindspeed_tp
 from mindspeed_tp.devices.cpu_shims import install_cpu_shims
