@@ -7,10 +7,10 @@ as their modules are imported, reverted by disable() and re-armed by the next en
 import threading
 from typing import Callable, List, Union
 
-from . import compat, state
+from . import compat, numerics, state
 from .contract.profile import Profile, load_profile
 from .devices import accelerator_available, machine_device_type
-from .devices.cpu_shims import install_cpu_shims
+from .devices.cpu_shims import install_cpu_shims, keep_under
 from .kernels import dispatch
 from .patches import registry as numerics_registry
 from .patching import PatchRegistry
@@ -19,6 +19,7 @@ _lock = threading.RLock()
 _enabling = False
 _companions: List[PatchRegistry] = []
 _enable_checks: List[Callable[[], None]] = []
+keep_under(numerics_registry)  # CPU shims go under the numerics patches
 
 
 def attach(registry: PatchRegistry) -> None:
@@ -51,14 +52,13 @@ def enable(profile: Union[str, Profile, None] = None) -> Profile:
             for check in _enable_checks:
                 check()
             dispatch.prepare(prof, machine_device_type())
-            if prof.engine_name == "vllm":  # the engine the profile names, on a CPU it was built for
-                from .integrations.vllm.forward import check_ready
-
-                check_ready(prof)
+            strategy = numerics.resolve(prof)  # the numerics every adapter calls, from here on
+            strategy.check_ready()
             if not accelerator_available():
                 install_cpu_shims()
             compat.warn_if_untested_line()
             state.set_profile(prof)
+            numerics.ACTIVE.set(strategy)
             numerics_registry().apply()
             for registry in _companions:
                 registry.apply()
@@ -73,6 +73,7 @@ def disable() -> None:
         for registry in reversed(_companions):
             registry.revert()
         numerics_registry().revert()
+        numerics.ACTIVE.set(None)
         state.set_profile(None)
         dispatch.select("auto")
 

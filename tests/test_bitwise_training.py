@@ -150,7 +150,7 @@ def test_refusals_models_the_mode_does_not_cover():
     from types import SimpleNamespace
 
     from mindspeed_tp.errors import ConfigError
-    from mindspeed_tp.modes.bitwise_training.patches import check_ddp
+    from mindspeed_tp.numerics.bitwise_training import check_ddp
 
     class Model(torch.nn.Module):
         def __init__(self, **config):

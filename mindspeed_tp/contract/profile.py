@@ -15,6 +15,7 @@ from typing import Any, Dict, Optional, Tuple
 import yaml
 
 from ..errors import ConfigError
+from ..numerics import ENGINES as ENGINE_STRATEGIES
 from . import refusals
 
 PROFILE_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "profiles")
@@ -28,7 +29,6 @@ ROLLOUT_ALLREDUCE_ORDERS = ("rank_sequential",)
 # token's experts on each rank and all-reduces the combined partials once (vLLM fused MoE).
 ROLLOUT_MOE_EXPERT_REDUCES = ("per_expert", "after_combine")
 BACKENDS = ("auto", "torch", "npu", "triton")
-ENGINES = ("vllm",)
 # auto: follow the kernels the engine selects on the host (integrations/vllm/host.py); a named family
 # pins the profile to hosts where the engine selects it (refused elsewhere).
 ENGINE_CPU_ISAS = ("auto", "avx2", "avx512", "avx512_bf16", "amx")
@@ -51,8 +51,9 @@ class EngineSpec:
     settings: Tuple[Tuple[str, str], ...] = ()
 
     def validate(self) -> None:
-        if self.name not in ENGINES:
-            raise ConfigError(f"profile field 'engine.name' must be one of {ENGINES}, got {self.name!r}")
+        if self.name not in ENGINE_STRATEGIES:  # a real engine is a numerics strategy (numerics.ENGINES)
+            raise ConfigError(f"profile field 'engine.name' must be one of {tuple(ENGINE_STRATEGIES)}, "
+                              f"got {self.name!r}")
         if not isinstance(self.version, str) or not self.version.strip():
             raise ConfigError("profile field 'engine.version' must name the engine releases, e.g. '0.32.0'")
         if self.cpu_isa not in ENGINE_CPU_ISAS:
@@ -244,13 +245,6 @@ class Profile:
         """The rollout engine splits K of a row-parallel layer into rollout_tp equal parts."""
         if k % self.rollout_tp:
             raise refusals.refuse("rollout_k_indivisible", what=what, k=k, r=self.rollout_tp)
-
-    def check_moe_ffn(self, ffn: int) -> None:
-        """K of an expert's fc2: rollout_tp parts (rollout_layout) or C canonical leaves."""
-        if self.rollout_layout:
-            self.check_rollout_k(ffn, "moe_ffn_hidden_size")
-        elif ffn % self.canonical_shards:
-            raise refusals.refuse("moe_ffn_indivisible", ffn=ffn, c=self.canonical_shards)
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)

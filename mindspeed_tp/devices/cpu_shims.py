@@ -8,9 +8,10 @@ import contextlib
 import functools
 import threading
 
+from typing import Callable, List
+
 import torch
 
-from ..patches import registry as numerics_registry
 from ..patching import Patch, PatchRegistry
 
 _shims = PatchRegistry("cpu-shims")
@@ -225,18 +226,27 @@ _shims.add(Patch(target="megatron.core.transformer.moe.moe_utils:te_general_gemm
                  "(Transformer Engine) without defining it when TE is absent"))
 
 
+# Providers of the registries the shims go under: the switch registers the numerics patches'.
+_above: List[Callable[[], PatchRegistry]] = []
+
+
+def keep_under(provider: Callable[[], PatchRegistry]) -> None:
+    """Shims installed later go under ``provider()``'s patches."""
+    if provider not in _above:
+        _above.append(provider)
+
+
 def install_cpu_shims() -> None:
-    """Install every CPU shim (idempotent). Shims go under the numerics patches: where a shim's
-    target is also a numerics target that is applied, the numerics patches are lifted and put back
-    on top, so disable() still restores the shimmed original."""
-    numerics = numerics_registry()
+    """Install every CPU shim (idempotent). Shims go under the registries of ``keep_under`` (the
+    numerics patches): where a shim's target is also one of their targets that is applied, those
+    patches are lifted and put back on top, so disable() still restores the shimmed original."""
     pending = {p.target for p in _shims.patches if not p.applied}
-    if pending & {p.target for p in numerics.patches if p.applied}:
-        numerics.revert()
-        _shims.apply()
-        numerics.apply()
-    else:
-        _shims.apply()
+    lifted = [r for r in (provider() for provider in _above) if pending & {p.target for p in r.patches if p.applied}]
+    for registry in lifted:
+        registry.revert()
+    _shims.apply()
+    for registry in reversed(lifted):
+        registry.apply()
 
 
 def remove_cpu_shims() -> None:

@@ -3,13 +3,13 @@
 A row of the output depends only on that row of the input and on the weights: never on how many
 rows were computed together, nor on which column shard of the weight a rank holds (each backend's
 ``matmul`` / ``linear`` primitive promises it). One backward policy for every backend: the plain
-GEMMs an unpatched linear runs, through the backend's ``grad_matmul``.
+GEMMs an unpatched linear runs, through the backend's ``grad_matmul``, unless the strategy passes
+an ``InvariantBackward`` (bitwise training).
 """
 from typing import Optional
 
 import torch
 
-from .. import state
 from . import dispatch
 
 
@@ -18,28 +18,39 @@ def invariant_matmul(a: torch.Tensor, b: torch.Tensor, row_multiple: int = 16) -
     return dispatch.kernel("matmul", a)(a, b, row_multiple)
 
 
-def _invariant_product(a: torch.Tensor, b_t: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def _invariant_product(a: torch.Tensor, b_t: torch.Tensor, out_dtype: torch.dtype, row_multiple: int) -> torch.Tensor:
     """``a @ b_t.T`` for a (M, K), b_t (N, K) by the backend's invariant ``linear``."""
     if a.dtype != b_t.dtype:
         dtype = torch.promote_types(a.dtype, b_t.dtype)
         a, b_t = a.to(dtype), b_t.to(dtype)
-    return dispatch.kernel("linear", a)(a, b_t, out_dtype, state.profile().gemm_row_multiple)
+    return dispatch.kernel("linear", a)(a, b_t, out_dtype, row_multiple)
 
 
-def invariant_input_grad(dy: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def invariant_input_grad(dy: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype,
+                         row_multiple: int) -> torch.Tensor:
     """dx = dy (T, N) @ weight (N, K) by the invariant GEMM (bitwise training), cast once."""
-    return _invariant_product(dy, weight.t(), out_dtype)
+    return _invariant_product(dy, weight.t(), out_dtype, row_multiple)
 
 
-def invariant_weight_grad(dy: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def invariant_weight_grad(dy: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype,
+                          row_multiple: int) -> torch.Tensor:
     """dW = dy^T (N, T) @ x (T, K) by the invariant GEMM (bitwise training): the micro-batch's
     tokens in their given order, fp32-accumulated, cast once."""
-    return _invariant_product(dy.t(), x.t(), out_dtype)
+    return _invariant_product(dy.t(), x.t(), out_dtype, row_multiple)
 
 
-def bitwise_backward() -> bool:
-    """The profile asks for the backward in canonical order (``bitwise_training``)."""
-    return state.enabled() and state.profile().bitwise_training
+class InvariantBackward:
+    """The backward policy of bitwise training: dx and dW by the invariant GEMM, so a row-parallel
+    layer's gradients never depend on the shard."""
+
+    def __init__(self, row_multiple: int):
+        self.row_multiple = row_multiple
+
+    def input_grad(self, dy, weight, out_dtype):
+        return invariant_input_grad(dy, weight, out_dtype, self.row_multiple)
+
+    def weight_grad(self, dy, x, out_dtype):
+        return invariant_weight_grad(dy, x, out_dtype, self.row_multiple)
 
 
 class _PlainBackward(torch.autograd.Function):
@@ -47,8 +58,8 @@ class _PlainBackward(torch.autograd.Function):
     backward an unpatched linear has: dx = dy @ w and dw = dy^T @ x in the inputs' dtype (the wider
     of the two, e.g. fp32 for a bf16 input to an fp32 router).
 
-    Under ``bitwise_training`` both products are the invariant GEMM instead (``invariant_input_grad``,
-    ``invariant_weight_grad``): a row-parallel layer's dx and dW then never depend on the shard.
+    With an ``InvariantBackward`` policy (bitwise training) both products are the invariant GEMM
+    instead: a row-parallel layer's dx and dW then never depend on the shard.
 
     Otherwise only the forward must be bitwise layout-invariant (it gives the logprobs); letting autograd
     differentiate the invariant kernel would keep fp32 copies of x and w and every leaf product
@@ -56,8 +67,9 @@ class _PlainBackward(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, compute):
+    def forward(ctx, x, weight, compute, policy):
         ctx.save_for_backward(x, weight)
+        ctx.policy = policy
         return compute(x, weight)
 
     @staticmethod
@@ -65,19 +77,22 @@ class _PlainBackward(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         dtype = torch.promote_types(x.dtype, weight.dtype)
         grad = grad.to(dtype)
-        if bitwise_backward():
-            dx = invariant_input_grad(grad, weight.to(dtype), x.dtype) if ctx.needs_input_grad[0] else None
-            dw = invariant_weight_grad(grad, x.to(dtype), weight.dtype) if ctx.needs_input_grad[1] else None
-            return dx, dw, None
+        policy = ctx.policy
+        if policy is not None:
+            dx = policy.input_grad(grad, weight.to(dtype), x.dtype) if ctx.needs_input_grad[0] else None
+            dw = policy.weight_grad(grad, x.to(dtype), weight.dtype) if ctx.needs_input_grad[1] else None
+            return dx, dw, None, None
         gemm = dispatch.kernel("grad_matmul", grad)
         dx = gemm(grad, weight.to(dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
         dw = gemm(grad.t(), x.to(dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return dx, dw, None
+        return dx, dw, None, None
 
 
-def _with_plain_backward(x2d: torch.Tensor, weight: torch.Tensor, compute):
+def _with_plain_backward(x2d: torch.Tensor, weight: torch.Tensor, compute,
+                         backward: Optional[InvariantBackward] = None):
+    """``compute(x2d, weight)`` with the plain backward, or ``backward``'s invariant GEMMs."""
     if torch.is_grad_enabled() and (x2d.requires_grad or weight.requires_grad):
-        return _PlainBackward.apply(x2d, weight, compute)
+        return _PlainBackward.apply(x2d, weight, compute, backward)
     return compute(x2d, weight)
 
 
@@ -87,17 +102,19 @@ def invariant_linear(
     bias: Optional[torch.Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
     row_multiple: int = 16,
+    backward: Optional[InvariantBackward] = None,
 ) -> torch.Tensor:
-    """``x @ weight.T + bias`` accumulated in fp32 and cast once to ``out_dtype`` (default x's)."""
+    """``x @ weight.T + bias`` accumulated in fp32 and cast once to ``out_dtype`` (default x's);
+    ``backward``: the strategy's backward policy (None: the plain GEMMs)."""
     out_dtype = out_dtype or x.dtype
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1])
     if bias is None:
         linear = dispatch.kernel("linear", x2d)
-        out = _with_plain_backward(x2d, weight, lambda a, w: linear(a, w, out_dtype, row_multiple))
+        out = _with_plain_backward(x2d, weight, lambda a, w: linear(a, w, out_dtype, row_multiple), backward)
         return out.reshape(*lead, weight.shape[0])
     linear = dispatch.kernel("linear", x2d)
-    out = _with_plain_backward(x2d, weight, lambda a, w: linear(a, w, torch.float32, row_multiple))
+    out = _with_plain_backward(x2d, weight, lambda a, w: linear(a, w, torch.float32, row_multiple), backward)
     return (out + bias.float()).to(out_dtype).reshape(*lead, weight.shape[0])
 
 
@@ -119,18 +136,19 @@ def leaf_partials(
 
 
 def folded_leaf_partials(
-    x: torch.Tensor, weight: torch.Tensor, num_leaves: int, row_multiple: int = 16
+    x: torch.Tensor, weight: torch.Tensor, num_leaves: int, row_multiple: int = 16,
+    backward: Optional[InvariantBackward] = None,
 ) -> torch.Tensor:
     """The local subtree: the ``num_leaves`` fp32 leaf products folded in tree order, (M, N).
 
     Leaves are computed two at a time and folded as they come (a binary counter: a finished
     subtree waits on a stack for its right sibling), so at most log2(num_leaves) + 1 partial
     products are alive instead of num_leaves; the additions are exactly tree_fold's. Backward:
-    the plain GEMMs (_PlainBackward).
+    the plain GEMMs (_PlainBackward), or ``backward``'s.
     """
     if num_leaves < 1 or num_leaves & (num_leaves - 1):
         raise ValueError(f"folded_leaf_partials needs a power-of-two number of leaves, got {num_leaves}")
-    return _with_plain_backward(x, weight, lambda a, w: _fold_leaves(a, w, num_leaves, row_multiple))
+    return _with_plain_backward(x, weight, lambda a, w: _fold_leaves(a, w, num_leaves, row_multiple), backward)
 
 
 def _fold_leaves(x: torch.Tensor, weight: torch.Tensor, num_leaves: int, row_multiple: int) -> torch.Tensor:

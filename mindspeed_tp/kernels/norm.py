@@ -36,3 +36,11 @@ def layer_norm(
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
+
+
+def affine_norm(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float,
+                normalization: str) -> torch.Tensor:
+    """RMSNorm (``bias`` unused) or LayerNorm, by name."""
+    if normalization == "RMSNorm":
+        return rms_norm(x, weight, eps)
+    return layer_norm(x, weight, bias, eps)

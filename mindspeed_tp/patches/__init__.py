@@ -1,9 +1,9 @@
-"""The megatron-core numerics patch set. ``registry()`` builds it once; enable()/disable() apply
-and revert it. Each module registers its targets with their reasons."""
+"""The megatron-core adapters: each patch checks megatron's arguments and calls the active numerics
+strategy (``numerics.ACTIVE``, set by enable()). ``registry()`` builds the patch set once: every
+adapter module's targets, then each strategy's own entries; enable()/disable() apply and revert it."""
 from typing import Optional
 
-from ..modes import rollout_layout
-from ..modes.bitwise_training import patches as bitwise_training
+from .. import numerics
 from ..patching import PatchRegistry
 from . import attention, models, moe, norms, residual, tensor_parallel
 
@@ -14,7 +14,10 @@ def registry() -> PatchRegistry:
     global _registry
     if _registry is None:
         reg = PatchRegistry("mindspeed-tp")
-        for module in (tensor_parallel, attention, norms, models, moe, rollout_layout, residual, bitwise_training):
+        for module in (tensor_parallel, attention, norms, models, moe, residual):
             module.register(reg)
+        for strategy in numerics.strategy_classes():
+            if "register_patches" in vars(strategy):  # entries a strategy defines itself, once
+                strategy.register_patches(reg)
         _registry = reg
     return _registry

@@ -1,11 +1,11 @@
-"""Patches of megatron.core attention: one consistent attention function and fp32 RoPE, for
-padded (bshd) and packed (thd) sequences."""
+"""Adapters of megatron.core attention and RoPE, for padded (bshd) and packed (thd) sequences:
+megatron's arguments checked (what no strategy models refused), then the active strategy's
+attention and RoPE (by default one consistent attention function and fp32 RoPE)."""
 import torch
 
-from .. import compat, state
 from ..contract import refusals
 from ..contract.refusals import refuse
-from ..kernels import apply_rope, consistent_attention, dispatch, packed_attention
+from ..numerics import ACTIVE
 from ..patching import PatchRegistry
 
 _CAUSAL_TYPES = ("causal", "padding_causal", "causal_bottom_right")
@@ -16,17 +16,6 @@ def _check_attention_config(module) -> None:
     refusals.check_config(refusals.ATTENTION, config)
     if module.training and getattr(config, "attention_dropout", 0.0) > 0:
         raise refuse("attention_dropout")
-
-
-def _mask_for_maskless_kernel(mask_name: str, attention_mask, backend: str):
-    """For backends whose attention takes causal or no mask, nothing explicit (the Ascend
-    flash-attention kernels, as MindSpeed's flash_attn_npu adaptor): Megatron's mask for
-    attn_mask_type=causal is the kernel's own."""
-    if mask_name == "causal":
-        return None
-    if mask_name == "no_mask" and attention_mask is None:
-        return None
-    raise refuse("explicit_mask_on_maskless_backend", mask=mask_name, backend=backend)
 
 
 def packed_boundaries(packed_seq_params, total: int):
@@ -67,51 +56,20 @@ def attention_forward(
     attention_bias=None,
     packed_seq_params=None,
 ):
-    """DotProductAttention.forward through ``kernels.consistent_attention``.
+    """DotProductAttention.forward through the active strategy.
 
     query [sq, b, np, hn], key/value [sk, b, ng, hn] -> context [sq, b, np*hn]; packed (thd):
-    query [t, np, hn], key/value [t, ng, hn] -> [t, np*hn], each sequence on its own
-    (``kernels.packed_attention``). GQA is handled inside the kernel (no repeat_interleave), and
-    every layout runs the same per-head procedure.
+    query [t, np, hn], key/value [t, ng, hn] -> [t, np*hn], each sequence on its own.
     """
     if attention_bias is not None:
         raise refuse("attention_bias")
     _check_attention_config(self)
-    prof = state.profile()
+    numerics = ACTIVE.strategy
     mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
     mask_name = getattr(mask_type, "name", str(mask_type))
     causal = mask_name in _CAUSAL_TYPES
-    if packed_seq_params is not None:
-        if prof.engine_name == "vllm":
-            raise refuse("packed_sequences_engine")
-        return _packed_forward(self, query, key, value, attention_mask, packed_seq_params, causal, prof)
-    if prof.engine_name == "vllm":  # the engine's paged attention: prompt prefill, then decode steps
-        from ..integrations.vllm import forward as vllm_forward
-
-        return vllm_forward.attention(query, key, value, compat.attention_scale(self), causal)
-    if attention_mask is not None and attention_mask.dim() != 4:
-        raise refuse("padding_mask_2d", shape=tuple(attention_mask.shape))
-    if not dispatch.backend_attribute(query, "EXPLICIT_MASKS", True):
-        attention_mask = _mask_for_maskless_kernel(mask_name, attention_mask, dispatch.backend_name(query))
-    sq, b, np_, hn = query.shape
-    q = query.permute(1, 2, 0, 3)
-    k = key.permute(1, 2, 0, 3)
-    v = value.permute(1, 2, 0, 3)
-    context = consistent_attention(
-        q,
-        k,
-        v,
-        scale=compat.attention_scale(self),
-        causal=causal,
-        excluded=attention_mask,
-        block_size=prof.attention_block_size,
-        row_multiple=prof.gemm_row_multiple,
-        split_size=prof.attention_split_size,
-    )
-    return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
-
-
-def _packed_forward(self, query, key, value, attention_mask, packed_seq_params, causal, prof):
+    if packed_seq_params is None:
+        return numerics.attention(self, query, key, value, attention_mask, mask_name, causal)
     if attention_mask is not None:
         raise refuse("packed_explicit_mask")
     if query.dim() == 4:  # [t, 1, np, hn]: a caller that did not squeeze the batch of one
@@ -119,15 +77,12 @@ def _packed_forward(self, query, key, value, attention_mask, packed_seq_params, 
             raise refuse("packed_batch", shape=tuple(query.shape))
         query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
     bounds = packed_boundaries(packed_seq_params, query.shape[0])
-    context = packed_attention(query, key, value, bounds, scale=compat.attention_scale(self), causal=causal,
-                               block_size=prof.attention_block_size, row_multiple=prof.gemm_row_multiple,
-                               split_size=prof.attention_split_size)
-    return context.reshape(context.shape[0], -1)
+    return numerics.packed_attention(self, query, key, value, bounds, causal)
 
 
 def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None,
                          mla_rotary_interleaved=False):
-    """RoPE in fp32 from Megatron's angle table (absolute positions), one cast at the end; packed
+    """RoPE by the active strategy (fp32 from Megatron's angle table, one cast, by default); packed
     (thd, ``cu_seqlens``): each sequence from its own position 0, as Megatron's thd RoPE."""
     if getattr(config, "multi_latent_attention", False) or mla_rotary_interleaved:
         raise refuse("multi_latent_attention")
@@ -136,18 +91,7 @@ def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group
     if cp_group is not None and cp_group.size() > 1:
         raise refuse("context_parallel")
     interleaved = bool(getattr(config, "rotary_interleaved", False))
-    if state.profile().engine_name == "vllm":  # the engine's cos/sin cache and rotary kernel
-        if cu_seqlens is not None:
-            raise refuse("packed_sequences_engine")
-        from ..integrations.vllm import forward as vllm_forward
-
-        return vllm_forward.rope(t, interleaved)
-    if cu_seqlens is None:
-        return apply_rope(t, freqs, interleaved=interleaved)
-    bounds = [int(x) for x in cu_seqlens.tolist()]
-    parts = [apply_rope(t[a:b].unsqueeze(1), freqs[: b - a], interleaved=interleaved).squeeze(1)
-             for a, b in zip(bounds[:-1], bounds[1:])]
-    return torch.cat(parts, dim=0) if parts else t
+    return ACTIVE.strategy.rope(t, freqs, interleaved, cu_seqlens)
 
 
 def register(reg: PatchRegistry) -> None:

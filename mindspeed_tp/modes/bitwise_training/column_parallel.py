@@ -20,16 +20,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ... import state
 from ...contract.profile import is_power_of_two
 from ...contract.refusals import refuse
 from ...kernels.collectives import _all_gather_rows, fold_across_ranks, group_size
 from ...kernels.linear import _fold_leaves, invariant_weight_grad, leaf_partials
 from ...kernels.logprob import vocab_leaf_width
+from ...models.marks import OUTPUT_PARTS_ATTR, TIED_HEAD_ATTR
 from . import accumulation
 
-# Attribute a model patch sets on a gated fc1 weight: how many parts its output rows hold.
-PARTS_ATTR = "_mindspeed_tp_output_parts"
 
 
 def _leaf_rows(n_local: int, parts: int, leaves: int, device) -> Optional[torch.Tensor]:
@@ -42,17 +40,16 @@ def _leaf_rows(n_local: int, parts: int, leaves: int, device) -> Optional[torch.
     return idx.reshape(-1)
 
 
-def leaves_per_rank(weight: torch.Tensor, tp: int, vocab: Optional[int]) -> int:
-    """How many canonical leaves this rank's output rows hold. The LM head's count may be any
-    integer (``fold_ranges``); the other layers' is C/TP."""
-    prof = state.profile()
+def leaves_per_rank(weight: torch.Tensor, tp: int, vocab: Optional[int], prof) -> int:
+    """How many canonical leaves this rank's output rows hold under profile ``prof``. The LM head's
+    count may be any integer (``fold_ranges``); the other layers' is C/TP."""
     n_local = weight.shape[0]
     if vocab is not None:  # the LM head: leaves of the width the forward's vocab tree uses
         width = vocab_leaf_width(vocab, prof.canonical_shards, prof.vocab_pad_multiple)
         if n_local % width:
             raise refuse("bitwise_vocab_leaves", v_local=n_local, width=width, vocab=vocab)
         return n_local // width
-    parts = getattr(weight, PARTS_ATTR, 1)
+    parts = getattr(weight, OUTPUT_PARTS_ATTR, 1)
     leaves = prof.canonical_shards // tp
     if n_local % (parts * leaves):
         raise refuse("bitwise_column_indivisible", n=n_local * tp, parts=parts, c=prof.canonical_shards)
@@ -65,8 +62,8 @@ class CanonicalColumnLinear(torch.autograd.Function):
     (SP: each rank keeps its sequence slice)."""
 
     @staticmethod
-    def forward(ctx, x, weight, group, sequence_parallel, out_dtype, leaves, compute):
-        ctx.group, ctx.sp, ctx.leaves = group, sequence_parallel, leaves
+    def forward(ctx, x, weight, group, sequence_parallel, out_dtype, leaves, compute, row_multiple):
+        ctx.group, ctx.sp, ctx.leaves, ctx.row_multiple = group, sequence_parallel, leaves, row_multiple
         ctx.save_for_backward(x, weight)
         full = _gather_sequence(x, group) if sequence_parallel else x
         lead = full.shape[:-1]
@@ -81,23 +78,23 @@ class CanonicalColumnLinear(torch.autograd.Function):
         x2d = full.reshape(-1, full.shape[-1])
         dtype = torch.promote_types(x.dtype, weight.dtype)
         dy = grad.reshape(-1, grad.shape[-1]).to(dtype)
-        dw = invariant_weight_grad(dy, x2d.to(dtype), weight.dtype) if ctx.needs_input_grad[1] else None
-        if dw is not None and getattr(weight, accumulation.TIED_HEAD_ATTR, False):
+        dw = invariant_weight_grad(dy, x2d.to(dtype), weight.dtype, ctx.row_multiple) if ctx.needs_input_grad[1] else None
+        if dw is not None and getattr(weight, TIED_HEAD_ATTR, False):
             accumulation.add_tied_head_grad(weight, dw)  # kept apart from the embedding's (PP=1, tied)
             dw = None
         dx = None
         if ctx.needs_input_grad[0]:
-            order = _leaf_rows(weight.shape[0], getattr(weight, PARTS_ATTR, 1), ctx.leaves, weight.device)
+            order = _leaf_rows(weight.shape[0], getattr(weight, OUTPUT_PARTS_ATTR, 1), ctx.leaves, weight.device)
             dyl, wl = (dy, weight) if order is None else (dy[:, order], weight[order])
             if is_power_of_two(ctx.leaves):  # this rank's leaves are one subtree
                 # x = dy's leaf columns, "weight" = W^T: leaf i is dy[:, leaf_i] @ W[leaf_i, :] in fp32.
-                partial = _fold_leaves(dyl, wl.t().to(dtype), ctx.leaves, state.profile().gemm_row_multiple)
+                partial = _fold_leaves(dyl, wl.t().to(dtype), ctx.leaves, ctx.row_multiple)
                 partial = partial.reshape(*lead, partial.shape[-1])
                 dx = fold_across_ranks(partial, ctx.group, x.dtype, scatter_dim0=ctx.sp)
             else:  # an LM head whose rank holds a non-power-of-two run of vocab leaves
-                dx = fold_ranges(dyl, wl.t().to(dtype), ctx.leaves, ctx.group, x.dtype, ctx.sp).reshape(
+                dx = fold_ranges(dyl, wl.t().to(dtype), ctx.leaves, ctx.group, x.dtype, ctx.sp, ctx.row_multiple).reshape(
                     *(lead if not ctx.sp else (lead[0] // group_size(ctx.group), *lead[1:])), -1)
-        return dx, dw, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None
 
 
 def dyadic_blocks(start: int, stop: int):
@@ -113,7 +110,8 @@ def dyadic_blocks(start: int, stop: int):
     return blocks
 
 
-def fold_ranges(dy: torch.Tensor, w_t: torch.Tensor, leaves: int, group, out_dtype, scatter: bool) -> torch.Tensor:
+def fold_ranges(dy: torch.Tensor, w_t: torch.Tensor, leaves: int, group, out_dtype, scatter: bool,
+                row_multiple: int) -> torch.Tensor:
     """The canonical tree over every rank's ``leaves`` leaves (rank r: leaves [r*leaves, (r+1)*leaves))
     when that count is not a power of two: each rank folds its range's aligned blocks (subtrees),
     the blocks move to the rank owning each row slice (all-to-all), and every rank merges all the
@@ -125,7 +123,6 @@ def fold_ranges(dy: torch.Tensor, w_t: torch.Tensor, leaves: int, group, out_dty
     width = dy.shape[1] // leaves
     ranges = [dyadic_blocks(r * leaves, (r + 1) * leaves) for r in range(tp)]
     most = max(len(b) for b in ranges)
-    row_multiple = state.profile().gemm_row_multiple
     mine = []
     for start, size in ranges[rank]:
         cols = slice((start - rank * leaves) * width, (start - rank * leaves + size) * width)
@@ -174,8 +171,9 @@ def _gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     return full.reshape(-1, *x.shape[1:])
 
 
-def column_linear(x, weight, group, sequence_parallel: bool, out_dtype, compute, vocab: Optional[int] = None):
-    """The column-parallel GEMM under bitwise training. ``compute(x2d, weight, out_dtype)`` is the
-    forward's invariant GEMM; ``vocab``: the true vocab size when this is the LM head."""
-    leaves = leaves_per_rank(weight, group_size(group), vocab)
-    return CanonicalColumnLinear.apply(x, weight, group, bool(sequence_parallel), out_dtype, leaves, compute)
+def column_linear(x, weight, group, sequence_parallel: bool, out_dtype, compute, prof, vocab: Optional[int] = None):
+    """The column-parallel GEMM under bitwise training with profile ``prof``. ``compute(x2d, weight,
+    out_dtype)`` is the forward's invariant GEMM; ``vocab``: the true vocab size when this is the LM head."""
+    leaves = leaves_per_rank(weight, group_size(group), vocab, prof)
+    return CanonicalColumnLinear.apply(x, weight, group, bool(sequence_parallel), out_dtype, leaves, compute,
+                                       prof.gemm_row_multiple)

@@ -8,22 +8,21 @@ positions of every sequence); inside a leaf its tokens ([s, b] order) are added 
 holds C/TP leaves, a subtree. A QK-norm's leaves are (head, position leaf) pairs, heads outer, so a
 rank's heads are a subtree. Each rank folds its subtree in fp32; the ranks' results are gathered
 (moved, never summed) and every rank folds the top levels identically, so no later all-reduce is
-needed (``patches`` skips Megatron's).
+needed (``numerics/bitwise_training.py`` skips Megatron's).
 """
 from typing import Optional
 
 import torch
 
-from ... import state
 from ...contract.refusals import refuse
 from ...contract.tree import padded_tree_fold, tree_fold
 from ...kernels.collectives import gather_along_rank, group_size
 
 
-def token_tree_sum(values: torch.Tensor, seq_split: bool, heads: bool, group) -> torch.Tensor:
+def token_tree_sum(values: torch.Tensor, seq_split: bool, heads: bool, group, c: int) -> torch.Tensor:
     """Canonical sum of fp32 ``values`` ([s, b, h] or [s, b, heads, h]) over everything but the last
-    dim. seq_split: dim 0 is this rank's SP slice; heads: dim 2 holds this rank's heads (QK-norm)."""
-    c = state.profile().canonical_shards
+    dim, in C = ``c`` position leaves. seq_split: dim 0 is this rank's SP slice; heads: dim 2 holds
+    this rank's heads (QK-norm)."""
     tp = group_size(group)
     s_local = values.shape[0]
     leaves = c // tp if seq_split else c
@@ -50,8 +49,8 @@ class TokenLeafScale(torch.autograd.Function):
     """``x * w (+ b)`` in fp32 with the parameter gradients as canonical token sums."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, seq_split, heads, group):
-        ctx.seq_split, ctx.heads, ctx.group = seq_split, heads, group
+    def forward(ctx, x, weight, bias, seq_split, heads, group, c):
+        ctx.seq_split, ctx.heads, ctx.group, ctx.c = seq_split, heads, group, c
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x, weight)
         y = x * weight.float()
@@ -62,14 +61,15 @@ class TokenLeafScale(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad = grad.float()
         dx = grad * weight.float() if ctx.needs_input_grad[0] else None
-        dw = token_tree_sum(grad * x, ctx.seq_split, ctx.heads, ctx.group).to(weight.dtype)
-        db = token_tree_sum(grad, ctx.seq_split, ctx.heads, ctx.group).to(weight.dtype) if ctx.has_bias else None
-        return dx, dw, db, None, None, None
+        dw = token_tree_sum(grad * x, ctx.seq_split, ctx.heads, ctx.group, ctx.c).to(weight.dtype)
+        db = token_tree_sum(grad, ctx.seq_split, ctx.heads, ctx.group, ctx.c).to(weight.dtype) if ctx.has_bias else None
+        return dx, dw, db, None, None, None, None
 
 
-def scale(x_hat: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], sequence_parallel: bool, group):
-    """The norm's affine step under bitwise training. 4-D inputs are QK-norms ([s, b, heads, h],
-    heads split by TP); 3-D inputs are SP slices when the layer runs sequence parallel."""
+def scale(x_hat: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], sequence_parallel: bool, group,
+          c: int):
+    """The norm's affine step under bitwise training (C = ``c``). 4-D inputs are QK-norms ([s, b,
+    heads, h], heads split by TP); 3-D inputs are SP slices when the layer runs sequence parallel."""
     heads = x_hat.dim() == 4
     seq_split = bool(sequence_parallel) and not heads
-    return TokenLeafScale.apply(x_hat, weight, bias, seq_split, heads, group)
+    return TokenLeafScale.apply(x_hat, weight, bias, seq_split, heads, group, c)

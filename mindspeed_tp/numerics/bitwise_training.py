@@ -1,6 +1,9 @@
-"""Registry entries of bitwise training: megatron-core's DDP, schedules, finalize and clipping.
+"""The bitwise-training strategy (profile ``bitwise_training: true``): the backward pass and the
+optimizer step in canonical order too, so every layout gives the same gradients, parameters and
+optimizer state after each step (docs/CONTRACT.md, section 9; the math: ``modes/bitwise_training``).
 
-Each wrapper does nothing unless ``bitwise_training`` is on (``active()``), then:
+Its patch entries (megatron-core's DDP, schedules, finalize and clipping) do nothing unless this
+strategy is active, then:
 - DDP construction: refuses what the mode does not cover (MoE, several
   distributed-optimizer instances) -- its own refusals run at model build and in the kernels;
 - the schedule (``get_forward_backward_func``'s result): records and checks the micro-batch plan;
@@ -15,19 +18,77 @@ Each wrapper does nothing unless ``bitwise_training`` is on (``active()``), then
 """
 import math
 
+import torch
 import torch.distributed as dist
 
-from ... import state
-from ...contract.refusals import refuse
-from ...patching import PatchRegistry
-from . import accumulation, active
-from .grad_norm import grad_norm
+from .. import compat, state
+from ..contract.refusals import refuse
+from ..kernels import dispatch
+from ..kernels.collectives import group_size
+from ..kernels.linear import InvariantBackward
+from ..kernels.norm import normalized
+from ..models.marks import PER_TOKEN_PARAM_ATTR
+from ..modes.bitwise_training import accumulation, column_parallel, token_sums
+from ..modes.bitwise_training.grad_norm import grad_norm
+from ..patching import PatchRegistry
+from . import ACTIVE
+from .canonical import CanonicalTree
+from .vocab import true_vocab_size
 
 DDP = "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel"
 BUCKETS = "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup"
 FINALIZE = "megatron.core.distributed.finalize_model_grads"
-# Set on parameters whose gradient the backward already folded across TP (norms, QK-norms).
-TP_FOLDED_ATTR = "_mindspeed_tp_tp_folded"
+
+
+class BitwiseTraining(CanonicalTree):
+    """The canonical tree's forward; the backward in canonical order too: the invariant GEMMs for
+    dx and dW, column-parallel input gradients by canonical leaves folded by moving data, per-token
+    parameter gradients as canonical token sums; the micro-batch and DP accumulation and the
+    clipping norm by this module's patch entries."""
+
+    name = "bitwise_training"
+
+    def __init__(self, profile):
+        super().__init__(profile)
+        self.backward = InvariantBackward(self.row_multiple)
+
+    @classmethod
+    def register_patches(cls, reg: PatchRegistry) -> None:
+        register(reg)
+
+    def column_linear(self, input, weight, bias, group, sequence_parallel, allreduce_dgrad):
+        """The SP gather and the dgrad sum inside one function whose input gradient is folded in
+        canonical order (modes/bitwise_training/column_parallel.py)."""
+        if bias is not None:
+            raise refuse("bitwise_training_bias", layer="column-parallel")
+        logits = state.want_fp32_output()
+        out_dtype = torch.float32 if logits else input.dtype
+        vocab = true_vocab_size(weight.shape[0] * group_size(group)) if logits else None
+        # The gradient is summed over TP when the input is shared (SP gather or replicated input).
+        reduce_group = group if (sequence_parallel or allreduce_dgrad) else None
+        row_multiple = self.row_multiple
+
+        def compute(x2d, w, dtype):
+            return dispatch.kernel("linear", x2d)(x2d, w, dtype, row_multiple)
+
+        return column_parallel.column_linear(input, weight, reduce_group, sequence_parallel, out_dtype, compute,
+                                             self.profile, vocab)
+
+    def check_row_bias(self, layer) -> None:
+        if layer.bias is not None:
+            raise refuse("bitwise_training_bias", layer="row-parallel")
+
+    def norm(self, module, x):
+        """Parameter gradients as canonical token sums (``token_sums``)."""
+        x_hat = normalized(x, module.eps, module.normalization)
+        seq_parallel = getattr(module.weight, "sequence_parallel", False)
+        return token_sums.scale(x_hat, module.weight, module.bias, seq_parallel, compat.tp_group_of(),
+                                self.profile.canonical_shards).to(x.dtype)
+
+
+def active() -> bool:
+    """True while the patches are on under this strategy."""
+    return isinstance(ACTIVE.current(), BitwiseTraining)
 
 
 def check_ddp(module, ddp_config) -> None:
@@ -117,7 +178,7 @@ def forward_backward_func(original):
                 accumulation.set_schedule(int(kw["num_microbatches"]),
                                           ps.get_data_parallel_world_size(with_context_parallel=True),
                                           ps.get_data_parallel_rank(with_context_parallel=True),
-                                          state.profile().microbatch_groups)
+                                          ACTIVE.strategy.profile.microbatch_groups)
             return schedule(*a, **kw)
 
         return forward_backward
@@ -137,7 +198,7 @@ def tp_norm_allreduce(original):
                     raise refuse("bitwise_tp_reduced_param", name=name)
                 wants = (getattr(config, "sequence_parallel", False) and getattr(param, "sequence_parallel", False)) \
                     or (getattr(config, "qk_layernorm", False) and ("q_layernorm" in name or "k_layernorm" in name))
-                if wants and not getattr(param, TP_FOLDED_ATTR, False):
+                if wants and not getattr(param, PER_TOKEN_PARAM_ATTR, False):
                     raise refuse("bitwise_tp_reduced_param", name=name)
         return None
 

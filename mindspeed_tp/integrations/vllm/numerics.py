@@ -1,0 +1,66 @@
+"""The vLLM engine strategy (``vllm-cpu-*`` profiles: ``engine.name: vllm``): the rollout layout
+with the installed engine's own kernels for every forward piece (``forward.py`` says what each one
+computes and why). Registered in ``numerics.ENGINES`` as ``vllm``."""
+from __future__ import annotations
+
+import inspect
+
+from ... import compat
+from ...contract.refusals import refuse
+from ...numerics.rollout_layout import RolloutLayout
+from . import forward
+from .kernels import engine_partial_linear
+
+
+class VllmEngine(RolloutLayout):
+    name = "vllm"
+    partial_gemm = staticmethod(engine_partial_linear)
+
+    def check_ready(self) -> None:
+        """The engine the profile names is installed, on a CPU it was built for."""
+        forward.check_ready(self.profile)
+
+    def model_init(self, original, model, args, kwargs) -> None:
+        """The engine builds its RoPE cache from the base and max positions."""
+        bound = inspect.signature(original).bind(model, *args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        if a.get("position_embedding_type", "rope") != "rope" or float(a.get("rotary_percent", 1.0)) != 1.0 \
+                or a.get("rope_scaling", False):
+            raise refuse("vllm_model_shape", what="RoPE other than full, unscaled rope",
+                         engine="full RoPE without scaling",
+                         fix="position_embedding_type='rope', rotary_percent=1.0, rope_scaling=False")
+        forward.set_rope(a.get("rotary_base", 10000), a["max_sequence_length"])
+
+    def column_gemm(self, x, weight, bias):
+        """The engine's GEMM; its logits stay in the model dtype."""
+        return forward.column_linear(x, weight, bias)
+
+    def norm(self, module, x):
+        """The engine's RMSNorm (also of the fp32 fused-add sum)."""
+        return forward.norm(x, module.weight, module.eps, module.normalization)
+
+    def rope(self, t, freqs, interleaved, cu_seqlens):
+        """The engine's cos/sin cache and rotary kernel."""
+        if cu_seqlens is not None:
+            raise refuse("packed_sequences_engine")
+        return forward.rope(t, interleaved)
+
+    def attention(self, module, query, key, value, attention_mask, mask_name, causal):
+        """The engine's paged attention: prompt prefill, then decode steps."""
+        return forward.attention(query, key, value, compat.attention_scale(module), causal)
+
+    def packed_attention(self, module, query, key, value, bounds, causal):
+        raise refuse("packed_sequences_engine")
+
+    def residual_add(self, original, x_with_bias, residual, prob, training):
+        """The residual as the engine's fused-add RMSNorm carries it (fp32, unrounded)."""
+        return forward.residual_add(x_with_bias, residual, prob, training)
+
+    def moe(self, layer, hidden_states, padding_mask, publish_routing):
+        """The engine's router and fused MoE kernel over every expert."""
+        return forward.moe(layer, hidden_states, self.profile, publish_routing)
+
+    def log_softmax(self, rows):
+        """The engine's sampler log-softmax over the real vocab."""
+        return forward.logprob_rows(rows)

@@ -1,0 +1,76 @@
+"""The interface every numerics strategy implements: one method per patched megatron-core piece.
+
+The adapters in ``patches/`` check megatron's arguments (refusing what no strategy models), then
+call these with plain tensors and process groups; a strategy never looks anything up globally.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Tuple
+
+import torch
+
+from ..contract.profile import Profile
+from ..patching import PatchRegistry
+
+
+class Numerics:
+    """A numerics strategy under one profile (``self.profile``)."""
+
+    name = "abstract"
+
+    def __init__(self, profile: Profile):
+        self.profile = profile
+        self.row_multiple = profile.gemm_row_multiple
+
+    @classmethod
+    def register_patches(cls, reg: PatchRegistry) -> None:
+        """Patch entries only this strategy needs (wrappers that act while it is active)."""
+
+    # ------------------------------------------------------------------ set-up
+    def check_ready(self) -> None:
+        """At enable(): what the strategy needs is installed (an engine, its kernels)."""
+
+    def model_init(self, original: Callable, model, args: tuple, kwargs: dict) -> None:
+        """Before GPTModel.__init__ runs (``original`` with ``args`` / ``kwargs``)."""
+
+    def check_moe_config(self, config) -> None:
+        """At MoELayer construction (after the refusal table's MoE rows)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ forward pieces
+    def column_linear(self, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group,
+                      sequence_parallel: bool, allreduce_dgrad: bool) -> torch.Tensor:
+        """A column-parallel GEMM (QKV, fc1, the LM head) with Megatron's communication."""
+        raise NotImplementedError
+
+    def row_linear(self, layer, input_: torch.Tensor, group) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """RowParallelLinear.forward on this rank's K slice: (output, bias Megatron adds later)."""
+        raise NotImplementedError
+
+    def norm(self, module, x: torch.Tensor) -> torch.Tensor:
+        """A ConsistentNorm's forward (RMSNorm / LayerNorm, ``module.weight``, ``module.bias``)."""
+        raise NotImplementedError
+
+    def rope(self, t: torch.Tensor, freqs: torch.Tensor, interleaved: bool,
+             cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def attention(self, module, query, key, value, attention_mask, mask_name: str, causal: bool) -> torch.Tensor:
+        """query [sq, b, np, hn], key/value [sk, b, ng, hn] -> [sq, b, np*hn]."""
+        raise NotImplementedError
+
+    def packed_attention(self, module, query, key, value, bounds, causal: bool) -> torch.Tensor:
+        """Packed (thd): query [t, np, hn], key/value [t, ng, hn], ``bounds`` the cu_seqlens -> [t, np*hn]."""
+        raise NotImplementedError
+
+    def residual_add(self, original: Callable, x_with_bias, residual, prob: float, training: bool):
+        """Megatron's bias-dropout-add (``original``)."""
+        return original(x_with_bias, residual, prob, training)
+
+    def moe(self, layer, hidden_states: torch.Tensor, padding_mask, publish_routing: Callable) -> torch.Tensor:
+        """MoELayer.forward's output; ``publish_routing(layer, expert_ids)`` for observers."""
+        raise NotImplementedError
+
+    def logprob(self, logits: torch.Tensor, target: torch.Tensor, group, vocab_size: int) -> torch.Tensor:
+        """Per-token fp32 logprobs from this rank's vocab shard (``vocab_size``: the true one)."""
+        raise NotImplementedError

@@ -1,0 +1,133 @@
+"""The canonical-tree strategy (profile ``reduction: canonical_tree``, the default): every sum a
+layout splits (a row-parallel K, the vocab, expert-TP) is cut into C fixed leaves folded by one
+perfect binary tree, the ranks' subtrees folded by moving data; everything else is row-local and
+computed by the batch-invariant kernels (``kernels/``). The backward is the plain one."""
+from __future__ import annotations
+
+import torch
+
+from .. import compat, state
+from ..contract.refusals import refuse
+from ..kernels import (apply_rope, consistent_attention, dispatch, folded_leaf_partials, invariant_linear,
+                       packed_attention, vocab_parallel_logprob)
+from ..kernels.collectives import fold_across_ranks, group_size
+from ..kernels.norm import affine_norm
+from .base import Numerics
+from .moe_layer import canonical_moe
+
+
+def mask_for_maskless_kernel(mask_name: str, attention_mask, backend: str):
+    """For backends whose attention takes causal or no mask, nothing explicit (the Ascend
+    flash-attention kernels, as MindSpeed's flash_attn_npu adaptor): Megatron's mask for
+    attn_mask_type=causal is the kernel's own."""
+    if mask_name == "causal":
+        return None
+    if mask_name == "no_mask" and attention_mask is None:
+        return None
+    raise refuse("explicit_mask_on_maskless_backend", mask=mask_name, backend=backend)
+
+
+class CanonicalTree(Numerics):
+    name = "canonical_tree"
+    # The backward policy of the invariant GEMMs (kernels.linear): None, the plain GEMMs.
+    backward = None
+
+    def check_moe_config(self, config) -> None:
+        etp = getattr(config, "expert_tensor_parallel_size", None) or config.tensor_model_parallel_size
+        self.profile.check_tp(etp, setting="expert_tensor_parallel_size (--etp)")
+        self.check_expert_ffn(config.moe_ffn_hidden_size or config.ffn_hidden_size)
+
+    def check_expert_ffn(self, ffn: int) -> None:
+        """K of an expert's fc2 is cut into C canonical leaves."""
+        if ffn % self.profile.canonical_shards:
+            raise refuse("moe_ffn_indivisible", ffn=ffn, c=self.profile.canonical_shards)
+
+    # ------------------------------------------------------------------ linear layers
+    def column_linear(self, input, weight, bias, group, sequence_parallel, allreduce_dgrad):
+        if sequence_parallel:
+            input = compat.gather_from_sequence_parallel_region(input, group)
+        elif allreduce_dgrad:
+            input = compat.copy_to_tensor_model_parallel_region(input, group)
+        return self.column_gemm(input, weight, bias)
+
+    def column_gemm(self, x, weight, bias):
+        """The GEMM on the gathered input: fp32-accumulated, cast once (the LM head: fp32 logits)."""
+        out_dtype = torch.float32 if state.want_fp32_output() else x.dtype
+        return invariant_linear(x, weight, bias, out_dtype=out_dtype, row_multiple=self.row_multiple,
+                                backward=self.backward)
+
+    def row_linear(self, layer, input_, group):
+        """The K reduction in canonical tree order: each rank folds its C/TP leaves (K/C columns
+        each) in fp32, the ranks' subtrees are folded in rank order by moving data (all-to-all),
+        never by the collective library's own sum."""
+        prof = self.profile
+        if layer.input_size % prof.canonical_shards:
+            raise refuse("row_k_indivisible", k=layer.input_size, cls=type(layer).__name__, c=prof.canonical_shards)
+        self.check_row_bias(layer)
+        lead = input_.shape[:-1]
+        x2d = input_.reshape(-1, input_.shape[-1])
+        leaves = prof.canonical_shards // group_size(group)
+        partial = folded_leaf_partials(x2d, layer.weight, leaves, self.row_multiple, backward=self.backward)
+        partial = partial.reshape(*lead, partial.shape[-1])
+        output_ = fold_across_ranks(partial, group, input_.dtype, scatter_dim0=bool(layer.sequence_parallel))
+        if not layer.skip_bias_add:
+            output = (output_ + layer.bias) if layer.bias is not None else output_
+            return output, None
+        return output_, layer.bias
+
+    def check_row_bias(self, layer) -> None:
+        """A row-parallel bias is added after the fold (allowed here)."""
+
+    def expert_down_proj(self, a, weight, etp_group, dtype):
+        """An expert's fc2 on its rows: leaves folded across expert TP; only one expert-TP rank's
+        copy goes back to the token (``moe_layer``)."""
+        leaves = self.profile.canonical_shards // group_size(etp_group)
+        partial = folded_leaf_partials(a, weight, leaves, self.row_multiple)
+        return fold_across_ranks(partial, etp_group, dtype, replicated_output=False)
+
+    # ------------------------------------------------------------------ per-token pieces
+    def norm(self, module, x):
+        return affine_norm(x, module.weight, module.bias, module.eps, module.normalization)
+
+    def rope(self, t, freqs, interleaved, cu_seqlens):
+        """RoPE in fp32 from Megatron's angle table (absolute positions), one cast at the end;
+        packed (``cu_seqlens``): each sequence from its own position 0, as Megatron's thd RoPE."""
+        if cu_seqlens is None:
+            return apply_rope(t, freqs, interleaved=interleaved)
+        bounds = [int(x) for x in cu_seqlens.tolist()]
+        parts = [apply_rope(t[a:b].unsqueeze(1), freqs[: b - a], interleaved=interleaved).squeeze(1)
+                 for a, b in zip(bounds[:-1], bounds[1:])]
+        return torch.cat(parts, dim=0) if parts else t
+
+    def attention(self, module, query, key, value, attention_mask, mask_name, causal):
+        """``kernels.consistent_attention``: GQA inside the kernel (no repeat_interleave), fixed KV
+        blocks aligned to absolute positions."""
+        prof = self.profile
+        if attention_mask is not None and attention_mask.dim() != 4:
+            raise refuse("padding_mask_2d", shape=tuple(attention_mask.shape))
+        if not dispatch.backend_attribute(query, "EXPLICIT_MASKS", True):
+            attention_mask = mask_for_maskless_kernel(mask_name, attention_mask, dispatch.backend_name(query))
+        sq, b, np_, hn = query.shape
+        context = consistent_attention(
+            query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
+            scale=compat.attention_scale(module), causal=causal, excluded=attention_mask,
+            block_size=prof.attention_block_size, row_multiple=prof.gemm_row_multiple,
+            split_size=prof.attention_split_size,
+        )
+        return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+
+    def packed_attention(self, module, query, key, value, bounds, causal):
+        prof = self.profile
+        context = packed_attention(query, key, value, bounds, scale=compat.attention_scale(module), causal=causal,
+                                   block_size=prof.attention_block_size, row_multiple=prof.gemm_row_multiple,
+                                   split_size=prof.attention_split_size)
+        return context.reshape(context.shape[0], -1)
+
+    # ------------------------------------------------------------------ MoE and logprobs
+    def moe(self, layer, hidden_states, padding_mask, publish_routing):
+        return canonical_moe(self, layer, hidden_states, padding_mask, publish_routing)
+
+    def logprob(self, logits, target, group, vocab_size):
+        """The canonical vocab tree in fp32 (``kernels.logprob``)."""
+        return vocab_parallel_logprob(logits, target, group, self.profile.canonical_shards,
+                                      vocab_size=vocab_size, pad_multiple=self.profile.vocab_pad_multiple)

@@ -1,0 +1,57 @@
+"""The rollout-layout strategy (profile ``reduction: rollout_layout``): training reproduces a stock
+rollout engine running at TP=R, whatever its own layout (the math: ``modes/rollout_layout``).
+
+Row-parallel layers (attention out-proj, MLP and expert down-proj) compute the engine's R partials
+for this rank's output columns; logprobs are one fp32 log-softmax over the whole vocab. Everything
+else is the canonical tree's (row-local, so the same bits as the engine's reference kernels). The
+engine is the project's reference engine (``reference/``); a real engine's strategy subclasses this
+one with its own kernels (``integrations/vllm/numerics.py``)."""
+from __future__ import annotations
+
+from ..contract.refusals import refuse
+from ..kernels import mask_padded_vocab
+from ..kernels.collectives import group_rank
+from ..modes.rollout_layout.linear import full_vocab_parallel_logprob, rollout_layout_linear
+from ..modes.rollout_layout.relayout import install_optimizer_hook
+from ..patching import Hook, PatchRegistry
+from .canonical import CanonicalTree
+
+
+class RolloutLayout(CanonicalTree):
+    name = "rollout_layout"
+    # The engine's partial GEMM ``gemm(x, w) -> x @ w.T`` (None: the torch reference GEMM) and its
+    # log-softmax over full-vocab rows (None: one fp32 log-softmax).
+    partial_gemm = None
+    log_softmax = None
+
+    @classmethod
+    def register_patches(cls, reg: PatchRegistry) -> None:
+        reg.add_hook(Hook(target="torch.optim.optimizer:register_optimizer_step_post_hook",
+                          install=install_optimizer_hook, remove=lambda handle: handle.remove(),
+                          reason="rollout_layout: an optimizer step invalidates the re-laid row-parallel weights"))
+
+    def check_expert_ffn(self, ffn: int) -> None:
+        """K of an expert's fc2 is cut into the engine's rollout_tp parts."""
+        self.profile.check_rollout_k(ffn, "moe_ffn_hidden_size")
+
+    def row_linear(self, layer, input_, group):
+        """The stock engine's R partials for this rank's output columns (input gathered along K,
+        weight re-laid out by output columns)."""
+        if layer.bias is not None:
+            raise refuse("rollout_row_bias", cls=type(layer).__name__)
+        self.profile.check_rollout_k(
+            layer.input_size, f"input size of {type(layer).__name__} (heads*kv_channels or ffn_hidden_size)")
+        output = rollout_layout_linear(input_, layer.weight, group, self.profile, bool(layer.sequence_parallel),
+                                       gemm=self.partial_gemm)
+        return output, None
+
+    def expert_down_proj(self, a, weight, etp_group, dtype):
+        """per_expert: the expert's down-proj reduced as the engine's row-parallel layer."""
+        return rollout_layout_linear(a, weight, etp_group, self.profile, sequence_parallel=False,
+                                     replicated_output=False)
+
+    def logprob(self, logits, target, group, vocab_size):
+        """The engine's one fp32 log-softmax over the whole vocab, shards exchanged in token chunks."""
+        start = group_rank(group) * logits.shape[-1]
+        logits = mask_padded_vocab(logits, vocab_size, start)
+        return full_vocab_parallel_logprob(logits, target, group, log_softmax=self.log_softmax)
