@@ -20,11 +20,11 @@ group is added to that group's buffer and Megatron's hook is told it was added a
 (after the last micro-batch, with or without overlap_grad_reduce): the tree over the rank's groups,
 written into ``main_grad``.
 """
-from types import SimpleNamespace
 from typing import Dict
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ...contract.refusals import refuse
 from ...contract.tree import tree_fold
@@ -34,7 +34,10 @@ from ...models.marks import TIED_HEAD_ATTR
 
 # Set per forward_backward call by the schedule wrapper.
 _plan: Dict[str, int] = {}
-_counts: Dict[int, int] = {}
+# Per gradient holder (a parameter or a tied-head accumulator), by identity and weakly: a holder
+# freed and another allocated at its address never inherit its count.
+_counts = WeakIdKeyDictionary()
+_buffered = WeakIdKeyDictionary()  # holders with group buffers (-> True), zeroed by reset()
 # On a parameter (or a tied-head accumulator): {group: fp32 buffer}, living as long as it does.
 BUFFERS_ATTR = "_mindspeed_tp_group_buffers"
 HOOKED_ATTR = "_mindspeed_tp_bitwise_hook"
@@ -42,8 +45,17 @@ HOOKED_ATTR = "_mindspeed_tp_bitwise_hook"
 # the shared weight's gradient, kept apart as on a pipeline's last stage and added once, after both
 # are accumulated and DP-reduced.
 # The LM-head accumulators of this step's tied weights (the accumulator itself lives on the weight).
-_heads: Dict[int, SimpleNamespace] = {}
+_heads = WeakIdKeyDictionary()
 HEAD_ATTR = "_mindspeed_tp_tied_head_grad"
+
+
+class _TiedHead:
+    """The LM head's gradient of a tied weight, accumulated apart (a gradient holder like a parameter)."""
+
+    def __init__(self, param):
+        self.param = param
+        self.main_grad = torch.zeros_like(param, dtype=torch.float32)
+        self.pending = False
 
 
 def set_schedule(num_microbatches: int, dp: int, dp_rank: int, groups: int) -> None:
@@ -75,9 +87,8 @@ def route_microbatch(holder, grad: torch.Tensor) -> bool:
     if not _plan:
         raise ConfigError("bitwise_training: a backward pass ran outside megatron's forward_backward_func (the "
                           "micro-batch plan is unknown); run training steps through get_forward_backward_func()")
-    key = id(holder)
-    k = _counts.get(key, 0)
-    _counts[key] = k + 1
+    k = _counts.get(holder, 0)
+    _counts[holder] = k + 1
     g = _group(k)
     if g == _plan["home"]:
         return False
@@ -88,6 +99,7 @@ def route_microbatch(holder, grad: torch.Tensor) -> bool:
     buf = buffers.get(g)
     if buf is None:
         buf = buffers[g] = torch.zeros_like(holder.main_grad)
+    _buffered[holder] = True
     buf.add_(grad)
     return True
 
@@ -97,17 +109,16 @@ def add_tied_head_grad(param: torch.nn.Parameter, grad: torch.Tensor) -> None:
     in its own fp32 buffer, micro-batch by micro-batch in the same groups as a parameter's."""
     head = getattr(param, HEAD_ATTR, None)
     if head is None:
-        head = SimpleNamespace(param=param, main_grad=torch.zeros_like(param, dtype=torch.float32), pending=False)
+        head = _TiedHead(param)
         setattr(param, HEAD_ATTR, head)
-    _heads[id(param)] = head
+    _heads[param] = head
     head.pending = True
     if not route_microbatch(head, grad):
         head.main_grad.add_(grad)
 
 
 def _fold(holder) -> None:
-    key = id(holder)
-    seen = _counts.pop(key, 0)
+    seen = _counts.pop(holder, 0)
     if seen and seen != _plan.get("local"):
         raise RuntimeError(f"bitwise_training: a parameter received {seen} micro-batch gradients, the schedule "
                            f"ran {_plan.get('local')}; every parameter must be used by every micro-batch")
@@ -203,9 +214,14 @@ def reduce_over_dp(bucket_group, sharded: bool) -> None:
 
 
 def reset() -> None:
-    """A new step: the counts start over (group and tied-head buffers are kept, zeroed after use)."""
+    """A new step: the counts start over and every group and tied-head buffer is zero (they are kept
+    and zeroed after use; a step that raised after some micro-batches were routed leaves partial sums
+    that must not reach the next one)."""
     _counts.clear()
-    for head in _heads.values():
+    for holder in list(_buffered):
+        for buf in getattr(holder, BUFFERS_ATTR, {}).values():
+            buf.zero_()
+    for head in list(_heads.values()):
         head.main_grad.zero_()
         head.pending = False
     _heads.clear()
