@@ -10,7 +10,7 @@ from typing import Callable, List, Union
 from . import compat, numerics, state
 from .contract.profile import Profile, load_profile
 from .devices import accelerator_available, machine_device_type
-from .devices.cpu_shims import install_cpu_shims, keep_under
+from .devices.cpu_shims import install_cpu_shims, keep_under, remove_cpu_shims, shim_registry
 from .kernels import dispatch
 from .patches import registry as numerics_registry
 from .patching import PatchRegistry
@@ -20,6 +20,7 @@ _enabling = False
 _companions: List[PatchRegistry] = []
 _enable_checks: List[Callable[[], None]] = []
 keep_under(numerics_registry)  # CPU shims go under the numerics patches
+_installed_shims = False  # enable() installed the CPU shims (not someone before it): disable() removes them
 
 
 def attach(registry: PatchRegistry) -> None:
@@ -42,7 +43,7 @@ def enable(profile: Union[str, Profile, None] = None) -> Profile:
     An enable() reached from a post-import hook while enable() runs (applying imports megatron-core,
     whose import hook enables) returns at once: the outer call applies everything, once.
     """
-    global _enabling
+    global _enabling, _installed_shims
     prof = profile if isinstance(profile, Profile) else load_profile(profile)
     with _lock:
         if _enabling:
@@ -51,10 +52,11 @@ def enable(profile: Union[str, Profile, None] = None) -> Profile:
         try:
             for check in _enable_checks:
                 check()
-            dispatch.prepare(prof, machine_device_type())
             strategy = numerics.resolve(prof)  # the numerics every adapter calls, from here on
             strategy.check_ready()
+            dispatch.prepare(prof, machine_device_type())
             if not accelerator_available():
+                _installed_shims = _installed_shims or not shim_registry().applied
                 install_cpu_shims()
             compat.warn_if_untested_line()
             state.set_profile(prof)
@@ -68,14 +70,20 @@ def enable(profile: Union[str, Profile, None] = None) -> Profile:
 
 
 def disable() -> None:
-    """Restore every original symbol (vanilla behaviour), numerics and integrations alike."""
+    """Restore every original symbol (vanilla behaviour), numerics and integrations alike; what
+    enable() set up goes with it (the CPU shims it installed, the explicit vocab size)."""
+    global _installed_shims
     with _lock:
         for registry in reversed(_companions):
             registry.revert()
         numerics_registry().revert()
         numerics.ACTIVE.set(None)
         state.set_profile(None)
+        state.set_vocab_size(None)
         dispatch.select("auto")
+        if _installed_shims:
+            remove_cpu_shims()
+            _installed_shims = False
 
 
 def is_enabled() -> bool:

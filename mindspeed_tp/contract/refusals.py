@@ -434,6 +434,16 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "replicates hot experts on other ranks, so a token's expert GEMM runs where the layout puts it",
             "balanced_moe_experts", _set),
     # ---- bitwise training (profile bitwise_training, modes/bitwise_training) ----
+    Refusal("weight_cache_stale", LINEAR, "mindspeed_tp.invalidate_weight_caches()",
+            "{what} cached for a weight of shape {shape} is stale: the weight was written without bumping its version "
+            "(through param.data) by a path mindspeed-tp does not hook; call mindspeed_tp.invalidate_weight_caches() "
+            "after writing weights that way (found by MINDSPEED_TP_CHECK_WEIGHT_CACHES=1)",
+            "a stale re-laid or prepacked weight would compute with the old values, silently"),
+    Refusal("bitwise_training_backend", TRAINING, "backend / the machine's device",
+            "bitwise_training is verified on the torch kernel backend (CPU) only; this profile runs the {backend} "
+            "backend on this {device} machine, where the backward (attention's batched GEMMs, the embedding's "
+            "dense backward) was never checked: set bitwise_training: false, or run on CPU with backend: torch",
+            "the backward's invariance off the torch backend has not been verified on a device"),
     Refusal("bitwise_training_bias", TRAINING, "add_bias_linear / add_qkv_bias",
             "bitwise_training: a {layer} layer has a bias; its gradient (a sum over tokens) has no canonical order "
             "yet: set add_bias_linear=False and add_qkv_bias=False, or bitwise_training: false",

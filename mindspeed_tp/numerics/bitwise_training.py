@@ -6,23 +6,27 @@ Its patch entries (megatron-core's DDP, schedules, finalize and clipping) do not
 strategy is active, then:
 - DDP construction: refuses what the mode does not cover (MoE, several
   distributed-optimizer instances) -- its own refusals run at model build and in the kernels;
-- the schedule (``get_forward_backward_func``'s result): records and checks the micro-batch plan;
+- the schedule (``get_forward_backward_func``'s result): records and checks the micro-batch plan of
+  a training step (a ``forward_only`` call is left alone);
 - DDP's backward hook: routes each micro-batch's gradient to its group (``accumulation``);
 - a bucket group's ``start_grad_sync``: folds the groups before the DP reduction, and for DP > 2
   replaces the reduction by the tree folded by moving data;
 - finalize's TP all-reduce of norm gradients: skipped, they were folded across TP in the backward
-  (``token_sums``); any other parameter that asks for it is refused;
+  (``token_sums``); megatron's own function is dry-run to learn which gradients it would reduce, and
+  any that is not a per-token layer's (a category a future line adds included) is refused;
 - finalize's word-embedding all-reduce: on one stage with tied embeddings, adds the LM head's
   gradient kept apart (``accumulation.add_tied_heads``);
 - ``get_grad_norm_fp32``: the exact sum of squares (``grad_norm``).
 """
 import math
+import sys
 
 import torch
 import torch.distributed as dist
 
 from .. import compat, state
 from ..contract.refusals import refuse
+from ..devices import machine_device_type
 from ..kernels import dispatch
 from ..kernels.collectives import group_size
 from ..kernels.linear import InvariantBackward
@@ -55,6 +59,13 @@ class BitwiseTraining(CanonicalTree):
     @classmethod
     def register_patches(cls, reg: PatchRegistry) -> None:
         register(reg)
+
+    def check_ready(self) -> None:
+        """Only where it was verified: the torch backend, the one CPUs run."""
+        device = machine_device_type()
+        backend = dispatch.backend_for_device(device, self.profile.backend)
+        if backend != "torch":
+            raise refuse("bitwise_training_backend", backend=backend, device=device)
 
     def column_linear(self, input, weight, bias, group, sequence_parallel, allreduce_dgrad):
         """The SP gather and the dgrad sum inside one function whose input gradient is folded in
@@ -171,7 +182,9 @@ def forward_backward_func(original):
         schedule = original(*args, **kwargs)
 
         def forward_backward(*a, **kw):
-            if active():
+            # forward_only (verl's compute_log_prob, evaluation): no gradient, so no plan to check and
+            # nothing of a training step's accumulation (pending tied heads included) to reset
+            if active() and not kw.get("forward_only", False):
                 from megatron.core import parallel_state as ps
 
                 accumulation.reset()
@@ -186,20 +199,57 @@ def forward_backward_func(original):
     return get_forward_backward_func
 
 
+def _gradients_megatron_reduces(original, model, config, args, kwargs):
+    """The gradient tensors megatron's own TP all-reduce of non-tensor-parallel gradients would
+    reduce: its function run with its flattening recorded and ``torch.distributed.all_reduce`` a
+    no-op (every rank skips it alike), so whatever rule a megatron-core line uses is the one checked.
+    None: it reduced something without flattening it first (a structure this probe does not know)."""
+    module = sys.modules[original.__module__]
+    flatten = getattr(module, "_flatten_dense_tensors", None)
+    recorded, reduced = [], []
+
+    def recording_flatten(tensors):
+        recorded.extend(tensors)
+        return flatten(tensors)
+
+    def skipped_all_reduce(tensor, *a, **k):
+        reduced.append(tensor)
+
+    # Process-wide for the call: megatron reaches it as torch.distributed.all_reduce (the step is on
+    # this thread; DDP's overlapped reductions were started, not issued, from here).
+    real_all_reduce = dist.all_reduce
+    if flatten is not None:
+        module._flatten_dense_tensors = recording_flatten
+    dist.all_reduce = skipped_all_reduce
+    try:
+        original(model, config, *args, **kwargs)
+    finally:
+        dist.all_reduce = real_all_reduce
+        if flatten is not None:
+            module._flatten_dense_tensors = flatten
+    if reduced and not recorded:
+        return None
+    return recorded
+
+
 def tp_norm_allreduce(original):
     def allreduce(model, config, *args, **kwargs):
         if not active():
             return original(model, config, *args, **kwargs)
+        grads = _gradients_megatron_reduces(original, model, config, args, kwargs)
+        if grads is None:
+            raise refuse("bitwise_tp_reduced_param", name="(megatron-core reduced gradients this check cannot name)")
+        storages = {g.data_ptr() for g in grads}
         for chunk in model:
             for name, param in chunk.named_parameters():
-                if not param.requires_grad:
+                mine = {g.data_ptr() for g in (getattr(param, "main_grad", None), param.grad) if g is not None}
+                if not mine & storages:
                     continue
-                if getattr(param, "average_gradients_across_tp_domain", False):
+                if not getattr(param, PER_TOKEN_PARAM_ATTR, False):  # folded across TP in the backward
                     raise refuse("bitwise_tp_reduced_param", name=name)
-                wants = (getattr(config, "sequence_parallel", False) and getattr(param, "sequence_parallel", False)) \
-                    or (getattr(config, "qk_layernorm", False) and ("q_layernorm" in name or "k_layernorm" in name))
-                if wants and not getattr(param, PER_TOKEN_PARAM_ATTR, False):
-                    raise refuse("bitwise_tp_reduced_param", name=name)
+                storages -= mine
+        if storages:
+            raise refuse("bitwise_tp_reduced_param", name="(a gradient of no parameter of the model)")
         return None
 
     return allreduce

@@ -155,7 +155,9 @@ def fold_ranges(dy: torch.Tensor, w_t: torch.Tensor, leaves: int, group, out_dty
             left = start - s if start % (2 * s) else start
             pair = [(left, s), (left + s, s)]
             parts = [nodes.pop(p) for p in pair if p in nodes]
-            nodes[(left, 2 * s)] = parts[0] + parts[1] if len(parts) == 2 else parts[0]
+            # A missing sibling is the zero subtree past the end: added, as a padded perfect tree adds
+            # its zero leaves (x + 0.0 is x, except that -0.0 becomes +0.0 as it does there).
+            nodes[(left, 2 * s)] = parts[0] + (parts[1] if len(parts) == 2 else 0.0)
         size *= 2
     slice_rows = next(iter(nodes.values())).to(out_dtype)
     if scatter:
