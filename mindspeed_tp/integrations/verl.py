@@ -8,10 +8,12 @@ here, applied as verl's and mbridge's modules are imported (nothing is imported 
 
 1. verl's logprob (``verl.utils.megatron.tensor_parallel.vocab_parallel_log_probs_from_logits``,
    what ``MegatronEngineWithLMHead._lm_head_logits_processor`` calls after dividing the logits by the
-   temperature in place) runs per profile: the canonical vocab tree, or in rollout-layout mode the
-   engine's full-vocab fp32 log-softmax. verl's own version calls megatron-core's
+   temperature in place) is the active strategy's: the canonical vocab tree, or in rollout-layout
+   mode the engine's full-vocab fp32 log-softmax. verl's own version calls megatron-core's
    ``vocab_parallel_cross_entropy`` outside any model's loss, where the patch cannot learn the true
-   vocab size, hence this entry;
+   vocab size, hence this entry: the logits carry it (``models.marks``; mbridge's models are marked
+   with the Hugging Face vocab size, ``LLMBridge._model_provider``), or it is set explicitly, or the
+   call is refused;
 2. the layer spec verl's models are built from is one the patches cover: verl 0.9 builds them
    through mbridge (``mbridge.core.llm_bridge.LLMBridge._get_transformer_layer_spec``) or, in older
    verl, ``verl/models/mcore/model_initializer.py``; both ask megatron-core's
@@ -38,14 +40,17 @@ import sys
 
 from .. import compat, state
 from ..contract.refusals import refuse
-from ..kernels import vocab_parallel_logprob
-from ..modes.rollout_layout.linear import full_vocab_parallel_logprob
+from ..kernels.collectives import group_size
+from ..models.marks import TRUE_VOCAB_ATTR, mark_true_vocab
+from ..numerics import ACTIVE
+from ..numerics.vocab import true_vocab_size
 from ..patching import Patch, PatchRegistry
 
 VERL_LOGPROB = "verl.utils.megatron.tensor_parallel:vocab_parallel_log_probs_from_logits"
 VERL_BLOCK_SPEC = "verl.models.mcore.model_initializer:get_gpt_decoder_block_spec"
 MBRIDGE_BLOCK_SPEC = "mbridge.core.llm_bridge:get_gpt_decoder_block_spec"
 MBRIDGE_BRIDGE = "mbridge.core.bridge:Bridge"
+MBRIDGE_PROVIDER = "mbridge.core.llm_bridge:LLMBridge._model_provider"
 VERL_FUSED_FORWARD = "verl.models.mcore.model_forward_fused:patch_fused_forward"
 MEGATRON_BRIDGE_PROVIDE = "megatron.bridge.models.gpt_provider:GPTModelProvider.provide"
 
@@ -57,22 +62,35 @@ _LOCAL_TO_TE_NAMES = (
 
 def _verl_logprob(original):
     """verl's vocab_parallel_log_probs_from_logits calls megatron's vocab_parallel_cross_entropy outside
-    any model's loss, where the patch cannot learn the true vocab size; so it is routed here, per
-    profile: the canonical vocab tree (padding to ``vocab_pad_multiple`` excluded, as before), or in
-    rollout-layout mode the engine's one fp32 log-softmax over the whole vocab (verl does not pad the
-    Hugging Face vocab), so verl's path matches a stock engine there too."""
+    any model's loss, so it is routed here: the active strategy's logprob (the canonical vocab tree;
+    in rollout-layout mode the engine's one fp32 log-softmax over the whole vocab), with the padded
+    vocab columns excluded by the true vocab size -- the explicit setting, else the mark the model's
+    forward put on its logits (``models.marks``: mbridge's vocab before it pads, a Megatron-Bridge
+    config's ``vocab_size``); unknown: refused, naming the settings (``vocab_size_unknown``)."""
 
     def vocab_parallel_log_probs_from_logits(logits, labels):
-        if not state.enabled():
+        numerics = ACTIVE.current()
+        if numerics is None:
             return original(logits, labels)
-        prof = state.profile()
         group = compat.tp_group_of()
-        if prof.rollout_layout:
-            return full_vocab_parallel_logprob(logits, labels, group)
-        return vocab_parallel_logprob(logits, labels, group, prof.canonical_shards,
-                                      pad_multiple=prof.vocab_pad_multiple)
+        vocab = true_vocab_size(logits.shape[-1] * group_size(group), from_model=getattr(logits, TRUE_VOCAB_ATTR, None))
+        return numerics.logprob(logits, labels, group, vocab)
 
     return vocab_parallel_log_probs_from_logits
+
+
+def mbridge_true_vocab(original):
+    """LLMBridge._model_provider: every GPTModel it builds is marked with the Hugging Face vocab size
+    (mbridge pads the model's vocab to ``make_vocab_size_divisible_by``)."""
+
+    @functools.wraps(original)
+    def _model_provider(self, post_model_creation_callbacks):
+        def mark(model, pre_process, post_process, config, hf_config):
+            mark_true_vocab(model, int(hf_config.vocab_size))
+
+        return original(self, [mark, *post_model_creation_callbacks])
+
+    return _model_provider
 
 
 def local_decoder_block_spec(original):
@@ -162,8 +180,10 @@ def register(reg: PatchRegistry) -> None:
     spec_reason = ("builds the local layer spec while mindspeed-tp is enabled (the Transformer Engine layers it asks "
                    "for are not covered by the patches); megatron's signature (vp_stage) kept")
     reg.add(Patch(target=VERL_LOGPROB, replacement=_verl_logprob, wraps=True, on_import=True,
-                  reason="verl's Megatron logprob per profile: canonical vocab tree, or (rollout_layout) the engine's "
-                         "full-vocab fp32 log-softmax; verl calls it outside any model loss (true vocab size unknown)"))
+                  reason="verl's Megatron logprob by the active strategy (canonical vocab tree, or the engine's "
+                         "full-vocab fp32 log-softmax), padded columns excluded by the true vocab size its logits carry"))
+    reg.add(Patch(target=MBRIDGE_PROVIDER, replacement=mbridge_true_vocab, wraps=True, on_import=True,
+                  reason="mbridge's models carry the Hugging Face vocab size (mbridge pads the model's vocab)"))
     # Only the importer's binding: megatron-core's own get_gpt_decoder_block_spec stays untouched.
     reg.add(Patch(target=VERL_BLOCK_SPEC, replacement=local_decoder_block_spec, wraps=True, on_import=True,
                   everywhere=False, reason="verl's model initializer " + spec_reason))

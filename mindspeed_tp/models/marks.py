@@ -4,11 +4,15 @@ at construction (GPTModel, the norm patch) for any strategy that needs them:
 - ``OUTPUT_PARTS_ATTR``: a gated MLP's fc1 holds [gate_r; up_r] on each rank (2 parts);
 - ``TIED_HEAD_ATTR``: the word embedding whose weight the LM head shares on this stage (PP=1);
 - ``PER_TOKEN_PARAM_ATTR``: a parameter of a per-token layer (RMSNorm / LayerNorm, QK-norm), whose
-  gradient is a sum over tokens (bitwise training folds it across TP in the backward).
+  gradient is a sum over tokens (bitwise training folds it across TP in the backward);
+- ``TRUE_VOCAB_ATTR``: the true (unpadded) vocabulary of a GPTModel whose builder knows it (mbridge
+  pads to ``make_vocab_size_divisible_by``), and of the logits its forward returns, so a logprob
+  computed outside the model's loss (verl) excludes the padded columns.
 """
 OUTPUT_PARTS_ATTR = "_mindspeed_tp_output_parts"
 TIED_HEAD_ATTR = "_mindspeed_tp_tied_head"
 PER_TOKEN_PARAM_ATTR = "_mindspeed_tp_per_token_param"
+TRUE_VOCAB_ATTR = "_mindspeed_tp_true_vocab"
 
 
 def mark_gated_fc1(model) -> None:
@@ -27,3 +31,14 @@ def mark_tied_head(model) -> None:
 def mark_per_token_params(module) -> None:
     for p in module.parameters():
         setattr(p, PER_TOKEN_PARAM_ATTR, True)
+
+
+def mark_true_vocab(model, vocab_size: int) -> None:
+    if not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ValueError(f"a true vocab size must be a positive integer, got {vocab_size!r}")
+    setattr(model, TRUE_VOCAB_ATTR, vocab_size)
+
+
+def true_vocab_of(model):
+    """The model's true vocab: its mark, else its config's ``vocab_size`` (Megatron-Bridge), else None."""
+    return getattr(model, TRUE_VOCAB_ATTR, None) or getattr(getattr(model, "config", None), "vocab_size", None)

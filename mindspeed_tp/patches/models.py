@@ -8,7 +8,8 @@ import torch
 from ..contract import refusals
 from ..contract.refusals import refuse
 from ..errors import ConfigError
-from ..models.marks import mark_gated_fc1, mark_tied_head
+from .. import state
+from ..models.marks import TRUE_VOCAB_ATTR, mark_gated_fc1, mark_tied_head, true_vocab_of
 from ..numerics import ACTIVE
 from ..patching import PatchRegistry
 
@@ -69,6 +70,22 @@ def gpt_model_init(original, registry: PatchRegistry):
     return __init__
 
 
+def gpt_model_forward(original):
+    """GPTModel.forward with the model's true vocab (``models.marks.true_vocab_of``) known to the LM
+    head and the loss inside it, and marked on the logits it returns: a logprob computed from them
+    outside the model (verl's) excludes the padded columns by it."""
+
+    def forward(self, *args, **kwargs):
+        vocab = true_vocab_of(self)
+        with state.model_vocab_size(vocab or state.model_vocab()):
+            out = original(self, *args, **kwargs)
+        if vocab and isinstance(out, torch.Tensor):
+            setattr(out, TRUE_VOCAB_ATTR, vocab)
+        return out
+
+    return forward
+
+
 def _holds_megatron_modules(target) -> bool:
     module = getattr(target, "__self__", target)  # nn.Module.compile() passes its bound _call_impl
     return isinstance(module, torch.nn.Module) and any(
@@ -97,3 +114,7 @@ def register(reg: PatchRegistry) -> None:
         "(Transformer Engine, apex norms incl. megatron's FusedLayerNorm, grouped-GEMM experts, MLA)",
         wraps=True,
     )(lambda original: gpt_model_init(original, reg))
+    reg.register("megatron.core.models.gpt.gpt_model:GPTModel.forward",
+                 "the model's true vocab size known to the LM head and the loss, and marked on the logits it returns "
+                 "(a logprob computed outside the model, as verl's, excludes the padded columns by it)",
+                 wraps=True)(gpt_model_forward)

@@ -4,6 +4,7 @@ from .. import compat, state
 from ..contract.refusals import refuse
 from ..kernels.collectives import group_size
 from ..numerics import ACTIVE
+from ..models.marks import true_vocab_of
 from ..numerics.vocab import true_vocab_size
 from ..patching import PatchRegistry
 
@@ -93,11 +94,11 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=
 
 
 def language_model_loss(original):
-    """LanguageModule.compute_language_model_loss with the model config's ``vocab_size`` (the true
-    size, on Megatron-Bridge providers) known to the cross-entropy patch."""
+    """LanguageModule.compute_language_model_loss with the model's true vocab size (its mark, or its
+    config's ``vocab_size`` on Megatron-Bridge providers) known to the cross-entropy patch."""
 
     def compute_language_model_loss(self, labels, logits):
-        with state.model_vocab_size(getattr(getattr(self, "config", None), "vocab_size", None)):
+        with state.model_vocab_size(true_vocab_of(self) or state.model_vocab()):
             return original(self, labels, logits)
 
     return compute_language_model_loss

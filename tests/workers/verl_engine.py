@@ -63,7 +63,7 @@ def mbridge_model(directory):
     from verl.utils.megatron_utils import McoreModuleWrapperConfig, make_megatron_module
 
     hf_config = AutoConfig.from_pretrained(directory)
-    bridge = AutoBridge.from_config(hf_config, dtype=DTYPE)
+    bridge = AutoBridge.from_config(hf_config, dtype=DTYPE, make_vocab_size_divisible_by=128)  # pads 1000 -> 1024
     bridge.set_extra_args(attention_dropout=0.0, hidden_dropout=0.0, moe_grouped_gemm=False,
                           gradient_accumulation_fusion=False)
     wrap = McoreModuleWrapperConfig(is_value_model=False, wrap_with_ddp=False, use_distributed_optimizer=False)
