@@ -29,10 +29,19 @@ def set_vocab_size(vocab_size: Optional[int]) -> None:
     state.set_vocab_size(vocab_size)
 
 
+def invalidate_weight_caches() -> None:
+    """Drop every cache derived from weights (the rollout layout's re-laid weights, the vLLM
+    engine's prepacked ones): call it after writing weights through ``param.data`` outside an
+    optimizer step or a checkpoint load (``MINDSPEED_TP_CHECK_WEIGHT_CACHES=1`` finds such writes)."""
+    from .numerics.weight_caches import invalidate_weight_caches as invalidate
+
+    invalidate()
+
+
 _integrations.install(_autoload.when_imported)  # import-time patches of verl, MindSpeed, Megatron-LM
 
 if _autoload.env_requested():  # MINDSPEED_TP=1 and the package was imported explicitly: enable now
     enable(os.environ.get("MINDSPEED_TP_PROFILE") or None)
 
-__all__ = ["ConfigError", "PatchTargetError", "Profile", "disable", "enable", "is_enabled", "load_profile",
-           "set_vocab_size"]
+__all__ = ["ConfigError", "PatchTargetError", "Profile", "disable", "enable", "invalidate_weight_caches", "is_enabled",
+           "load_profile", "set_vocab_size"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import assert_grads_match_vanilla, explain, run_cli, run_torchrun
+from conftest import assert_grads_match_vanilla, bits_equal, explain, run_cli, run_torchrun
 from mindspeed_tp.errors import ConfigError
 from mindspeed_tp.kernels import invariant_linear
 from mindspeed_tp.modes.rollout_layout.engine_math import full_vocab_logprob, rollout_row_parallel
@@ -36,11 +36,11 @@ def test_full_k_gemm_on_a_column_slice_equals_those_columns_of_the_full_gemm(dty
         cols = n // t
         for r in range(t):
             part = slice(r * cols, (r + 1) * cols)
-            assert torch.equal(invariant_linear(x, w[part]), full[:, part]), (t, r)
+            assert bits_equal(invariant_linear(x, w[part]), full[:, part]), (t, r)
     for rollout_tp in (2, 4):  # a K/R partial (strided slice of x) on a column block
         kr = k // rollout_tp
         xs, ws = x[:, kr:2 * kr], w[:, kr:2 * kr]
-        assert torch.equal(invariant_linear(xs, ws[: n // 2]), invariant_linear(xs, ws)[:, : n // 2])
+        assert bits_equal(invariant_linear(xs, ws[: n // 2]), invariant_linear(xs, ws)[:, : n // 2])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
@@ -48,14 +48,14 @@ def test_rollout_row_parallel_semantics(dtype):
     prof1, prof2 = load_profile("rollout-tp1"), load_profile("rollout-tp2")
     x = _randn(40, 256, seed=3, dtype=dtype)
     w = _randn(96, 256, seed=4, dtype=dtype, scale=1 / 16)
-    assert torch.equal(rollout_row_parallel(x, w, prof1, dtype), invariant_linear(x, w))
+    assert bits_equal(rollout_row_parallel(x, w, prof1, dtype), invariant_linear(x, w))
     p0 = invariant_linear(x[:, :128], w[:, :128])  # each engine rank's partial, rounded to dtype
     p1 = invariant_linear(x[:, 128:], w[:, 128:])
     two = rollout_row_parallel(x, w, prof2, dtype)
-    assert torch.equal(two, (p0.float() + p1.float()).to(dtype))
+    assert bits_equal(two, (p0.float() + p1.float()).to(dtype))
     if dtype == torch.bfloat16:
-        assert not torch.equal(two, invariant_linear(x, w))  # R really changes the bits
-    assert torch.equal(rollout_row_parallel(x, w[32:64], prof2, dtype), two[:, 32:64])
+        assert not bits_equal(two, invariant_linear(x, w))  # R really changes the bits
+    assert bits_equal(rollout_row_parallel(x, w[32:64], prof2, dtype), two[:, 32:64])
 
 
 def test_full_vocab_logprob_is_row_invariant_and_exact():
@@ -64,9 +64,9 @@ def test_full_vocab_logprob_is_row_invariant_and_exact():
     target = torch.randint(0, 1000, (300,), generator=torch.Generator().manual_seed(6))
     full = full_vocab_logprob(logits, target)
     for m in (1, 2, 5, 16, 77):
-        assert torch.equal(full_vocab_logprob(logits[:m], target[:m]), full[:m]), m
+        assert bits_equal(full_vocab_logprob(logits[:m], target[:m]), full[:m]), m
     for i in range(0, 300, 37):  # one token at a time, as an engine samples
-        assert torch.equal(full_vocab_logprob(logits[i:i + 1], target[i:i + 1]), full[i:i + 1]), i
+        assert bits_equal(full_vocab_logprob(logits[i:i + 1], target[i:i + 1]), full[i:i + 1]), i
     want = torch.log_softmax(logits.double(), -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(full.double(), want, rtol=0, atol=1e-5)
 
@@ -126,11 +126,11 @@ def test_every_layout_reproduces_the_stock_engine_at_rollout_tp_1_and_2(run):
     for r in (1, 2):
         engine = t[f"engine/rollout-tp{r}"]
         for layout in layouts:
-            assert torch.equal(t[f"nograd/rollout-tp{r}/{layout}"], engine), (model, r, layout, "no_grad")
+            assert bits_equal(t[f"nograd/rollout-tp{r}/{layout}"], engine), (model, r, layout, "no_grad")
             if "pp" not in layout:
-                assert torch.equal(t[f"grad/rollout-tp{r}/{layout}"], engine), (model, r, layout, "grad")
+                assert bits_equal(t[f"grad/rollout-tp{r}/{layout}"], engine), (model, r, layout, "grad")
     scored = t["scored"]
-    assert not torch.equal(t["engine/rollout-tp1"][scored], t["engine/rollout-tp2"][scored])  # R matters
+    assert not bits_equal(t["engine/rollout-tp1"][scored], t["engine/rollout-tp2"][scored])  # R matters
 
 
 def test_canonical_tree_mode_does_not_match_a_stock_tp1_engine(run):
@@ -143,7 +143,7 @@ def test_canonical_tree_mode_does_not_match_a_stock_tp1_engine(run):
         print(f"{model} canonical_tree {key[5:]} vs stock engine TP=1: max|dlogp|={diff.max():.3e} "
               f"mean|dlogp|={diff.mean():.3e} bitwise={(ours == engine).double().mean() * 100:.1f}% "
               f"of {engine.numel()} tokens")
-        assert not torch.equal(ours, engine), key
+        assert not bits_equal(ours, engine), key
 
 
 @pytest.mark.parametrize("mode", ["rollout", "tree"])
@@ -160,10 +160,13 @@ def test_relaid_weight_cache_follows_the_weights(run):
     for t in grads:
         before, after_step, after_step_uncached, stale, fresh, edit_uncached = t["cache/losses"]
         assert t["cache/bytes"].item() > 0  # training TP=2: row-parallel weights were re-laid and cached
-        assert not torch.equal(before, after_step)
-        assert torch.equal(after_step, after_step_uncached), "optimizer step did not refresh the cache"
-        assert not torch.equal(stale, edit_uncached), "a .data edit without invalidation should leave it stale"
-        assert torch.equal(fresh, edit_uncached), "invalidate_relaid_weights() did not refresh the cache"
+        assert not bits_equal(before, after_step)
+        assert bits_equal(after_step, after_step_uncached), "optimizer step did not refresh the cache"
+        assert not bits_equal(stale, edit_uncached), "a .data edit without invalidation should leave it stale"
+        assert bits_equal(fresh, edit_uncached), "invalidate_relaid_weights() did not refresh the cache"
+        assert int(t["cache/stale_refused"]) == 1, "the check mode did not refuse a stale cached weight"
+        loaded, loaded_uncached = t["cache/loaded"]
+        assert bits_equal(loaded, loaded_uncached), "load_state_dict did not refresh the cache"
 
 
 def test_checker_selects_the_mode_from_the_profile(tmp_path):

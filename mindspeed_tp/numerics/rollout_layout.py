@@ -13,8 +13,23 @@ from ..kernels import mask_padded_vocab
 from ..kernels.collectives import group_rank
 from ..modes.rollout_layout.linear import full_vocab_parallel_logprob, rollout_layout_linear
 from ..modes.rollout_layout.relayout import install_optimizer_hook
-from ..patching import Hook, PatchRegistry
+from ..patching import Hook, Patch, PatchRegistry
+from . import weight_caches
 from .canonical import CanonicalTree
+
+
+def invalidating(original):
+    """A writer of weights that bumps no version counter: the weight caches are stale after it."""
+
+    def wrapper(*args, **kwargs):
+        try:
+            return original(*args, **kwargs)
+        finally:
+            weight_caches.invalidate_weight_caches()
+
+    wrapper.__name__, wrapper.__qualname__, wrapper.__doc__ = original.__name__, original.__qualname__, original.__doc__
+    wrapper.__wrapped__ = original
+    return wrapper
 
 
 class RolloutLayout(CanonicalTree):
@@ -29,6 +44,13 @@ class RolloutLayout(CanonicalTree):
         reg.add_hook(Hook(target="torch.optim.optimizer:register_optimizer_step_post_hook",
                           install=install_optimizer_hook, remove=lambda handle: handle.remove(),
                           reason="rollout_layout: an optimizer step invalidates the re-laid row-parallel weights"))
+        why = "rollout_layout / engine profiles: the re-laid and prepacked weight caches are invalidated after "
+        reg.add(Patch(target="torch.nn.modules.module:Module.load_state_dict", replacement=invalidating, wraps=True,
+                      reason=why + "a state dict is loaded"))
+        reg.add(Patch(target="megatron.core.dist_checkpointing.serialization:load", replacement=invalidating,
+                      wraps=True, reason=why + "a distributed checkpoint is loaded (into existing tensors)"))
+        reg.add(Patch(target="mbridge.core.bridge:Bridge.load_weights", replacement=invalidating, wraps=True,
+                      on_import=True, reason=why + "mbridge loads Hugging Face weights"))
 
     def check_expert_ffn(self, ffn: int) -> None:
         """K of an expert's fc2 is cut into the engine's rollout_tp parts."""

@@ -10,6 +10,7 @@ Usage: rollout_layout.py OUT_PREFIX MODEL LAYOUTS GRAD_LAYOUT
   then the re-laid weight cache across an optimizer step (cached vs uncached forward).
 Rank 0 saves the logprobs; every rank saves its gradients.
 """
+import os
 import sys
 
 import torch
@@ -150,6 +151,26 @@ with torch.no_grad():
     stale = loss_of(model)
     relayout.invalidate_relaid_weights()
     fresh, edit_uncached = loss_of(model), uncached_loss(model)
+    # Checking (MINDSPEED_TP_CHECK_WEIGHT_CACHES=1): a .data edit behind the cache is refused, not used;
+    # a state dict loaded into the same parameters refreshes it.
+    os.environ["MINDSPEED_TP_CHECK_WEIGHT_CACHES"] = "1"
+    loss_of(model)  # entries with checksums
+    for p in model.parameters():
+        p.data.mul_(2.0)
+    try:
+        loss_of(model)
+        stale_refused = 0
+    except mindspeed_tp.ConfigError as exc:
+        stale_refused = int("invalidate_weight_caches" in str(exc))
+    del os.environ["MINDSPEED_TP_CHECK_WEIGHT_CACHES"]
+    mindspeed_tp.invalidate_weight_caches()
+    loss_of(model)  # cached again
+    halved = {k: v * 0.5 if torch.is_tensor(v) and v.is_floating_point() else v
+              for k, v in model.state_dict().items()}
+    model.load_state_dict(halved)
+    loaded, loaded_uncached = loss_of(model), uncached_loss(model)
+grads["cache/stale_refused"] = torch.tensor([stale_refused])
+grads["cache/loaded"] = torch.stack([loaded, loaded_uncached]).reshape(2)
 grads["cache/bytes"] = torch.tensor([cached_bytes], dtype=torch.int64)
 grads["cache/weight_bytes"] = torch.tensor([sum(p.numel() * p.element_size() for p in model.parameters())])
 grads["cache/losses"] = torch.stack([before, after_step, after_step_uncached, stale, fresh, edit_uncached]).reshape(6)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ...contract.refusals import refuse
 from ...errors import ConfigError
@@ -25,7 +26,8 @@ from . import kernels
 from .scoring import current_plan
 
 _ready = {}
-_rope = {"base": None, "max_positions": None}
+# Per model config (weakly): the RoPE base and max positions its GPTModel was built with.
+_rope = WeakIdKeyDictionary()
 
 
 def is_vllm(prof) -> bool:
@@ -43,9 +45,19 @@ def check_ready(prof) -> None:
     _ready[key] = (require_vllm(prof.engine.version), check_profile_isa(prof.engine.cpu_isa))
 
 
-def set_rope(base: float, max_positions: int) -> None:
-    """Recorded at GPTModel construction: the engine's RoPE cache is built from these."""
-    _rope.update(base=float(base), max_positions=int(max_positions))
+def set_rope(config, base: float, max_positions: int) -> None:
+    """Recorded at GPTModel construction, for that model's config: the engine's RoPE cache is built
+    from these."""
+    _rope[config] = (float(base), int(max_positions))
+
+
+def rope_of(config):
+    """(base, max positions) of the model built with ``config``."""
+    found = _rope.get(config)
+    if found is None:
+        raise ConfigError("vllm-cpu profile: this model was built before the patches were enabled (its RoPE base "
+                          "is unknown); enable mindspeed-tp before building the model")
+    return found
 
 
 # ---------------------------------------------------------------- pieces the patches call
@@ -76,15 +88,13 @@ def residual_add(x_with_bias, residual: torch.Tensor, prob: float, training: boo
     return kernels.fused_add_residual(x, residual)
 
 
-def rope(t: torch.Tensor, interleaved: bool) -> torch.Tensor:
+def rope(t: torch.Tensor, config, interleaved: bool) -> torch.Tensor:
     """RoPE on [s, b, heads, dim] at absolute positions 0..s-1 (the scored sequences start at 0)."""
-    if _rope["base"] is None:
-        raise ConfigError("vllm-cpu profile: the GPTModel was built before the patches were enabled (its RoPE base "
-                          "is unknown); enable mindspeed-tp before building the model")
+    base, max_positions = rope_of(config)
     s, b, h, d = t.shape
     x = t.reshape(s * b, h, d)
     positions = torch.arange(s, device=t.device).repeat_interleave(b)
-    out = kernels.rotary(x, positions, _rope["base"], max(_rope["max_positions"], s), neox=not interleaved)
+    out = kernels.rotary(x, positions, base, max(max_positions, s), neox=not interleaved)
     return out.reshape(s, b, h, d)
 
 
@@ -144,24 +154,38 @@ class _GatherExperts(torch.autograd.Function):
 def _engine_experts(layer, prof):
     """Every expert's gate|up and down weights on this rank (the engine holds them all: it has no
     expert parallelism), and their prepacked engine-rank slices, cached per weight version."""
-    from ...modes.rollout_layout import relayout
+    from ...numerics import weight_caches
     from megatron.core import parallel_state as ps
 
     experts = layer.experts.local_experts
     w13_local = torch.stack([e.linear_fc1.weight for e in experts])
     w2_local = torch.stack([e.linear_fc2.weight for e in experts])
     group = ps.get_expert_model_parallel_group()
-    key = (relayout._generation,) + tuple((e.linear_fc1.weight._version, e.linear_fc1.weight.data_ptr(),
-                                           e.linear_fc2.weight._version, e.linear_fc2.weight.data_ptr())
-                                          for e in experts)
+    key = (weight_caches.generation(),) + tuple(
+        weight_caches.key(w)[1:] for e in experts for w in (e.linear_fc1.weight, e.linear_fc2.weight))
     w13 = _GatherExperts.apply(w13_local, group)
     w2 = _GatherExperts.apply(w2_local, group)
     entry = getattr(layer, _EXPERTS_ATTR, None)
-    if entry is None or entry[0] != key:
-        entry = (key,) + kernels.prepack_experts(w13.detach(), w2.detach(), prof.rollout_tp,
-                                                    layer.config.moe_router_topk)
+    total = weight_caches.checksum(torch.cat([w13_local.reshape(-1), w2_local.reshape(-1)])) \
+        if weight_caches.checking() else None
+    if entry is None or not _experts_fresh(entry, key, total, tuple(w13_local.shape)):
+        entry = (key, total) + kernels.prepack_experts(w13.detach(), w2.detach(), prof.rollout_tp,
+                                                           layer.config.moe_router_topk)
         setattr(layer, _EXPERTS_ATTR, entry)
-    return w13, w2, entry[1], entry[2]
+    return w13, w2, entry[2], entry[3]
+
+
+def _experts_fresh(entry, key, total, shape) -> bool:
+    """The prepacked experts still hold (a checksum mismatch under the check mode is refused)."""
+    if entry[0] != key:
+        return False
+    if total is None:
+        return True
+    if entry[1] is None:
+        return False
+    if entry[1] != total:
+        raise refuse("weight_cache_stale", what="the engine's prepacked expert weights", shape=shape)
+    return True
 
 
 def check_moe(layer, prof) -> None:

@@ -53,15 +53,16 @@ class _Holder(torch.nn.Module):
 
 def _engine_holder(weight: torch.Tensor) -> _Holder:
     """The engine's GEMM dispatched for this weight, prepacked once per weight version (an optimizer
-    step, an in-place edit or a new ``.data`` re-dispatches: the packed copy would be stale)."""
-    from ...modes.rollout_layout import relayout
+    step, an in-place edit, a new ``.data`` or a checkpoint load re-dispatches: the packed copy would be
+    stale; ``numerics/weight_caches.py``)."""
+    from ...numerics import weight_caches
 
-    key = (relayout._generation, weight._version, weight.data_ptr(), tuple(weight.shape), weight.dtype)
+    key = weight_caches.key(weight, tuple(weight.shape), weight.dtype)
     entry = getattr(weight, _HOLDER_ATTR, None)
-    if entry is None or entry[0] != key:
+    if entry is None or not weight_caches.fresh(entry[0], entry[2], weight, key, "the engine's prepacked GEMM weight"):
         holder = _Holder(weight.detach().contiguous())
         _vllm()["dispatch"](holder, remove_weight=False)
-        entry = (key, holder)
+        entry = (key, holder, weight_caches.checksum(weight))
         setattr(weight, _HOLDER_ATTR, entry)
     return entry[1]
 

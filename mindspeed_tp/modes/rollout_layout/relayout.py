@@ -3,11 +3,10 @@
 A row-parallel weight is sharded along K: rank t holds W[:, K_t] (N, K/T). To reproduce a rollout
 engine's full-K (or K/R) GEMMs, rank t needs W[N_t, :] (N/T, K): the same number of elements,
 obtained by one all-to-all of weight blocks. The result is cached on the parameter and reused
-until the weight changes: the cache key holds a process-wide generation (bumped by every
-``torch.optim`` step and by ``invalidate_relaid_weights()``), the parameter's in-place version
-counter and its storage, so an optimizer step, an in-place edit or a new ``param.data`` all force
-a recompute (the optimizer hook is installed while the patches are enabled). Autograd: gradients of the re-laid weight go back through the inverse all-to-all to
-the original shard (the parameter itself), cached or not.
+until the weight changes (``numerics/weight_caches.py`` says when: an optimizer step, an in-place
+edit, a new ``param.data``, a checkpoint load, ``invalidate_relaid_weights()`` /
+``mindspeed_tp.invalidate_weight_caches()``). Autograd: gradients of the re-laid weight go back
+through the inverse all-to-all to the original shard (the parameter itself), cached or not.
 
 Every rank of the group must see the same cache state (the recompute is a collective): weights
 change in lockstep in data/tensor-parallel training. If a job edits weights on some ranks only,
@@ -19,21 +18,26 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ...kernels.collectives import _all_to_all_rows, group_rank, group_size
+from ...numerics import weight_caches
 
 _ATTR = "_mindspeed_tp_relaid"
-_generation = 0
 _cache_enabled = True
 _cached = {}  # id(parameter) -> weakref to every parameter holding a cached re-laid copy
 
 
-def invalidate_relaid_weights() -> None:
-    """Drop every cached re-laid weight (e.g. after loading a checkpoint into existing params)."""
-    global _generation
-    _generation += 1
+def _drop_relaid() -> None:
     for param in _live_cached():
         if hasattr(param, _ATTR):
             delattr(param, _ATTR)
     _cached.clear()
+
+
+weight_caches.on_invalidate(_drop_relaid)
+
+
+def invalidate_relaid_weights() -> None:
+    """Drop every cached weight (e.g. after writing weights through ``param.data``)."""
+    weight_caches.invalidate_weight_caches()
 
 
 def _live_cached():
@@ -55,8 +59,7 @@ def relaid_cache_bytes() -> int:
 
 
 def _on_optimizer_step(optimizer, args, kwargs) -> None:
-    global _generation
-    _generation += 1
+    weight_caches.bump()
 
 
 def install_optimizer_hook():
@@ -84,7 +87,7 @@ def _unrelay(grad: torch.Tensor, group) -> torch.Tensor:
 
 
 def _key(weight: torch.Tensor, group):
-    return (_generation, weight._version, weight.data_ptr(), group_size(group), group_rank(group))
+    return weight_caches.key(weight, group_size(group), group_rank(group))
 
 
 class _RelaidWeight(torch.autograd.Function):
@@ -93,10 +96,10 @@ class _RelaidWeight(torch.autograd.Function):
         ctx.group = group
         entry = getattr(weight, _ATTR, None) if _cache_enabled else None
         key = _key(weight, group)
-        if entry is None or entry[0] != key:
+        if entry is None or not weight_caches.fresh(entry[0], entry[2], weight, key, "a re-laid row-parallel weight"):
             relaid = _relay(weight, group)
             if _cache_enabled:
-                setattr(weight, _ATTR, (key, relaid))
+                setattr(weight, _ATTR, (key, relaid, weight_caches.checksum(weight)))
                 _cached[id(weight)] = weakref.ref(weight)
         else:
             relaid = entry[1]

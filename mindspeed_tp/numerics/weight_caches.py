@@ -1,0 +1,78 @@
+"""When a cache derived from weights is stale: the rollout layout's re-laid row-parallel weights
+(``modes/rollout_layout/relayout.py``) and the vLLM engine's prepacked GEMM and expert weights
+(``integrations/vllm``).
+
+An entry's key holds a process-wide generation, the weight's in-place version counter and its
+storage, so an in-place edit (``param.copy_``) or a new ``param.data`` tensor forces a recompute.
+Writes that bump no version counter -- through ``param.data`` (megatron's optimizer copying main
+params back, an EMA, an actor/reference swap), or into existing tensors by a checkpoint loader --
+are covered by bumping the generation: after every torch optimizer step, ``Module.load_state_dict``,
+megatron-core's ``dist_checkpointing.load`` and mbridge's ``load_weights`` (the rollout-layout
+strategy's patch entries), and ``invalidate_weight_caches()`` for any other writer.
+``MINDSPEED_TP_CHECK_WEIGHT_CACHES=1``: every cache hit also compares a checksum of the weight with
+the one taken when the entry was made, and a stale entry is refused (``weight_cache_stale``).
+"""
+import os
+from typing import Callable, List, Optional
+
+import torch
+
+from ..contract.refusals import refuse
+
+CHECK_ENV = "MINDSPEED_TP_CHECK_WEIGHT_CACHES"
+_generation = 0
+_droppers: List[Callable[[], None]] = []
+_INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def generation() -> int:
+    return _generation
+
+
+def bump() -> None:
+    """Every cached entry is stale from now on (recomputed at its next use)."""
+    global _generation
+    _generation += 1
+
+
+def invalidate_weight_caches() -> None:
+    """Drop every cache derived from weights (call it after writing weights through ``param.data``)."""
+    bump()
+    for drop in _droppers:
+        drop()
+
+
+def on_invalidate(drop: Callable[[], None]) -> None:
+    """``drop()`` frees a cache's entries when they are invalidated."""
+    if drop not in _droppers:
+        _droppers.append(drop)
+
+
+def checking() -> bool:
+    return os.environ.get(CHECK_ENV, "").strip() not in ("", "0")
+
+
+def checksum(weight: torch.Tensor) -> Optional[int]:
+    """The sum of the weight's bits as integers (exact, cheap), when checking; else None."""
+    if not checking():
+        return None
+    w = weight.detach().contiguous()
+    return int(torch.sum(w.view(_INT_VIEW[w.element_size()]), dtype=torch.int64))
+
+
+def key(weight: torch.Tensor, *extra) -> tuple:
+    return (_generation, weight._version, weight.data_ptr(), *extra)
+
+
+def fresh(entry_key, entry_sum: Optional[int], weight: torch.Tensor, current_key, what: str) -> bool:
+    """Whether a cached entry (its key and checksum) still holds for ``weight``. Checking: a matching
+    key whose checksum differs is refused (the weight was written behind the cache's back)."""
+    if entry_key != current_key:
+        return False
+    if not checking():
+        return True
+    if entry_sum is None:  # filled before checking was switched on: recompute once
+        return False
+    if checksum(weight) != entry_sum:
+        raise refuse("weight_cache_stale", what=what, shape=tuple(weight.shape))
+    return True
