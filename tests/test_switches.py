@@ -302,3 +302,26 @@ def test_untested_megatron_line_warns_naming_the_tested_lines():
     lines = _applied(run_python(code))
     assert "0.99.0 is not a tested line (tested: 0.12.x, 0.16.x, 0.19.x)" in lines["WARNED"]
     assert "MINDSPEED_TP_ALLOW_UNTESTED_MEGATRON=1" in lines["WARNED"]
+
+
+def test_disable_ends_what_enable_set_up_and_keeps_what_was_there_before():
+    """The CPU shims enable() installed go with disable() (shims installed before it stay); the
+    explicit vocab size is cleared, so it does not apply to the next model of the process."""
+    code = textwrap.dedent("""
+        import mindspeed_tp
+        from mindspeed_tp import state
+        from mindspeed_tp.devices.cpu_shims import install_cpu_shims, shim_registry
+        mindspeed_tp.enable()
+        mindspeed_tp.set_vocab_size(1000)
+        print("ON", shim_registry().applied, state.explicit_vocab_size())
+        mindspeed_tp.disable()
+        print("OFF", shim_registry().applied, state.explicit_vocab_size())
+        install_cpu_shims()
+        mindspeed_tp.enable()
+        mindspeed_tp.disable()
+        print("KEPT", shim_registry().applied)
+    """)
+    lines = _applied(run_python(code))
+    assert lines["ON"] == "True 1000"
+    assert lines["OFF"] == "False None"
+    assert lines["KEPT"] == "True"

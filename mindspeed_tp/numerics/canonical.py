@@ -89,7 +89,7 @@ class CanonicalTree(Numerics):
     def norm(self, module, x):
         return affine_norm(x, module.weight, module.bias, module.eps, module.normalization)
 
-    def rope(self, t, freqs, interleaved, cu_seqlens):
+    def rope(self, t, freqs, config, interleaved, cu_seqlens):
         """RoPE in fp32 from Megatron's angle table (absolute positions), one cast at the end;
         packed (``cu_seqlens``): each sequence from its own position 0, as Megatron's thd RoPE."""
         if cu_seqlens is None:

@@ -91,7 +91,7 @@ def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group
     if cp_group is not None and cp_group.size() > 1:
         raise refuse("context_parallel")
     interleaved = bool(getattr(config, "rotary_interleaved", False))
-    return ACTIVE.strategy.rope(t, freqs, interleaved, cu_seqlens)
+    return ACTIVE.strategy.rope(t, freqs, config, interleaved, cu_seqlens)
 
 
 def register(reg: PatchRegistry) -> None:

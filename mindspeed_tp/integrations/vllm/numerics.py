@@ -30,7 +30,7 @@ class VllmEngine(RolloutLayout):
             raise refuse("vllm_model_shape", what="RoPE other than full, unscaled rope",
                          engine="full RoPE without scaling",
                          fix="position_embedding_type='rope', rotary_percent=1.0, rope_scaling=False")
-        forward.set_rope(a.get("rotary_base", 10000), a["max_sequence_length"])
+        forward.set_rope(a["config"], a.get("rotary_base", 10000), a["max_sequence_length"])
 
     def column_gemm(self, x, weight, bias):
         """The engine's GEMM; its logits stay in the model dtype."""
@@ -40,11 +40,11 @@ class VllmEngine(RolloutLayout):
         """The engine's RMSNorm (also of the fp32 fused-add sum)."""
         return forward.norm(x, module.weight, module.eps, module.normalization)
 
-    def rope(self, t, freqs, interleaved, cu_seqlens):
-        """The engine's cos/sin cache and rotary kernel."""
+    def rope(self, t, freqs, config, interleaved, cu_seqlens):
+        """The engine's cos/sin cache (the model's base and max positions) and rotary kernel."""
         if cu_seqlens is not None:
             raise refuse("packed_sequences_engine")
-        return forward.rope(t, interleaved)
+        return forward.rope(t, config, interleaved)
 
     def attention(self, module, query, key, value, attention_mask, mask_name, causal):
         """The engine's paged attention: prompt prefill, then decode steps."""

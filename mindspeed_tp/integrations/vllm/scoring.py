@@ -16,6 +16,7 @@ differs by 7e-4 from a 1024 + 76 chunked one). Default: each prompt in one step.
 """
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
@@ -35,12 +36,11 @@ class ScoringPlan:
         return self.prefill_chunks[i] if self.prefill_chunks else (self.prompt_lens[i],)
 
 
-_plan: Optional[ScoringPlan] = None
+_local = threading.local()  # the plan of the engine_scoring block this thread is in
 
 
 @contextmanager
 def engine_scoring(prompt_lens: Sequence[int], vocab_size: int, prefill_chunks=None):
-    global _plan
     if any(int(p) < 1 for p in prompt_lens):
         raise ConfigError("engine_scoring: every prompt needs at least one token")
     chunks = None
@@ -52,17 +52,19 @@ def engine_scoring(prompt_lens: Sequence[int], vocab_size: int, prefill_chunks=N
                                   f"prompt length {p}")
         if len(chunks) != len(prompt_lens):
             raise ConfigError("engine_scoring: one list of prefill chunk ends per prompt")
-    previous, _plan = _plan, ScoringPlan(tuple(int(p) for p in prompt_lens), int(vocab_size), chunks)
+    previous = getattr(_local, "plan", None)
+    _local.plan = ScoringPlan(tuple(int(p) for p in prompt_lens), int(vocab_size), chunks)
     try:
-        yield _plan
+        yield _local.plan
     finally:
-        _plan = previous
+        _local.plan = previous
 
 
 def current_plan(batch: Optional[int] = None) -> ScoringPlan:
-    if _plan is None:
+    plan = getattr(_local, "plan", None)
+    if plan is None:
         raise refuse("vllm_scoring_plan")
-    if batch is not None and batch != len(_plan.prompt_lens):
-        raise ConfigError(f"engine_scoring was given {len(_plan.prompt_lens)} prompt lengths for a batch of {batch} "
+    if batch is not None and batch != len(plan.prompt_lens):
+        raise ConfigError(f"engine_scoring was given {len(plan.prompt_lens)} prompt lengths for a batch of {batch} "
                           f"sequences")
-    return _plan
+    return plan
