@@ -15,7 +15,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from conftest import explain, run_cli
+from conftest import bits_equal, explain, run_cli
 
 LAYOUTS = ["tp2", "tp2-sp", "tp4-sp", "tp1-pp2", "tp1-dp2", "tp2-sp-pp2", "tp2-sp-dp2", "tp2-pp2-vpp2", "tp4-sp-pp2",
            "tp2-sp-pp2-dp2"]
@@ -122,9 +122,45 @@ def test_exact_grad_norm_edge_values():
     from mindspeed_tp.modes.bitwise_training.grad_norm import exact_sum_of_squares, exponent_sums
 
     assert exact_sum_of_squares(exponent_sums([torch.zeros(4)])) == 0.0
-    assert math.isnan(exact_sum_of_squares(exponent_sums([torch.tensor([1.0, float("inf")])])))
     tiny = torch.tensor([1e-45, -3e-39, 3.0e38])  # subnormals and the largest exponents
     assert exact_sum_of_squares(exponent_sums([tiny])) == _exact([tiny])
+
+
+def _negative_nan():
+    """x86's 0/0 (and inf - inf, 0 * inf): a NaN with the sign bit set."""
+    nan = torch.zeros(1) / torch.zeros(1)
+    return nan if nan.view(torch.int32).item() < 0 else -torch.tensor([float("nan")])
+
+
+@pytest.mark.parametrize("values", [
+    [1.0, float("inf")], [float("-inf"), 2.0], ["-nan", 1.0], [float("nan"), float("inf")], ["-nan", float("-inf")],
+])
+def test_exact_grad_norm_propagates_non_finite_values_as_vector_norm_does(values):
+    from mindspeed_tp.modes.bitwise_training.grad_norm import grad_norm
+
+    assert _negative_nan().view(torch.int32).item() < 0
+    grads = torch.cat([_negative_nan() if v == "-nan" else torch.tensor([v]) for v in values])
+    expected = torch.linalg.vector_norm(grads.double()).item()
+    got = grad_norm([grads, torch.ones(3)], None, "cpu")
+    assert (math.isnan(got) and math.isnan(expected)) or got == expected
+
+
+def test_exact_grad_norm_accumulators_never_wrap():
+    """An accumulator near 2^63 (beyond ~2^36 elements in one exponent bin, or the ranks' sum) is
+    normalised exactly instead of wrapping."""
+    from mindspeed_tp.modes.bitwise_training import grad_norm as gn
+
+    acc = gn.exponent_sums([torch.tensor([3.0, 1e-3, 7e5])])
+    scale = (1 << 62) // int(acc[0].max())
+    big = acc * scale  # as if ~2^35 times these elements had been accumulated
+    expected = gn.exact_sum_of_squares(big)
+    assert int(big.max()) >= 1 << 61
+    gn.normalise(big, 1 << 40)
+    assert int(big[:, 1:gn._INF].max()) < 1 << 40 and int(big.min()) >= 0
+    assert gn.exact_sum_of_squares(big) == expected
+    ranks = big.clone()
+    gn.normalise(ranks, (1 << 62) // 1024)  # what grad_norm does before an all-reduce over 1024 ranks
+    assert gn.exact_sum_of_squares(ranks * 1024) == expected * 1024  # their sum: no wrap, exact
 
 
 @pytest.mark.parametrize("microbatches,dp,groups", [(1, 1, 2), (3, 2, 2), (2, 4, 2), (4, 2, 1), (6, 1, 2)])
@@ -195,12 +231,12 @@ def test_resharding_mid_run(tmp_path):
         assert proc.returncode == 0, explain(proc)
     a, b = load_file(resumed), load_file(straight)
     assert sorted(a) == sorted(b) and any(k.startswith("exp_avg_sq/") for k in a)
-    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    differ = [k for k in a if not bits_equal(a[k], b[k])]
     assert differ == []
     with safe_open(resumed, framework="pt") as f:
         assert f.metadata()["steps"] == "4"
     first = load_file(half)
-    assert not torch.equal(first["param/output_layer.weight"], b["param/output_layer.weight"])  # it trained on
+    assert not bits_equal(first["param/output_layer.weight"], b["param/output_layer.weight"])  # it trained on
 
 
 def test_lm_head_with_a_non_power_of_two_run_of_vocab_leaves(tmp_path):
@@ -257,3 +293,160 @@ def test_bitwise_training_on_this_megatron_line(tmp_path):
     run per line, overlap and the distributed optimizer on, TP with SP and DP."""
     _assert_every_step_bitwise(_bitwise_run(tmp_path, "tiny-dense", ["tp2-sp", "tp1-dp2"], "--bitwise-training",
                                             "--distributed-optimizer", "--overlap"))
+
+
+# ---- in-process: the accumulation's state across steps ----
+
+def _bitwise_strategy():
+    from mindspeed_tp.contract.profile import load_profile
+    from mindspeed_tp.numerics.bitwise_training import BitwiseTraining
+
+    return BitwiseTraining(load_profile("default").replace(bitwise_training=True))
+
+
+def test_forward_only_passes_are_neither_planned_nor_reset(monkeypatch):
+    """verl's compute_log_prob runs forward_only passes with its own (dynamic) micro-batch counts."""
+    from mindspeed_tp import numerics
+    from mindspeed_tp.modes.bitwise_training import accumulation
+    from mindspeed_tp.numerics.bitwise_training import forward_backward_func
+
+    monkeypatch.setattr(numerics.ACTIVE, "_strategy", _bitwise_strategy())
+    accumulation.set_schedule(4, 1, 0, 2)
+    plan = dict(accumulation._plan)
+    head = torch.nn.Parameter(torch.zeros(3))
+    accumulation.add_tied_head_grad(head, torch.ones(3))  # a pending tied-head gradient of the step
+    ran = []
+    schedule = forward_backward_func(lambda: lambda **kw: ran.append(kw) or "ran")()
+    assert schedule(num_microbatches=3, forward_only=True) == "ran" and ran  # 3: refused for a training step
+    assert accumulation._plan == plan
+    assert len(accumulation._heads) == 1 and accumulation._heads[head].pending
+    accumulation.reset()
+
+
+def _holder():
+    p = torch.nn.Parameter(torch.zeros(4))
+    p.main_grad = torch.zeros(4)
+    setattr(p, "_mindspeed_tp_bitwise_hook", True)
+    return p
+
+
+def _step(holder, grads):
+    from mindspeed_tp.modes.bitwise_training import accumulation
+
+    accumulation.reset()
+    accumulation.set_schedule(len(grads), 1, 0, 2)
+    for g in grads:
+        if not accumulation.route_microbatch(holder, g):
+            holder.main_grad.add_(g)
+    accumulation.fold_groups([holder])
+    return holder.main_grad.clone()
+
+
+def test_a_step_aborted_after_some_micro_batches_leaves_nothing_for_the_next():
+    from mindspeed_tp.modes.bitwise_training import accumulation
+
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(4, generator=gen) for _ in range(4)]
+    fresh = _step(_holder(), grads)
+    holder = _holder()
+    accumulation.reset()
+    accumulation.set_schedule(4, 1, 0, 2)
+    assert accumulation.route_microbatch(holder, torch.full((4,), 1e3))  # micro-batch 0: a group buffer
+    # ... the step raises here (OOM recovery, a fault-tolerant loop); megatron zeroes main_grad
+    holder.main_grad.zero_()
+    assert bits_equal(_step(holder, grads).view(torch.int32), fresh.view(torch.int32))
+
+
+def test_a_freed_holder_leaves_no_count_behind():
+    """Counts are kept per holder object (weakly), not per id(): a new parameter at a freed one's
+    address must start at micro-batch 0."""
+    import gc
+
+    from mindspeed_tp.modes.bitwise_training import accumulation
+
+    accumulation.reset()
+    accumulation.set_schedule(4, 1, 0, 2)
+    holder = _holder()
+    accumulation.route_microbatch(holder, torch.ones(4))
+    assert len(accumulation._counts) == 1
+    del holder
+    gc.collect()
+    assert len(accumulation._counts) == 0
+    accumulation.reset()
+
+
+@pytest.mark.parametrize("backend,device", [("triton", "cpu"), ("npu", "cpu"), ("auto", "cuda"), ("auto", "npu")])
+def test_bitwise_training_is_refused_off_the_torch_backend(monkeypatch, backend, device):
+    """Not verified on a GPU or NPU (attention's batched GEMMs, the embedding's dense backward)."""
+    import mindspeed_tp
+    from mindspeed_tp.contract.profile import load_profile
+    from mindspeed_tp.errors import ConfigError
+    from mindspeed_tp.numerics import bitwise_training
+
+    monkeypatch.setattr(bitwise_training, "machine_device_type", lambda: device)
+    profile = load_profile("default").replace(bitwise_training=True, backend=backend)
+    runs = {"cuda": "triton", "npu": "npu"}[device] if backend == "auto" else backend
+    with pytest.raises(ConfigError, match=f"runs the {runs} backend on this {device} machine"):
+        mindspeed_tp.enable(profile)
+    for accepted in ("auto", "torch"):  # the CPU host: the torch backend
+        monkeypatch.setattr(bitwise_training, "machine_device_type", lambda: "cpu")
+        bitwise_training.BitwiseTraining(profile.replace(backend=accepted)).check_ready()
+
+
+_FUTURE_FINALIZE = '''
+import torch
+from torch._utils import _flatten_dense_tensors
+
+
+def reduce(model, config, tp_group=None):
+    """A megatron-core line that also TP-reduces a new category of parameters."""
+    grads = [p.main_grad.data for chunk in model for p in chunk.parameters()
+             if getattr(p, "new_category", False) or getattr(p, "sequence_parallel", False)]
+    if grads:
+        torch.distributed.all_reduce(_flatten_dense_tensors(grads), group=tp_group)
+'''
+
+
+def test_a_tp_reduced_gradient_of_a_category_megatron_adds_is_refused_not_skipped(monkeypatch):
+    """Megatron's own function decides which gradients it reduces across TP (dry-run): the norms'
+    (folded in the backward) pass, any other is refused by name."""
+    import sys
+    import types
+
+    from mindspeed_tp import numerics
+    from mindspeed_tp.errors import ConfigError
+    from mindspeed_tp.models.marks import mark_per_token_params
+    from mindspeed_tp.numerics.bitwise_training import tp_norm_allreduce
+
+    future = types.ModuleType("future_finalize")
+    exec(_FUTURE_FINALIZE, future.__dict__)
+    monkeypatch.setitem(sys.modules, "future_finalize", future)
+    future.reduce.__module__ = "future_finalize"
+    monkeypatch.setattr(numerics.ACTIVE, "_strategy", _bitwise_strategy())
+    model = torch.nn.Module()
+    model.norm = torch.nn.LayerNorm(4)
+    model.proj = torch.nn.Linear(4, 4, bias=False)
+    mark_per_token_params(model.norm)
+    for p in model.parameters():
+        p.main_grad = torch.full_like(p, 3.0)
+        p.sequence_parallel = p in set(model.norm.parameters())
+    wrapped = tp_norm_allreduce(future.reduce)
+    wrapped([model], None)  # only the norms: already folded, nothing reduced
+    assert all(bits_equal(p.main_grad, torch.full_like(p, 3.0)) for p in model.parameters())
+    model.proj.weight.new_category = True
+    with pytest.raises(ConfigError, match="parameter proj.weight asks for a TP all-reduce"):
+        wrapped([model], None)
+
+
+def test_a_subtree_missing_its_sibling_is_added_to_the_zero_subtree(monkeypatch):
+    """fold_ranges' tree over 6 leaves is the perfect tree over 8 with two zero leaves: a block whose
+    sibling lies past the end gets +0.0 added, as the padded tree adds its zero leaves (so -0.0
+    becomes +0.0 there too)."""
+    from mindspeed_tp.contract.tree import tree_fold
+    from mindspeed_tp.modes.bitwise_training import column_parallel
+
+    negative_zero = torch.full((3, 5), -0.0)
+    monkeypatch.setattr(column_parallel, "_fold_leaves", lambda dy, w_t, size, row_multiple: negative_zero.clone())
+    got = column_parallel.fold_ranges(torch.zeros(3, 6 * 4), torch.zeros(5, 6 * 4), 6, None, torch.float32, False, 16)
+    padded_tree = tree_fold(torch.stack([negative_zero] * 6 + [torch.zeros(3, 5)] * 2), dim=0)
+    assert bits_equal(got, padded_tree) and not bits_equal(got, negative_zero)

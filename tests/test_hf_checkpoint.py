@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import explain, run_cli, run_torchrun
+from conftest import bits_equal, explain, run_cli, run_torchrun
 from hf_models import make_qwen3, make_qwen3_moe, save_word_tokenizer, transformers_logprobs
 from mindspeed_tp.errors import ConfigError
 from mindspeed_tp.hf import SafetensorsCheckpoint, open_hf_model
@@ -76,7 +76,7 @@ def test_layouts_from_checkpoint_bitwise_bf16(checkpoints, tmp_path, kind, layou
     dump = load_file(str(tmp_path / "dump" / "logprobs.safetensors"))
     reference = dump["consistent/reference"]
     for layout in layouts.split(","):
-        assert torch.equal(dump[f"consistent/{layout}"], reference), layout
+        assert bits_equal(dump[f"consistent/{layout}"], reference), layout
     report = json.loads((tmp_path / "r.json").read_text())
     expected_tokens = sum(len(s) - 1 for s in _sequences(1000)) + 4 + (6 if kind == "dense" else 0)
     assert all(r["tokens"] == expected_tokens for r in report["results"])
@@ -116,12 +116,12 @@ def test_export_round_trip_bitwise(checkpoints, tmp_path, kind, layout, nproc, s
     assert exported.names() == original.names()
     for name in original.names():
         a, b = original.read(name), exported.read(name)
-        assert a.dtype == b.dtype and torch.equal(a, b), name
+        assert a.dtype == b.dtype and bits_equal(a, b), name
     assert (os.path.isfile(out / "model.safetensors.index.json")) == (kind == "moe")
     assert not any(p.startswith(".") for p in os.listdir(out)), "export parts left behind"
     # transformers reads the export and computes exactly what it computes from the original
     seq = [_sequences(1000)[2]]
-    assert torch.equal(transformers_logprobs(str(out), seq)[0], transformers_logprobs(checkpoints[kind], seq)[0])
+    assert bits_equal(transformers_logprobs(str(out), seq)[0], transformers_logprobs(checkpoints[kind], seq)[0])
 
 
 # -- bad checkpoints: exit 2 / ConfigError naming the problem ----------------------------------

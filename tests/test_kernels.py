@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from mindspeed_tp.errors import ConfigError
+from conftest import bits_equal
 from mindspeed_tp.kernels import (
     apply_rope,
     consistent_attention,
@@ -46,7 +47,7 @@ def test_invariant_linear_batch_invariant(dtype, k, n):
     w = _randn(n, k, seed=2, dtype=dtype)
     full = invariant_linear(x, w)
     assert full.dtype == dtype and full.shape == (64, n)
-    bad = [m for m in range(1, 65) if not torch.equal(invariant_linear(x[:m], w), full[:m])]
+    bad = [m for m in range(1, 65) if not bits_equal(invariant_linear(x[:m], w), full[:m])]
     assert bad == [], f"rows differ from the M=64 result for M in {bad}"
 
 
@@ -60,7 +61,7 @@ def test_invariant_linear_batch_invariant_with_bias_and_lead_dims(dtype, k, n):
     assert full.shape == (4, 16, n)
     for i in range(4):
         for m in (1, 7, 16):
-            assert torch.equal(invariant_linear(x[i, :m], w, b), full[i, :m])
+            assert bits_equal(invariant_linear(x[i, :m], w, b), full[i, :m])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -74,7 +75,7 @@ def test_invariant_linear_shard_invariant(dtype, k, n, shards):
     # tensor_split: uneven shards when N is odd (77 -> 39+38, 20+19+19+19).
     for ws in w.tensor_split(shards, dim=0):
         stop = start + ws.shape[0]
-        assert torch.equal(invariant_linear(x, ws), full[:, start:stop]), (start, stop)
+        assert bits_equal(invariant_linear(x, ws), full[:, start:stop]), (start, stop)
         start = stop
     assert start == n
 
@@ -84,12 +85,12 @@ def test_plain_matmul_is_not_batch_invariant():
     x = _randn(64, 129, seed=8)
     w = _randn(77, 129, seed=9)
     full = x @ w.t()
-    differing = [m for m in range(1, 65) if not torch.equal(x[:m] @ w.t(), full[:m])]
+    differing = [m for m in range(1, 65) if not bits_equal(x[:m] @ w.t(), full[:m])]
     assert len(differing) >= 1
     # and the invariant kernel is exact for the very same M values
     inv_full = invariant_linear(x, w)
     for m in differing:
-        assert torch.equal(invariant_linear(x[:m], w), inv_full[:m])
+        assert bits_equal(invariant_linear(x[:m], w), inv_full[:m])
 
 
 # --------------------------------------------------------------------------- tree_fold
@@ -98,27 +99,27 @@ def test_plain_matmul_is_not_batch_invariant():
 def test_tree_fold_explicit_order():
     t = _randn(4, 33, seed=10, scale=1e3) + _randn(4, 33, seed=11, scale=1e-3)
     a, b, c, d = t
-    assert torch.equal(tree_fold(t, dim=0), (a + b) + (c + d))
+    assert bits_equal(tree_fold(t, dim=0), (a + b) + (c + d))
     t8 = _randn(8, 5, 7, seed=12, scale=100.0)
     l = list(t8)
     expected = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
-    assert torch.equal(tree_fold(t8, dim=0), expected)
+    assert bits_equal(tree_fold(t8, dim=0), expected)
     # a non-leading dim
-    assert torch.equal(tree_fold(t8.movedim(0, 2), dim=2), expected)
-    assert torch.equal(tree_fold(t8.movedim(0, -1), dim=-1), expected)
+    assert bits_equal(tree_fold(t8.movedim(0, 2), dim=2), expected)
+    assert bits_equal(tree_fold(t8.movedim(0, -1), dim=-1), expected)
 
 
 def test_tree_fold_differs_from_sequential_sum_somewhere():
     # The order is observable: for some inputs ((a+b)+(c+d)) != ((a+b)+c)+d in fp32.
     t = torch.tensor([[1.0], [1e8], [-1e8], [1.0]]).expand(4, 1).contiguous()
     seq = ((t[0] + t[1]) + t[2]) + t[3]
-    assert not torch.equal(tree_fold(t, dim=0), seq)
-    assert torch.equal(tree_fold(t, dim=0), (t[0] + t[1]) + (t[2] + t[3]))
+    assert not bits_equal(tree_fold(t, dim=0), seq)
+    assert bits_equal(tree_fold(t, dim=0), (t[0] + t[1]) + (t[2] + t[3]))
 
 
 def test_tree_fold_single_leaf():
     t = _randn(1, 9, seed=13)
-    assert torch.equal(tree_fold(t, dim=0), t[0])
+    assert bits_equal(tree_fold(t, dim=0), t[0])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -126,11 +127,11 @@ def test_tree_fold_decomposes_by_rank(dtype):
     t = (_randn(8, 3, 50, seed=14, scale=1e4) * _randn(8, 3, 50, seed=15).exp()).to(dtype)
     full = tree_fold(t, dim=0)
     halves = tree_fold(t[:4], 0) + tree_fold(t[4:], 0)
-    assert torch.equal(full, halves)
+    assert bits_equal(full, halves)
     quarters = [tree_fold(t[2 * i: 2 * i + 2], 0) for i in range(4)]
-    assert torch.equal(full, (quarters[0] + quarters[1]) + (quarters[2] + quarters[3]))
-    assert torch.equal(full, tree_fold(torch.stack(quarters), 0))
-    assert torch.equal(full, tree_fold(torch.stack([tree_fold(t[:4], 0), tree_fold(t[4:], 0)]), 0))
+    assert bits_equal(full, (quarters[0] + quarters[1]) + (quarters[2] + quarters[3]))
+    assert bits_equal(full, tree_fold(torch.stack(quarters), 0))
+    assert bits_equal(full, tree_fold(torch.stack([tree_fold(t[:4], 0), tree_fold(t[4:], 0)]), 0))
 
 
 @pytest.mark.parametrize("n", [0, 3, 5, 6, 12])
@@ -152,14 +153,14 @@ def test_leaf_partials_tp_split_is_bitwise(dtype, m, k, n, tp):
     ref_leaves = leaf_partials(x, w, c)
     assert ref_leaves.shape == (c, m, n) and ref_leaves.dtype == torch.float32
     ref = folded_leaf_partials(x, w, c)
-    assert torch.equal(ref, tree_fold(ref_leaves, 0))
+    assert bits_equal(ref, tree_fold(ref_leaves, 0))
     xs, ws = x.chunk(tp, dim=-1), w.chunk(tp, dim=-1)
     # each rank computes C/TP leaves of its contiguous K shard: the very same leaves
     local_leaves = [leaf_partials(xr, wr, c // tp) for xr, wr in zip(xs, ws)]
-    assert torch.equal(torch.cat(local_leaves, 0), ref_leaves)
+    assert bits_equal(torch.cat(local_leaves, 0), ref_leaves)
     # each rank folds its subtree, the subtrees are folded across ranks in rank order
     subtrees = [folded_leaf_partials(xr, wr, c // tp) for xr, wr in zip(xs, ws)]
-    assert torch.equal(tree_fold(torch.stack(subtrees), 0), ref)
+    assert bits_equal(tree_fold(torch.stack(subtrees), 0), ref)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -169,7 +170,7 @@ def test_progressive_fold_is_the_tree(dtype, leaves):
     tree_fold over all leaves at once."""
     x = _randn(21, 32 * leaves, seed=22, dtype=dtype)
     w = _randn(19, 32 * leaves, seed=23, dtype=dtype)
-    assert torch.equal(folded_leaf_partials(x, w, leaves), tree_fold(leaf_partials(x, w, leaves), 0))
+    assert bits_equal(folded_leaf_partials(x, w, leaves), tree_fold(leaf_partials(x, w, leaves), 0))
 
 
 def test_leaf_partials_semantics():
@@ -185,7 +186,7 @@ def test_leaf_partials_batch_invariant():
     w = _randn(24, 128, seed=21)
     full = folded_leaf_partials(x, w, 8)
     for m in (1, 3, 17, 39):
-        assert torch.equal(folded_leaf_partials(x[:m], w, 8), full[:m])
+        assert bits_equal(folded_leaf_partials(x[:m], w, 8), full[:m])
 
 
 def test_leaf_partials_rejects_indivisible_k():
@@ -248,7 +249,7 @@ def test_attention_semantics(block_size, causal, masked):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     if masked and causal:
         # queries that see only padding keys output exactly zero
-        assert torch.equal(out[1, :, :7], torch.zeros_like(out[1, :, :7]))
+        assert bits_equal(out[1, :, :7], torch.zeros_like(out[1, :, :7]))
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
@@ -263,7 +264,7 @@ def test_attention_gradient_and_forward_under_grad(masked, causal):
         plain = consistent_attention(q, k, v, SCALE, causal=causal, excluded=ex, block_size=16)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = consistent_attention(*leaves, SCALE, causal=causal, excluded=ex, block_size=16)
-    assert torch.equal(out.detach(), plain)
+    assert bits_equal(out.detach(), plain)
     upstream = _randn(*out.shape, seed=33)
     (out * upstream).sum().backward()
     refs = [t.double().clone().requires_grad_() for t in (q, k, v)]
@@ -306,13 +307,13 @@ def test_attention_chunked_prefill_bitwise(dtype, block_size, masked):
             q[:, :, lo:hi], k[:, :, :hi], v[:, :, :hi], SCALE, causal=True,
             q_positions=torch.arange(lo, hi), excluded=chunk_ex, block_size=block_size,
         )
-        assert torch.equal(explicit, full[:, :, lo:hi]), (lo, hi)
+        assert bits_equal(explicit, full[:, :, lo:hi]), (lo, hi)
         # default q_positions: the last sq key positions -- the same thing
         default = consistent_attention(
             q[:, :, lo:hi], k[:, :, :hi], v[:, :, :hi], SCALE, causal=True,
             excluded=chunk_ex, block_size=block_size,
         )
-        assert torch.equal(default, full[:, :, lo:hi]), (lo, hi)
+        assert bits_equal(default, full[:, :, lo:hi]), (lo, hi)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -327,7 +328,7 @@ def test_attention_decode_bitwise(dtype, block_size):
             q_positions=torch.tensor([pos]), excluded=ex[:, :, pos:pos + 1, :pos + 1],
             block_size=block_size,
         )
-        assert torch.equal(step, full[:, :, pos:pos + 1]), pos
+        assert bits_equal(step, full[:, :, pos:pos + 1]), pos
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -341,19 +342,19 @@ def test_attention_independent_of_heads_and_batch_computed_together(dtype, block
     for bi in range(B):
         one = consistent_attention(q[bi:bi + 1], k[bi:bi + 1], v[bi:bi + 1], SCALE,
                                    excluded=ex[bi:bi + 1], block_size=block_size)
-        assert torch.equal(one, full[bi:bi + 1])
+        assert bits_equal(one, full[bi:bi + 1])
     # one kv group (a TP rank holding one kv head and its g query heads)
     for kv in range(HKV):
         grp = consistent_attention(q[:, kv * g:(kv + 1) * g], k[:, kv:kv + 1], v[:, kv:kv + 1],
                                    SCALE, excluded=ex, block_size=block_size)
-        assert torch.equal(grp, full[:, kv * g:(kv + 1) * g])
+        assert bits_equal(grp, full[:, kv * g:(kv + 1) * g])
     # a single query head of a single batch row
     for bi, h in ((0, 0), (1, 5), (1, 7)):
         kv = h // g
         single = consistent_attention(q[bi:bi + 1, h:h + 1], k[bi:bi + 1, kv:kv + 1],
                                       v[bi:bi + 1, kv:kv + 1], SCALE, excluded=ex[bi:bi + 1],
                                       block_size=block_size)
-        assert torch.equal(single, full[bi:bi + 1, h:h + 1])
+        assert bits_equal(single, full[bi:bi + 1, h:h + 1])
 
 
 # --------------------------------------------------------------------------- norms
@@ -399,13 +400,13 @@ def test_norms_row_invariant(dtype, h):
     r = rms_norm(x, w, 1e-6)
     l = layer_norm(x, w, b, 1e-5)
     for i in range(37):
-        assert torch.equal(rms_norm(x[i:i + 1], w, 1e-6), r[i:i + 1]), i
-        assert torch.equal(rms_norm(x[i], w, 1e-6), r[i]), i
-        assert torch.equal(layer_norm(x[i:i + 1], w, b, 1e-5), l[i:i + 1]), i
+        assert bits_equal(rms_norm(x[i:i + 1], w, 1e-6), r[i:i + 1]), i
+        assert bits_equal(rms_norm(x[i], w, 1e-6), r[i]), i
+        assert bits_equal(layer_norm(x[i:i + 1], w, b, 1e-5), l[i:i + 1]), i
     # in a bigger / 3-D batch too
     big = torch.cat([x, x[:5]]).reshape(6, 7, h)
-    assert torch.equal(rms_norm(big, w, 1e-6).reshape(42, h)[:37], r)
-    assert torch.equal(layer_norm(big, w, b, 1e-5).reshape(42, h)[:37], l)
+    assert bits_equal(rms_norm(big, w, 1e-6).reshape(42, h)[:37], r)
+    assert bits_equal(layer_norm(big, w, b, 1e-5).reshape(42, h)[:37], l)
 
 
 # --------------------------------------------------------------------------- rope
@@ -458,7 +459,7 @@ def test_apply_rope_semantics(dtype, interleaved, rot, d):
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
     # the channels beyond ``rot`` pass through untouched (bits)
-    assert torch.equal(out[..., rot:], t[..., rot:])
+    assert bits_equal(out[..., rot:], t[..., rot:])
 
 
 def test_apply_rope_position_invariant_across_chunks():
@@ -467,7 +468,7 @@ def test_apply_rope_position_invariant_across_chunks():
     inv = rope_inv_freq(16, 10000.0)
     full = apply_rope(t, rope_angles(torch.arange(64), inv)[:, None, None, :])
     part = apply_rope(t[30:41], rope_angles(torch.arange(30, 41), inv)[:, None, None, :])
-    assert torch.equal(part, full[30:41])
+    assert bits_equal(part, full[30:41])
 
 
 # --------------------------------------------------------------------------- logprob
@@ -508,14 +509,14 @@ def test_logprob_padding_columns_excluded(temperature):
         logits[..., :vocab].contiguous(), target, None, 8, vocab_size=None, temperature=temperature
     )
     # The leaves follow the true vocab, not the padding: padded and unpadded give the same bits.
-    assert torch.equal(padded_out, truncated)
+    assert bits_equal(padded_out, truncated)
     torch.testing.assert_close(padded_out.double(), _ref_logprob(logits[..., :vocab], target, temperature),
                                rtol=1e-5, atol=1e-5)
     # the padded columns' values do not matter at all (bits), even huge ones
     for fill in (1e4, -1e4, 0.0, float("inf")):
         other = logits.clone()
         other[..., vocab:] = fill
-        assert torch.equal(
+        assert bits_equal(
             vocab_parallel_logprob(other, target, None, 8, vocab_size=vocab, temperature=temperature),
             padded_out,
         ), fill
@@ -548,7 +549,7 @@ def test_logprob_gradient_padded_and_bf16():
     x = logits.clone().requires_grad_()
     vocab_parallel_logprob(x, target, None, 8, vocab_size=vocab).sum().backward()
     assert x.grad.dtype == torch.bfloat16
-    assert torch.equal(x.grad[:, vocab:].float().abs(), torch.zeros(4, padded - vocab))
+    assert bits_equal(x.grad[:, vocab:].float().abs(), torch.zeros(4, padded - vocab))
     y = logits[:, :vocab].float().clone().requires_grad_()
     torch.log_softmax(y, -1).gather(-1, target[:, None]).sum().backward()
     # Semantics check (tolerance, bf16 gradient).
@@ -578,4 +579,4 @@ def test_invariant_linear_does_not_depend_on_the_thread_count(dtype):
         two = invariant_linear(x, w)
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(one, two)
+    assert bits_equal(one, two)

@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import ROOT, explain, run_python
+from conftest import ROOT, bits_equal, explain, run_python
 
 FAKES = os.path.join(ROOT, "tests", "fakes", "npu")
 FAKE_MODULES = ("torch_npu", "batch_invariant_ops", "flash_attn_npu", "flash_attn_npu_v3", "flash_attn_npu_3")
@@ -176,9 +176,9 @@ def test_linear_contract(npu_stack):
     out = invariant_linear(x, w, bias)
     (a, b), = _only(npu_stack.bi, "npu_mm_batch_invariant")
     assert a.dtype == b.dtype == torch.float32 and a.is_contiguous() and b.is_contiguous()
-    assert torch.equal(a, x.detach().reshape(15, 16).float()) and torch.equal(b, w.detach().float().t())
+    assert bits_equal(a, x.detach().reshape(15, 16).float()) and bits_equal(b, w.detach().float().t())
     assert out.dtype == torch.bfloat16 and out.shape == (3, 5, 24)
-    assert torch.equal(out, (torch.mm(a, b) + bias.float()).to(torch.bfloat16).reshape(3, 5, 24))
+    assert bits_equal(out, (torch.mm(a, b) + bias.float()).to(torch.bfloat16).reshape(3, 5, 24))
     out.float().sum().backward()
     assert len(_only(npu_stack.bi, "npu_mm_batch_invariant")) == 3
     assert x.grad.shape == x.shape and w.grad.shape == w.shape
@@ -192,7 +192,7 @@ def test_leaf_partials_contract(npu_stack):
     out = leaf_partials(x, w, 4)
     (a, b), = _only(npu_stack.bi, "npu_matmul_batch_invariant")
     assert a.shape == (4, 6, 8) and b.shape == (4, 8, 10) and a.dtype == torch.float32
-    assert torch.equal(a, x.reshape(6, 4, 8).transpose(0, 1)) and out.shape == (4, 6, 10)
+    assert bits_equal(a, x.reshape(6, 4, 8).transpose(0, 1)) and out.shape == (4, 6, 10)
 
 
 def test_reduction_contracts(npu_stack):
@@ -204,7 +204,7 @@ def test_reduction_contracts(npu_stack):
     x = torch.randn(4, 16, dtype=torch.bfloat16)
     rms_norm(x, torch.ones(16), 1e-6)
     (t, dim, keepdim), = _only(npu_stack.bi, "npu_reduce_sum_batch_invariant")
-    assert (dim, keepdim) == (1, True) and t.dtype == torch.float32 and torch.equal(t, x.float().pow(2))
+    assert (dim, keepdim) == (1, True) and t.dtype == torch.float32 and bits_equal(t, x.float().pow(2))
     npu_stack.bi.clear()
     logits = torch.randn(2, 3, 64)
     vocab_parallel_logprob(logits, torch.randint(0, 64, (2, 3)), None, 8)
@@ -228,7 +228,7 @@ def test_attention_contract(npu_stack):
     assert {key: call[key] for key in call if key not in ("q", "k", "v")} == {
         "dropout_p": 0.0, "softmax_scale": 0.25, "causal": True, "window_size": (-1, -1), "softcap": 0.0,
         "alibi_slopes": None, "deterministic": True, "return_attn_probs": False}
-    assert call["q"].shape == (2, 7, 4, 8) and call["q"].is_contiguous() and torch.equal(call["q"], q.transpose(1, 2))
+    assert call["q"].shape == (2, 7, 4, 8) and call["q"].is_contiguous() and bits_equal(call["q"], q.transpose(1, 2))
     assert call["k"].shape == (2, 7, 2, 8) and out.shape == q.shape
     consistent_attention(q, k, v, scale=0.25, causal=False, q_positions=torch.arange(0, 7))
     assert npu_stack.fa[-1]["causal"] is False
@@ -254,7 +254,7 @@ def test_decode_contract(npu_stack):
     assert (call["num_splits"], call["causal"], call["window_size"], call["softcap"], call["softmax_scale"],
             call["return_softmax_lse"]) == (1, True, (-1, -1), 0.0, 0.3, False)
     assert call["cache_seqlens"].dtype == call["page_table"].dtype == torch.int32
-    assert torch.equal(call["page_table"], page_table.int()) and call["k_cache"] is k_cache
+    assert bits_equal(call["page_table"], page_table.int()) and call["k_cache"] is k_cache
     assert call["q"].shape == (2, 1, 4, 8) and out.shape == q.shape
     assert call["k"] is None and call["rotary_cos"] is None and call["cache_batch_idx"] is None
 
@@ -291,7 +291,7 @@ def test_torch_decode_attention_equals_training_attention():
         full_q = torch.randn(1, 4, n, 8)
         full_q[:, :, -1:] = q[i : i + 1]
         full = consistent_attention(full_q, keys, values, 0.35, causal=True, block_size=16)
-        assert torch.equal(out[i : i + 1], full[:, :, -1:])
+        assert bits_equal(out[i : i + 1], full[:, :, -1:])
 
 
 def test_checker_on_npu_without_torch_npu_names_the_package():

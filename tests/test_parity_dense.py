@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import explain, full_matrix, run_cli
+from conftest import bits_equal, explain, full_matrix, run_cli
 
 pytestmark = pytest.mark.version_lines  # also run on megatron-core 0.12.x (scripts/test.sh)
 
@@ -45,7 +45,7 @@ def test_every_layout_bitwise_equal_to_single_device(matrix):
     dtype, t, _, _ = matrix
     ref = t["consistent/reference"]
     for layout in LAYOUTS:
-        assert torch.equal(t[f"consistent/{layout}"], ref), f"{dtype} {layout} differs from TP=PP=1"
+        assert bits_equal(t[f"consistent/{layout}"], ref), f"{dtype} {layout} differs from TP=PP=1"
 
 
 def test_vanilla_megatron_is_not_bitwise_equal_in_bf16(tmp_path_factory):
@@ -54,7 +54,7 @@ def test_vanilla_megatron_is_not_bitwise_equal_in_bf16(tmp_path_factory):
     ref = t["vanilla/reference"][scored]
     # TP=1 layouts have no cross-rank sum: vanilla is exact there as well.
     for layout in [l for l in LAYOUTS if not l.startswith("tp1")]:
-        assert not torch.equal(t[f"vanilla/{layout}"][scored], ref), f"vanilla {layout} unexpectedly equal"
+        assert not bits_equal(t[f"vanilla/{layout}"][scored], ref), f"vanilla {layout} unexpectedly equal"
 
 
 def test_vanilla_megatron_differs_in_fp32_too(tmp_path_factory):
@@ -64,7 +64,7 @@ def test_vanilla_megatron_differs_in_fp32_too(tmp_path_factory):
     scored = t["scored"]
     ref = t["vanilla/reference"][scored]
     for layout in [l for l in LAYOUTS if not l.startswith("tp1")]:
-        assert not torch.equal(t[f"vanilla/{layout}"][scored], ref), f"vanilla fp32 {layout} unexpectedly equal"
+        assert not bits_equal(t[f"vanilla/{layout}"][scored], ref), f"vanilla fp32 {layout} unexpectedly equal"
 
 
 def test_report_has_the_documented_keys(matrix):

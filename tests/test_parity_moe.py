@@ -8,7 +8,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import explain, full_matrix, run_cli
+from conftest import bits_equal, explain, full_matrix, run_cli
 
 pytestmark = pytest.mark.version_lines  # also run on megatron-core 0.12.x (scripts/test.sh)
 
@@ -64,8 +64,8 @@ def bf16_matrix(request, tmp_path_factory):
 def test_logprobs_and_routing_bitwise_equal_to_one_device(matrix):
     case, t, report = matrix
     for layout in LAYOUTS:
-        assert torch.equal(t[f"consistent/{layout}"], t["consistent/reference"]), (case, layout)
-        assert torch.equal(t[f"consistent/routing/{layout}"], t["consistent/routing/reference"]), (case, layout)
+        assert bits_equal(t[f"consistent/{layout}"], t["consistent/reference"]), (case, layout)
+        assert bits_equal(t[f"consistent/routing/{layout}"], t["consistent/routing/reference"]), (case, layout)
     ours = [r for r in report["results"] if not r["vanilla"]]
     assert len(ours) == len(LAYOUTS)
     assert all(r["routing_mismatch_fraction"] == 0.0 and r["bitwise_equal_fraction"] == 1.0 for r in ours)
@@ -80,7 +80,7 @@ def test_vanilla_is_not_bitwise_equal_in_bf16(bf16_matrix):
     for layout in VANILLA_DIFFERS:
         if layout in unsupported:
             continue  # reported as n/a with the upstream reason; nothing to compare
-        assert not torch.equal(t[f"vanilla/{layout}"][scored], t["vanilla/reference"][scored]), layout
+        assert not bits_equal(t[f"vanilla/{layout}"][scored], t["vanilla/reference"][scored]), layout
     assert any(r["routing_mismatch_fraction"] > 0 for r in report["results"] if r["vanilla"] and r["layout"]["name"]
                not in unsupported)
 
@@ -104,8 +104,8 @@ def test_exact_router_ties_pick_the_lower_expert_id_in_every_layout(tmp_path):
         assert split.any(), "the test model produced no boundary tie; change the tied rows"
         assert torch.all(ref[..., a][split] == 1), "tie resolved towards the higher expert id"
     for layout in layouts:
-        assert torch.equal(t[f"consistent/routing/{layout}"], ref), layout
-        assert torch.equal(t[f"consistent/{layout}"], t["consistent/reference"]), layout
+        assert bits_equal(t[f"consistent/routing/{layout}"], ref), layout
+        assert bits_equal(t[f"consistent/{layout}"], t["consistent/reference"]), layout
 
 
 @pytest.mark.parametrize(

@@ -31,6 +31,7 @@ from mindspeed_tp.kernels.backends import torch as torch_backend
 from mindspeed_tp.kernels.backends.torch import _blocked_attention
 from mindspeed_tp.kernels.linear import leaf_partials
 from mindspeed_tp.contract.tree import tree_fold
+from conftest import bits_equal
 
 DEVICE = os.environ.get("MINDSPEED_TP_TRITON_DEVICE", "cpu")
 
@@ -101,7 +102,7 @@ def test_matmul_is_row_invariant_in_m(gemm_case):
     """M = 1..64 and a few large M: each row's bits equal the same row of the 1030-row product."""
     x, w, full = gemm_case
     for m in list(range(1, 65)) + [127, 129, 300]:
-        assert torch.equal(tb.matmul(x[:m], w.t()), full[:m]), f"M={m}"
+        assert bits_equal(tb.matmul(x[:m], w.t()), full[:m]), f"M={m}"
 
 
 def test_matmul_row_depends_only_on_itself(gemm_case):
@@ -109,7 +110,7 @@ def test_matmul_row_depends_only_on_itself(gemm_case):
     x, w, full = gemm_case
     for seed, count in ((3, 37), (4, 200), (5, M_FULL)):
         idx = _perm(M_FULL, seed)[:count]
-        assert torch.equal(tb.matmul(x[idx], w.t()), full[idx]), f"{count} permuted rows"
+        assert bits_equal(tb.matmul(x[idx], w.t()), full[idx]), f"{count} permuted rows"
 
 
 def test_matmul_is_column_shard_invariant(gemm_case):
@@ -120,8 +121,8 @@ def test_matmul_is_column_shard_invariant(gemm_case):
         width = N // shards
         for r in range(shards):
             cols = slice(r * width, (r + 1) * width)
-            assert torch.equal(tb.matmul(x, wt[:, cols]), full[:, cols]), f"{shards} shards, shard {r} (view)"
-            assert torch.equal(tb.matmul(x, wt[:, cols].contiguous()), full[:, cols]), f"shard {r} (copy)"
+            assert bits_equal(tb.matmul(x, wt[:, cols]), full[:, cols]), f"{shards} shards, shard {r} (view)"
+            assert bits_equal(tb.matmul(x, wt[:, cols].contiguous()), full[:, cols]), f"shard {r} (copy)"
 
 
 def test_matmul_matches_torch_semantics(gemm_case):
@@ -140,10 +141,10 @@ def test_linear_adds_bias_in_fp32_and_casts_once(dtype):
         y = tb.linear(x, w, out_dtype, bias=bias)
         assert y.dtype == out_dtype
         # Bitwise: fp32 accumulator + fp32 bias, then one cast (no intermediate rounding).
-        assert torch.equal(y, (tb.matmul(x, w.t()) + bias.float()).to(out_dtype))
+        assert bits_equal(y, (tb.matmul(x, w.t()) + bias.float()).to(out_dtype))
         for m in (1, 3, 17, 64):
-            assert torch.equal(tb.linear(x[:m], w, out_dtype, bias=bias), y[:m]), f"M={m}"
-    assert torch.equal(tb.linear(x, w, dtype), tb.matmul(x, w.t()).to(dtype))
+            assert bits_equal(tb.linear(x[:m], w, out_dtype, bias=bias), y[:m]), f"M={m}"
+    assert bits_equal(tb.linear(x, w, dtype), tb.matmul(x, w.t()).to(dtype))
     ref = (x.float() @ w.float().t() + bias.float()).to(dtype)
     torch.testing.assert_close(tb.linear(x, w, dtype, bias=bias), ref, rtol=1e-5 if dtype == torch.float32 else 1e-2,
                                atol=1e-4 if dtype == torch.float32 else 1e-2)
@@ -153,7 +154,7 @@ def test_mixed_dtypes_are_computed_in_fp32():
     """A bf16 input to an fp32 weight (the router) is one fp32 GEMM of the upcast values."""
     x = _randn(33, K, seed=9, dtype=torch.bfloat16)
     w = _randn(N, K, seed=10)
-    assert torch.equal(tb.matmul(x, w.t()), tb.matmul(x.float(), w.t()))
+    assert bits_equal(tb.matmul(x, w.t()), tb.matmul(x.float(), w.t()))
 
 
 # --------------------------------------------------------------------------- canonical-tree leaves
@@ -189,7 +190,7 @@ def test_leaves_are_one_launch_and_equal_single_leaf_gemms(dtype, monkeypatch):
     assert leaves.shape == (C, 45, N) and leaves.dtype == torch.float32
     for i in range(C):
         cols = slice(i * KL, (i + 1) * KL)
-        assert torch.equal(leaves[i], tb.matmul(x[:, cols], w[:, cols].t())), f"leaf {i}"
+        assert bits_equal(leaves[i], tb.matmul(x[:, cols], w[:, cols].t())), f"leaf {i}"
     # Semantics of the torch reference's leaf_partials (tolerance: other summation inside a tile).
     ref = leaf_partials(x.cpu(), w.cpu(), C).to(DEVICE)
     torch.testing.assert_close(leaves, ref, rtol=1e-5, atol=1e-4)
@@ -210,10 +211,10 @@ def test_tree_of_rank_subtrees_equals_single_device_tree(dtype):
             ks = slice(r * k_rank, (r + 1) * k_rank)
             subtrees.append(tree_fold(tb.matmul(*_leaf_views(x[:, ks].contiguous(), w[:, ks].contiguous(),
                                                              C // tp)), dim=0))
-        assert torch.equal(tree_fold(torch.stack(subtrees), dim=0), single), f"TP={tp}"
+        assert bits_equal(tree_fold(torch.stack(subtrees), dim=0), single), f"TP={tp}"
         sub = tree_fold(tb.matmul(*_leaf_views(x[rows, : k_rank], w[:, : k_rank], C // tp)), dim=0)
         first = tree_fold(tb.matmul(*_leaf_views(x[:, : k_rank], w[:, : k_rank], C // tp)), dim=0)
-        assert torch.equal(sub, first[rows]), f"TP={tp}: row subset of rank 0's subtree"
+        assert bits_equal(sub, first[rows]), f"TP={tp}: row subset of rank 0's subtree"
 
 
 # --------------------------------------------------------------------------- row reductions
@@ -224,21 +225,21 @@ def test_row_sum_fixed_order_per_row(dtype):
     full = tb.row_sum(x)
     assert full.dtype == torch.float32 and full.shape == (70,)
     for idx in (torch.arange(1, device=DEVICE), torch.arange(33, device=DEVICE), _perm(70, 17)[:41]):
-        assert torch.equal(tb.row_sum(x[idx]), full[idx])
+        assert bits_equal(tb.row_sum(x[idx]), full[idx])
     torch.testing.assert_close(full, x.float().sum(-1), rtol=1e-5, atol=1e-3)
     x3 = x.reshape(7, 10, 2500)
-    assert torch.equal(tb.row_sum(x3, keepdim=True), full.reshape(7, 10, 1))
+    assert bits_equal(tb.row_sum(x3, keepdim=True), full.reshape(7, 10, 1))
     # The vocab leaf sums of the log-softmax: rows of (tokens, leaves, V/C), leaves in any grouping.
     leaves = x.float().reshape(70, 4, 625)
-    assert torch.equal(tb.row_sum(leaves)[:, 2:], tb.row_sum(leaves[:, 2:].contiguous()))
+    assert bits_equal(tb.row_sum(leaves)[:, 2:], tb.row_sum(leaves[:, 2:].contiguous()))
 
 
 def test_softmax_per_row():
     x = _randn(50, 64, seed=18) * 3
     full = tb.softmax(x)
     idx = _perm(50, 19)[:23]
-    assert torch.equal(tb.softmax(x[idx]), full[idx])
-    assert torch.equal(tb.softmax(x[:1]), full[:1])
+    assert bits_equal(tb.softmax(x[idx]), full[idx])
+    assert bits_equal(tb.softmax(x[:1]), full[:1])
     torch.testing.assert_close(full, torch.softmax(x, -1), rtol=1e-5, atol=1e-6)
     assert tb.softmax(x.to(torch.bfloat16)).dtype == torch.float32
 
@@ -257,7 +258,7 @@ def test_gradients_follow_the_plain_formulas():
     torch.testing.assert_close(s.grad, sr.grad, rtol=1e-5, atol=1e-6)
     r = _randn(4, 9, seed=28).requires_grad_()
     (tb.row_mean(r) * 9).sum().backward()
-    assert torch.equal(r.grad, torch.ones_like(r))
+    assert bits_equal(r.grad, torch.ones_like(r))
 
 
 def test_attention_backward_is_the_reference_recompute():
@@ -268,7 +269,7 @@ def test_attention_backward_is_the_reference_recompute():
     qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
     (torch_backend.attention(qr, kr, vr, SCALE, True, block_size=16) * g).sum().backward()
     for ours, ref in ((q, qr), (k, kr), (v, vr)):
-        assert torch.equal(ours.grad, ref.grad)
+        assert bits_equal(ours.grad, ref.grad)
 
 
 # --------------------------------------------------------------------------- attention
@@ -303,8 +304,8 @@ def test_explicit_causal_mask_equals_causal_flag(attn_case):
     """Megatron passes its causal mask as well: excluding the same keys by mask gives the same bits."""
     q, k, v, block, split, _, train = attn_case
     mask = torch.triu(torch.ones(S, S, dtype=torch.bool, device=DEVICE), diagonal=1).view(1, 1, S, S)
-    assert torch.equal(tb.attention(q, k, v, SCALE, True, excluded=mask, block_size=block, split_size=split), train)
-    assert torch.equal(tb.attention(q, k, v, SCALE, False, excluded=mask, block_size=block, split_size=split), train)
+    assert bits_equal(tb.attention(q, k, v, SCALE, True, excluded=mask, block_size=block, split_size=split), train)
+    assert bits_equal(tb.attention(q, k, v, SCALE, False, excluded=mask, block_size=block, split_size=split), train)
 
 
 def test_chunked_prefill_equals_training(attn_case):
@@ -314,14 +315,14 @@ def test_chunked_prefill_equals_training(attn_case):
         pos = torch.arange(start, stop, device=DEVICE)
         chunk = tb.attention(q[:, :, start:stop], k[:, :, :stop], v[:, :, :stop], SCALE, True, q_positions=pos,
                              block_size=block, split_size=split)
-        assert torch.equal(chunk, train[:, :, start:stop]), f"chunk [{start}, {stop})"
+        assert bits_equal(chunk, train[:, :, start:stop]), f"chunk [{start}, {stop})"
 
 
 def test_training_is_invariant_to_batch_composition(attn_case):
     q, k, v, block, split, _, train = attn_case
     for order in ([2], [2, 0, 1]):
         sub = tb.attention(q[order], k[order], v[order], SCALE, True, block_size=block, split_size=split)
-        assert torch.equal(sub, train[order]), f"batch {order}"
+        assert bits_equal(sub, train[order]), f"batch {order}"
 
 
 def _paged_cache(k, v, lengths, page_size, seed):
@@ -358,11 +359,11 @@ def test_paged_decode_equals_training(attn_case):
         want = torch.stack([train[i, :, n - sq:n] for i, n in enumerate(lengths)])
         out = tb.decode_attention(qs, k_cache, v_cache, seqlens, table, SCALE, block_size=block,
                                   split_size=split)
-        assert torch.equal(out, want), f"page {page_size}, step {step}, sq={sq}"
+        assert bits_equal(out, want), f"page {page_size}, step {step}, sq={sq}"
         for order in ([1], [2, 0]):
             alone = tb.decode_attention(qs[order], k_cache, v_cache, seqlens[order], table[order], SCALE,
                                         block_size=block, split_size=split)
-            assert torch.equal(alone, want[order]), f"batch {order}"
+            assert bits_equal(alone, want[order]), f"batch {order}"
 
 
 def test_key_padding_mask_equals_shorter_keys():
@@ -374,10 +375,10 @@ def test_key_padding_mask_equals_shorter_keys():
     out = tb.attention(q, k, v, SCALE, causal=False, excluded=pad, block_size=16)
     for i, n in enumerate(LENGTHS):
         alone = tb.attention(q[i:i + 1], k[i:i + 1, :, :n], v[i:i + 1, :, :n], SCALE, causal=False, block_size=16)
-        assert torch.equal(out[i:i + 1], alone), f"request {i}"
+        assert bits_equal(out[i:i + 1], alone), f"request {i}"
     # A query that sees no key gives 0, as the reference.
     nothing = torch.ones(1, 1, 1, S, dtype=torch.bool, device=DEVICE)
-    assert torch.equal(tb.attention(q, k, v, SCALE, False, excluded=nothing, block_size=16), torch.zeros_like(q))
+    assert bits_equal(tb.attention(q, k, v, SCALE, False, excluded=nothing, block_size=16), torch.zeros_like(q))
 
 
 def test_attention_rejects_bad_shapes():
@@ -469,11 +470,11 @@ def test_composite_kernels_run_on_the_triton_primitives(triton_selected, monkeyp
     w = _randn(N, C * KL, seed=51, dtype=torch.bfloat16)
     bias = _randn(N, seed=52, dtype=torch.bfloat16)
     y = invariant_linear(x, w, bias)
-    assert torch.equal(invariant_linear(x[:7], w, bias), y[:7])
+    assert bits_equal(invariant_linear(x[:7], w, bias), y[:7])
     torch.testing.assert_close(y, (x.float() @ w.float().t() + bias.float()).to(torch.bfloat16), rtol=1e-2, atol=1e-2)
-    assert torch.equal(invariant_linear(x[5:9], w), invariant_linear(x, w)[5:9])
+    assert bits_equal(invariant_linear(x[5:9], w), invariant_linear(x, w)[5:9])
     sub = folded_leaf_partials(x, w, C)
-    assert torch.equal(folded_leaf_partials(x[:3], w, C), sub[:3])
+    assert bits_equal(folded_leaf_partials(x[:3], w, C), sub[:3])
     torch.testing.assert_close(sub, x.float() @ w.float().t(), rtol=1e-4, atol=1e-3)
     h = _randn(30, 64, seed=53)
     torch.testing.assert_close(rms_norm(h, None, 1e-6), h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
@@ -485,7 +486,7 @@ def test_composite_kernels_run_on_the_triton_primitives(triton_selected, monkeyp
     idx, probs = route(_randn(10, 8, seed=56), 2, "softmax", pre_softmax=True)
     assert idx.shape == (10, 2) and torch.all(probs > 0)
     q, k, v = (_randn(1, 2, 20, D, seed=s) for s in (57, 58, 59))
-    assert torch.equal(consistent_attention(q, k, v, SCALE, block_size=16), tb.attention(q, k, v, SCALE, block_size=16))
+    assert bits_equal(consistent_attention(q, k, v, SCALE, block_size=16), tb.attention(q, k, v, SCALE, block_size=16))
     assert {"linear", "matmul", "row_sum", "row_mean", "softmax", "attention"} <= set(calls), sorted(set(calls))
 
 

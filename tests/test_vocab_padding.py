@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import explain, run_torchrun
+from conftest import bits_equal, explain, run_torchrun
 
 VOCABS = [1000, 1100, 15193]  # 1100 and 15193 (odd, Qwen3's 151936 scaled down) pad differently at TP 1/2/4
 
@@ -40,15 +40,15 @@ def test_loss_and_logprobs_bitwise_equal_across_tp_and_padding_fill(saved, vocab
     for fill in ("zero", "random"):
         for tp in (1, 2, 4):
             key = f"{vocab}/{fill}/tp{tp}"
-            assert torch.equal(tensors[f"{key}/loss"], ref), key  # per-token loss = -logprob
-            assert torch.equal(tensors[f"{key}/mean_loss"], tensors[f"{vocab}/zero/tp1/mean_loss"]), key
+            assert bits_equal(tensors[f"{key}/loss"], ref), key  # per-token loss = -logprob
+            assert bits_equal(tensors[f"{key}/mean_loss"], tensors[f"{vocab}/zero/tp1/mean_loss"]), key
 
 
 @pytest.mark.parametrize("vocab", VOCABS)
 def test_explicit_vocab_size_equals_the_config_one(saved, vocab):
     tensors, _ = saved
     for tp in (1, 2, 4):
-        assert torch.equal(tensors[f"{vocab}/explicit/tp{tp}/loss"], tensors[f"{vocab}/zero/tp1/loss"])
+        assert bits_equal(tensors[f"{vocab}/explicit/tp{tp}/loss"], tensors[f"{vocab}/zero/tp1/loss"])
 
 
 def test_unknown_true_vocab_size_is_refused_naming_the_setting(saved):
@@ -56,3 +56,27 @@ def test_unknown_true_vocab_size_is_refused_naming_the_setting(saved):
     assert len(notes) == 3 * len(VOCABS)
     for key, message in notes.items():
         assert "set_vocab_size" in message and "MINDSPEED_TP_VOCAB_SIZE" in message, (key, message)
+
+
+def test_verl_logprob_excludes_the_padded_columns_its_logits_carry_and_refuses_without_a_size(monkeypatch):
+    """verl's logprob runs outside any model's loss: the true vocab size comes with the logits (the
+    mark GPTModel.forward sets) or from the explicit setting; otherwise it is refused by name."""
+    from mindspeed_tp import ConfigError, compat, numerics
+    from mindspeed_tp.contract.profile import load_profile
+    from mindspeed_tp.integrations.verl import _verl_logprob
+    from mindspeed_tp.kernels import vocab_parallel_logprob
+    from mindspeed_tp.models.marks import TRUE_VOCAB_ATTR
+    from mindspeed_tp.numerics.canonical import CanonicalTree
+
+    monkeypatch.setattr(numerics.ACTIVE, "_strategy", CanonicalTree(load_profile("default")))
+    monkeypatch.setattr(compat, "tp_group_of", lambda module=None: None)  # one process, no megatron groups
+    logprob = _verl_logprob(lambda logits, labels: pytest.fail("verl's own function ran"))
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 1000, generator=gen)
+    labels = torch.randint(0, 1000, (3, 5), generator=gen)
+    padded = torch.cat([logits, torch.full((3, 5, 24), 30.0)], dim=-1)  # mbridge's 1024, padding that would dominate
+    setattr(padded, TRUE_VOCAB_ATTR, 1000)
+    expected = vocab_parallel_logprob(logits, labels, None, 8, vocab_size=1000)
+    assert bits_equal(logprob(padded, labels).view(torch.int32), expected.view(torch.int32))
+    with pytest.raises(ConfigError, match="MINDSPEED_TP_VOCAB_SIZE"):
+        logprob(padded.clone(), labels)  # a copy carries no mark

@@ -9,6 +9,11 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float().contiguous().view(torch.int32) == b.float().contiguous().view(torch.int32)
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The bitwise claim for whole tensors: same shape and the same raw fp32 bits everywhere."""
+    return a.shape == b.shape and bool(bitwise_equal(a, b).all())
+
+
 def compare_logprobs(test: torch.Tensor, ref: torch.Tensor, scored: torch.Tensor) -> Dict[str, float]:
     """NaN/inf are counted and located (``nonfinite_*``); the distances cover the tokens finite in both
     runs, so one NaN cannot hide (or become) the maximum."""

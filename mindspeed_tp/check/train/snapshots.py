@@ -9,7 +9,8 @@
   add +0: exact).
 
 ``ShardComparison`` compares these (and the parameters) with the one-device run's full tensors,
-shard by shard with ``torch.equal``, and names the parameters that differ.
+shard by shard by their raw bits (``check.metrics.same_bits``: -0.0 and +0.0 differ), and names the
+parameters that differ.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ...models.weights import param_shards, shard
+from ..metrics import same_bits
 
 OPTIMIZER_STATE_KEYS = ("exp_avg", "exp_avg_sq", "main_param")
 
@@ -119,7 +121,8 @@ class ShardComparison:
         return {name: values[p].detach().float().cpu().clone() for name, p, _, _, _ in self._shards() if p in values}
 
     def compare(self, values: Dict[torch.nn.Parameter, torch.Tensor], reference: Dict[str, torch.Tensor]):
-        """(max |diff| over every rank, sorted names whose shard is not torch.equal on some rank)."""
+        """(max |diff| over every rank, sorted names whose shard differs in its raw bits on some rank:
+        -0.0 and +0.0 differ)."""
         worst = torch.zeros(1, dtype=torch.float64)
         names = []
         order = sorted(reference)
@@ -135,7 +138,7 @@ class ShardComparison:
                                    f"{tuple(reference[name].shape)}")
             i = order.index(name)
             seen[i] = 1
-            if not torch.equal(mine, part.float()):
+            if not same_bits(mine, part):
                 differs[i] = 1
                 worst = torch.maximum(worst, (mine.double() - part.double()).abs().max().reshape(1))
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
