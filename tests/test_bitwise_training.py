@@ -8,6 +8,7 @@ with clipping;
 vanilla megatron-core is not. One train-check launch per dtype; the refusals and the exact norm are
 checked in-process."""
 import json
+import os
 import math
 import random
 from fractions import Fraction
@@ -214,29 +215,91 @@ def test_profile_field_validation():
         load_profile("rollout-tp1").replace(bitwise_training=True)
 
 
-def test_resharding_mid_run(tmp_path):
+RESHARD = ["--model", "tiny-dense", "--dtype", "bf16", "--global-batch-size", "4", "--micro-batch-size", "1",
+           "--seq-length", "32", "--bitwise-training"]
+
+
+@pytest.fixture(scope="module")
+def four_steps_on_one_device(tmp_path_factory):
+    """The uninterrupted trajectory: 4 steps on one device, its final state (layout-free)."""
+    from safetensors.torch import load_file
+
+    path = str(tmp_path_factory.mktemp("straight") / "straight.safetensors")
+    proc = run_cli("train-check", *RESHARD, "--layouts", "tp1", "--steps", "4", "--save-state", path)
+    assert proc.returncode == 0, explain(proc)
+    return load_file(path)
+
+
+def _same_state(path, straight):
+    from safetensors.torch import load_file
+
+    state = load_file(path)
+    assert sorted(state) == sorted(straight) and any(k.startswith("exp_avg_sq/") for k in state)
+    return [k for k in state if not bits_equal(state[k], straight[k])]
+
+
+def test_resharding_mid_run(tmp_path, four_steps_on_one_device):
     """2 steps at tp2-sp-pp2, saved (full logical tensors), 2 more at tp1-dp2 from that file: the
     same parameters, main parameters and Adam moments as 4 steps on one device."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    common = ["--model", "tiny-dense", "--dtype", "bf16", "--global-batch-size", "4", "--micro-batch-size", "1",
-              "--seq-length", "32", "--bitwise-training"]
-    half, resumed, straight = (str(tmp_path / n) for n in ("half.safetensors", "resumed.safetensors",
-                                                            "straight.safetensors"))
+    half, resumed = (str(tmp_path / n) for n in ("half.safetensors", "resumed.safetensors"))
     for args in (["--layouts", "tp2-sp-pp2", "--steps", "2", "--save-state", half],
-                 ["--layouts", "tp1-dp2", "--steps", "2", "--load-state", half, "--save-state", resumed],
-                 ["--layouts", "tp1", "--steps", "4", "--save-state", straight]):
-        proc = run_cli("train-check", *common, *args)
+                 ["--layouts", "tp1-dp2", "--steps", "2", "--load-state", half, "--save-state", resumed]):
+        proc = run_cli("train-check", *RESHARD, *args)
         assert proc.returncode == 0, explain(proc)
-    a, b = load_file(resumed), load_file(straight)
-    assert sorted(a) == sorted(b) and any(k.startswith("exp_avg_sq/") for k in a)
-    differ = [k for k in a if not bits_equal(a[k], b[k])]
-    assert differ == []
+    assert _same_state(resumed, four_steps_on_one_device) == []
     with safe_open(resumed, framework="pt") as f:
         assert f.metadata()["steps"] == "4"
     first = load_file(half)
-    assert not bits_equal(first["param/output_layer.weight"], b["param/output_layer.weight"])  # it trained on
+    assert not bits_equal(first["param/output_layer.weight"],
+                          four_steps_on_one_device["param/output_layer.weight"])  # it trained on
+
+
+def test_a_killed_rank_ends_the_run_and_it_resumes_on_another_layout_with_the_same_bits(tmp_path,
+                                                                                         four_steps_on_one_device):
+    """4 steps at tp2-sp-pp2 checkpointed after every step; rank 1 is SIGKILLed after step 2: the
+    run ends with exit 3 naming it, the checkpoints of steps 1 and 2 are complete; resumed at
+    tp1-dp2 (--steps stays 4), the final state is bitwise the uninterrupted one-device run's."""
+    import re
+
+    from conftest import FAULT_ENV
+
+    ckpt = tmp_path / "checkpoints"
+    ckpt.mkdir()
+    killed = run_cli("train-check", *RESHARD, "--layouts", "tp2-sp-pp2", "--steps", "4", "--checkpoint-dir", str(ckpt),
+                     "--timeout", "60", env={FAULT_ENV: "kill@after-step-2:1"})
+    assert killed.returncode == 3, explain(killed)
+    named = re.search(r"local rank\(s\) \[([\d, ]+)\] of the 4-process world exited without a report", killed.stderr)
+    assert named and 1 in [int(r) for r in named.group(1).split(",")], explain(killed)
+    assert sorted(os.listdir(ckpt)) == ["step-000001.safetensors", "step-000002.safetensors"]
+    resumed = str(tmp_path / "resumed.safetensors")
+    proc = run_cli("train-check", *RESHARD, "--layouts", "tp1-dp2", "--steps", "4", "--resume", str(ckpt),
+                   "--checkpoint-dir", str(ckpt), "--save-state", resumed)
+    assert proc.returncode == 0, explain(proc)
+    assert _same_state(resumed, four_steps_on_one_device) == []
+    assert sorted(os.listdir(ckpt)) == ["step-000003.safetensors", "step-000004.safetensors"]  # the last two
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped"])
+def test_a_damaged_checkpoint_is_refused_by_name_and_left_alone(tmp_path, damage):
+    from mindspeed_tp.check.train.state_file import checkpoint_path, write_atomically
+
+    ckpt = tmp_path / "checkpoints"
+    ckpt.mkdir()
+    for step in (1, 2):
+        write_atomically(checkpoint_path(str(ckpt), step), {"param/w": torch.arange(64.0) * step}, {"steps": str(step)})
+    newest = checkpoint_path(str(ckpt), 2)
+    blob = open(newest, "rb").read()
+    damaged = blob[: len(blob) - 40] if damage == "truncated" else blob[:-8] + bytes(b ^ 0xFF for b in blob[-8:])
+    with open(newest, "wb") as f:
+        f.write(damaged)
+    before = {n: open(ckpt / n, "rb").read() for n in os.listdir(ckpt)}
+    proc = run_cli("train-check", *RESHARD, "--layouts", "tp1-dp2", "--steps", "4", "--resume", str(ckpt))
+    assert proc.returncode == 2, explain(proc)
+    assert newest in proc.stderr and ("corrupted" in proc.stderr or "unreadable" in proc.stderr)
+    assert {n: open(ckpt / n, "rb").read() for n in os.listdir(ckpt)} == before
 
 
 def test_lm_head_with_a_non_power_of_two_run_of_vocab_leaves(tmp_path):

@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import os
+import signal
 import sys
 import warnings
 from functools import reduce
@@ -519,6 +520,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     return run_main(argv, resolve_args, run, "mindspeed-tp check")
 
 
+def _report_when_stopped(status_file: Optional[str]) -> None:
+    """A rank torchrun stops (SIGTERM, after another rank failed) says so in its status file, so
+    the launcher names the rank that failed first as the one without a report."""
+    if not status_file:
+        return
+
+    def stopped(signum, frame):
+        _write_status(status_file, 3, f"rank {os.environ.get('RANK', '0')}: stopped by the launcher (signal "
+                                      f"{signum}) after another rank failed")
+        os._exit(3)
+
+    signal.signal(signal.SIGTERM, stopped)
+
+
 def run_main(argv: Optional[List[str]], resolve, run_fn, prog: str) -> int:
     """A torchrun entry's error handling and status report (shared by check and train-check):
     ``resolve(argv)`` the flags, ``run_fn(ns)`` the exit code; ConfigError is 2, a crash 3."""
@@ -526,6 +541,7 @@ def run_main(argv: Optional[List[str]], resolve, run_fn, prog: str) -> int:
     try:
         ns = resolve(argv)
         status_file, timeout = ns.status_file, float(ns.timeout)
+        _report_when_stopped(status_file)
         code, message = run_fn(ns), ""
     except ConfigError as exc:
         code, message = 2, str(exc)

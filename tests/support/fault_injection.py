@@ -6,6 +6,7 @@ tests' launch helpers in conftest.py set both whenever a test sets ``MINDSPEED_T
 checker's diagnostics work on real runs:
 
   exit@POINT:RANK         rank RANK exits abruptly (``os._exit(17)``) on reaching POINT
+  kill@POINT:RANK         rank RANK is killed (SIGKILL: no handler, no report) on reaching POINT
   hang@POINT:RANK         rank RANK sleeps (for an hour) on reaching POINT: a hung rank
   perturb:PARAM           in every layout except the single-device reference, scale element 0 of the
                           full parameter PARAM (global name, e.g. decoder.layers.2.mlp.linear_fc2.weight)
@@ -14,11 +15,13 @@ checker's diagnostics work on real runs:
                           framework handing a module different inputs
   nan-logits:B:S          same layouts: logit 0 of batch row B at position S becomes NaN
 
-POINTs: ``start`` (process group up, before any check), ``forward`` (before each layout's forward).
+POINTs: ``start`` (process group up, before any check), ``forward`` (before each layout's forward);
+train-check: ``start`` and ``after-step-N`` (step N's checkpoint complete).
 """
 from __future__ import annotations
 
 import os
+import signal
 import time
 from typing import List, Tuple
 
@@ -37,13 +40,15 @@ def _directives() -> List[Tuple[str, str]]:
 
 
 def at_point(point: str, rank: int) -> None:
-    """exit@POINT / hang@POINT for this rank."""
+    """exit@POINT / kill@POINT / hang@POINT for this rank."""
     for kind, arg in _directives():
         action, _, where = kind.partition("@")
-        if where != point or action not in ("exit", "hang") or int(arg) != rank:
+        if where != point or action not in ("exit", "kill", "hang") or int(arg) != rank:
             continue
         if action == "exit":
             os._exit(17)
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(3600)
 
 

@@ -28,7 +28,8 @@ from ..builder import build_gpt_chunks
 from ...models.layout import Layout
 from ...models.spec import ModelSpec
 from ...models.weights import SeededWeights, load_weights
-from .state_file import load_state, save_state
+from .. import hooks
+from .state_file import checkpoint_path, load_state, prune_checkpoints, save_state
 from .snapshots import (OPTIMIZER_STATE_KEYS, ShardComparison, optimizer_states, params_of, reduced_main_grads,
                         state_values)
 from ...contract.profile import Profile
@@ -194,13 +195,16 @@ def _wire_config(config, wrapped, ddp_config, optimizer) -> None:
 
 def train_layout(spec: ModelSpec, layout: Layout, dtype: torch.dtype, profile: Profile, settings: TrainSettings,
                  vanilla: bool, reference: Optional[Dict] = None, load_state_path: Optional[str] = None,
-                 save_state_path: Optional[str] = None) -> Dict:
+                 save_state_path: Optional[str] = None, checkpoint_dir: Optional[str] = None) -> Dict:
     """Train ``settings.steps`` steps in ``layout``. Returns, identical on every rank:
     ``loss`` (K,), ``logprobs`` (G, s) of step 1 (from inside the training step), ``grad_norm`` (K,),
     and for each of ``params`` (after each step), ``grads`` (the reduced gradients of each step) and
     ``optimizer_state/<key>`` (after each step): the full tensors by name (one-device run, no
     ``reference``), or else ``<field>_diff``: per step (max |diff|, names that differ) against it.
-    ``load_state_path`` / ``save_state_path``: start from / write a layout-free state (state_file)."""
+    ``load_state_path`` / ``save_state_path``: start from / write a layout-free state (state_file);
+    ``checkpoint_dir``: also write one after every step (the last two kept). ``settings.steps`` steps
+    run after the loaded state's. Checker plugins see the point ``after-step-N`` (N counting the
+    loaded steps) once step N's checkpoint is complete."""
     from megatron.core import parallel_state as ps
 
     disable() if vanilla else enable(profile)
@@ -253,6 +257,16 @@ def train_layout(spec: ModelSpec, layout: Layout, dtype: torch.dtype, profile: P
             logprobs = -per_token
         losses.append(global_loss(per_token, batch.scored))
         grad_norms.append(torch.tensor(float(grad_norm), dtype=torch.float32))
+        done = steps_before + step + 1
+        if checkpoint_dir:
+            if ddp_config.overlap_param_gather:
+                for m in wrapped:  # the update's parameter all-gather, as before any checkpoint
+                    m.start_param_sync(force_sync=True)
+            save_state(checkpoint_path(checkpoint_dir, done), spec, layout, profile, chunks, optimizer, done)
+            if dist.get_rank() == 0:
+                prune_checkpoints(checkpoint_dir)
+            dist.barrier()
+        hooks.at_point(f"after-step-{done}", dist.get_rank())
     if ddp_config.overlap_param_gather:
         for m in wrapped:  # the last update's parameter all-gather, as before a checkpoint
             m.start_param_sync(force_sync=True)

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from functools import reduce
 from typing import Dict, List, NamedTuple, Optional
 
 from ...contract.refusals import refuse
 from ...errors import ConfigError
+from .state_file import newest_checkpoint
 from ...models.layout import Layout, validate_layout
 from ...models.spec import ModelSpec, load_model_spec
 from ...contract.profile import Profile, load_profile
@@ -26,7 +28,8 @@ DEFAULTS = dict(
     model=None, profile="default", layouts="tp2-sp", dtype="bf16", seed=1234, steps=3, micro_batch_size=2,
     global_batch_size=8, seq_length=64, lr=3e-3, distributed_optimizer=False, overlap=False, recompute="none",
     dispatcher="alltoall", bitwise_training=False, json=None, vanilla=False, compare_vanilla=False, timeout=600.0, reference=None,
-    save_reference=None, launch_layouts=None, results=None, load_state=None, save_state=None,
+    save_reference=None, launch_layouts=None, results=None, load_state=None, save_state=None, checkpoint_dir=None,
+    resume=None,
 )
 
 
@@ -65,6 +68,11 @@ def build_parser(prog: str = "mindspeed-tp train-check") -> argparse.ArgumentPar
                                         "step: full parameters, fp32 main parameters, Adam moments (safetensors)")
     p.add_argument("--load-state", help="start every run (one device and each layout) from a --save-state file "
                                         "instead of the seeded weights, e.g. saved in another layout")
+    p.add_argument("--checkpoint-dir", help="after every step, write the (single) layout's state there as "
+                                            "step-NNNNNN.safetensors (--save-state's format, atomic, checksummed); "
+                                            "the last two are kept")
+    p.add_argument("--resume", help="continue from the newest checkpoint of this directory (any layout may have "
+                                    "written it; every run starts from it): --steps stays the total step count")
     p.add_argument("--launch-layouts", help=argparse.SUPPRESS)  # the launcher: this world's share of --layouts
     p.add_argument("--results", help=argparse.SUPPRESS)         # the launcher: where this world's rows go
     p.add_argument("--status-file", help=argparse.SUPPRESS)
@@ -88,6 +96,18 @@ def resolve_args(argv: Optional[List[str]]) -> argparse.Namespace:
         raise ConfigError("--vanilla and --compare-vanilla: pick one")
     if ns.save_state and len(parse_layouts(ns.layouts)) != 1:
         raise ConfigError("--save-state saves one layout's state: name exactly one layout in --layouts")
+    if ns.checkpoint_dir and len(parse_layouts(ns.layouts)) != 1:
+        raise ConfigError("--checkpoint-dir checkpoints one layout's run: name exactly one layout in --layouts")
+    if ns.checkpoint_dir and not os.path.isdir(ns.checkpoint_dir):
+        raise ConfigError(f"--checkpoint-dir {ns.checkpoint_dir}: no such directory")
+    ns.steps_done = 0
+    if ns.resume:
+        if ns.load_state:
+            raise ConfigError("--resume and --load-state both name a starting state: pick one")
+        ns.steps_done, ns.load_state = newest_checkpoint(ns.resume)
+        if ns.steps_done >= int(ns.steps):
+            raise ConfigError(f"--resume {ns.resume}: its newest checkpoint holds {ns.steps_done} steps, --steps "
+                              f"{ns.steps} (the total) leaves none to run")
     return ns
 
 
@@ -113,7 +133,7 @@ def plan(ns: argparse.Namespace) -> Plan:
     if not layouts:
         raise ConfigError("--layouts is empty; name at least one layout, e.g. tp2-sp")
     settings = TrainSettings(
-        steps=int(ns.steps), micro_batch_size=int(ns.micro_batch_size), global_batch_size=int(ns.global_batch_size),
+        steps=int(ns.steps) - int(getattr(ns, "steps_done", 0)), micro_batch_size=int(ns.micro_batch_size), global_batch_size=int(ns.global_batch_size),
         seq_length=int(ns.seq_length), lr=float(ns.lr), distributed_optimizer=bool(ns.distributed_optimizer),
         overlap=bool(ns.overlap), recompute=ns.recompute, dispatcher=ns.dispatcher, seed=int(ns.seed))
     for layout in [Layout()] + layouts:
@@ -155,6 +175,7 @@ def run(ns: argparse.Namespace) -> int:
     from ...devices.cpu_shims import install_cpu_shims
     from ...compat import megatron_version
     from ..builder import DTYPES
+    from .. import hooks
     from ..harness import init_distributed
     from ..progress import Progress
     from . import report
@@ -162,10 +183,12 @@ def run(ns: argparse.Namespace) -> int:
 
     pl = plan(ns)
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    hooks.load_plugins()
     init_distributed(float(ns.timeout))
     if not accelerator_available():
         install_cpu_shims()
     world, rank = dist.get_world_size(), dist.get_rank()
+    hooks.at_point("start", rank)
     mine = parse_layouts(ns.launch_layouts) if ns.launch_layouts is not None else pl.layouts
     wrong = [l.name for l in mine if l.world_size != world]
     if wrong:
@@ -197,7 +220,8 @@ def run(ns: argparse.Namespace) -> int:
             ref = reference[report.mode_key(vanilla)]
             save = ns.save_state if not vanilla else None
             out = train_layout(pl.spec, layout, dtype, pl.profile, pl.settings, vanilla, reference=ref,
-                               load_state_path=ns.load_state, save_state_path=save)
+                               load_state_path=ns.load_state, save_state_path=save,
+                               checkpoint_dir=ns.checkpoint_dir if not vanilla else None)
             rows.append(report.result_row(layout, vanilla, out, ref, pl, ns.dtype))
     progress.finish()
     code = 0

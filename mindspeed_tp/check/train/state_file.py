@@ -7,14 +7,22 @@ model parameter, the optimizer's main parameter -- a DP rank's range of it under
 optimizer -- and Adam's state). A job saved in one layout and resumed in another continues the same
 trajectory under bitwise training (tests/test_bitwise_training.py::test_resharding_mid_run).
 Dense models only (expert shards live on other groups).
+
+The file is written atomically (a temporary file in the same directory, fsync, rename) and carries
+the SHA-256 of its tensors in its metadata; a file whose tensors do not match it (truncated,
+corrupted) is refused by name (``read_state``). ``checkpoints``: a directory of such files, one per
+step (``step-000002.safetensors``), the last two kept.
 """
 from __future__ import annotations
 
-from typing import Dict
+import hashlib
+import os
+import re
+from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from ...errors import ConfigError
 from ...kernels.collectives import gather_along_rank
@@ -22,6 +30,87 @@ from ...models.weights import full_weight_shapes, param_shards, shard, unshard
 from .snapshots import leaf_optimizers, main_param_pairs, optimizer_states
 
 KINDS = ("param", "main_param", "exp_avg", "exp_avg_sq")
+CHECKPOINT = re.compile(r"^step-(\d{6})\.safetensors$")
+KEEP_CHECKPOINTS = 2
+
+
+def _digest(tensors: Dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for key in sorted(tensors):
+        t = tensors[key].contiguous()
+        h.update(key.encode())
+        h.update(str((t.dtype, tuple(t.shape))).encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def write_atomically(path: str, tensors: Dict[str, torch.Tensor], metadata: Dict[str, str]) -> None:
+    """``path`` appears complete or not at all: a temporary file beside it, fsynced, renamed."""
+    blob = save(tensors, metadata={**metadata, "sha256": _digest(tensors)})
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(blob)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the rename itself survives a crash
+    finally:
+        os.close(fd)
+
+
+def read_state(path: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
+    """(tensors, metadata) of a state file, refused by name when it is unreadable, truncated or
+    its tensors do not match the checksum it carries."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            metadata = dict(f.metadata() or {})
+        tensors = load_file(path)
+    except Exception as exc:  # noqa: BLE001 - safetensors raises several types for a damaged file
+        raise ConfigError(f"state file {path} is unreadable (truncated or corrupted?): {type(exc).__name__}: {exc}; "
+                          f"nothing was loaded") from exc
+    expected = metadata.get("sha256")
+    if expected is not None and _digest(tensors) != expected:
+        raise ConfigError(f"state file {path} is corrupted: its tensors do not match the checksum it was written "
+                          f"with; nothing was loaded")
+    return tensors, metadata
+
+
+def checkpoints(directory: str) -> List[Tuple[int, str]]:
+    """(step, path) of the checkpoints in ``directory``, oldest first (temporary files ignored)."""
+    if not os.path.isdir(directory):
+        return []
+    found = [(int(m.group(1)), os.path.join(directory, name))
+             for name in os.listdir(directory) if (m := CHECKPOINT.match(name))]
+    return sorted(found)
+
+
+def newest_checkpoint(directory: str) -> Tuple[int, str]:
+    """The newest checkpoint of ``directory``, verified (a damaged one is refused by name, never
+    skipped or removed); ConfigError when there is none."""
+    found = checkpoints(directory)
+    if not found:
+        raise ConfigError(f"--resume {directory}: no checkpoint (step-NNNNNN.safetensors) in it; write them with "
+                          f"--checkpoint-dir")
+    step, path = found[-1]
+    _, metadata = read_state(path)
+    if int(metadata.get("steps", -1)) != step:
+        raise ConfigError(f"state file {path} says it holds {metadata.get('steps')} steps, its name {step}: "
+                          f"corrupted or renamed; nothing was loaded")
+    return step, path
+
+
+def checkpoint_path(directory: str, steps_done: int) -> str:
+    return os.path.join(directory, f"step-{steps_done:06d}.safetensors")
+
+
+def prune_checkpoints(directory: str, keep: int = KEEP_CHECKPOINTS) -> None:
+    for _, path in checkpoints(directory)[:-keep]:
+        os.remove(path)
 
 
 def _full_on_this_stage(spec, layout, chunks, optimizer) -> Dict[str, torch.Tensor]:
@@ -57,17 +146,14 @@ def save_state(path: str, spec, layout, profile, chunks, optimizer, steps_done: 
             dist.broadcast(t, src=int(holder))
             out[key] = t
     if rank == 0:
-        save_file(out, path, metadata={"steps": str(steps_done), "model": spec.name})
+        write_atomically(path, out, {"steps": str(steps_done), "model": spec.name})
     dist.barrier()
 
 
 def load_state(path: str, spec, layout, chunks, optimizer) -> int:
     """Put this rank's shards of the saved state in place; returns the saved step count."""
-    from safetensors import safe_open
-
-    with safe_open(path, framework="pt") as f:
-        steps = int((f.metadata() or {}).get("steps", "0"))
-    full = load_file(path)
+    full, metadata = read_state(path)
+    steps = int(metadata.get("steps", "0"))
     by_param = {}
     for chunk in chunks:
         for name, p, rule, size, rank in param_shards(chunk, spec, layout):
