@@ -207,7 +207,9 @@ def render_cost(report: Dict) -> List[str]:
 def render_train_bench(report: Dict) -> List[str]:
     out = [f"Model `{report['model']}`, {report['dtype']}, sequence {report['seq_length']}, global batch "
            f"{report['global_batch_size']} in micro-batches of 1, {report['steps']} steps (step time: mean of steps "
-           "2..K, slowest rank; memory: the largest rank's peak RSS growth from just before the model is built).", ""]
+           "2..K, slowest rank; memory: the largest rank's peak RSS growth from just before the model is built). "
+           "Modes: `bitwise` is bitwise training with the default two micro-batch groups, `bitwise-g1` with one "
+           "(`microbatch_groups: 1`, DP=1 layouts only).", ""]
     rows = [[r["layout"], r["mode"], f"{r['step_s']:.2f}", f"{r['peak_mb']:.0f}", _ratio(r["step_x_vanilla"]),
              _ratio(r["peak_x_vanilla"])] for r in report["rows"]]
     out += _table(["layout", "mode", "step s", "peak MB", "step time × vanilla", "peak memory × vanilla"], rows,
