@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import comm_counter  # noqa: E402
 
 import mindspeed_tp  # noqa: E402
-from mindspeed_tp import relayout  # noqa: E402
+from mindspeed_tp.modes.rollout_layout import relayout  # noqa: E402
 from mindspeed_tp.devices.cpu_shims import install_cpu_shims  # noqa: E402
 from mindspeed_tp.check.batch import make_batch  # noqa: E402
 from mindspeed_tp.check.harness import (  # noqa: E402

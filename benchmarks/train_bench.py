@@ -1,14 +1,14 @@
 """Step time and peak memory of bitwise training vs vanilla megatron-core (CPU, gloo).
 
     python benchmarks/train_bench.py [--model bench-dense-1024] [--layouts tp2-sp,tp2-sp-dp2]
-                                     [--steps 3] [--seq-length 128] [--dtype bf16]
+                                     [--steps 3] [--seq-length 128] [--dtype bf16] [--json PATH]
 
 One torchrun launch per (layout, mode) -- vanilla, mindspeed-tp (default profile), mindspeed-tp with
 bitwise_training (and at DP=1 with microbatch_groups: 1) -- through the train-check's own training script (megatron's DDP with the
 distributed optimizer, the schedules, finalize_model_grads, Adam with clipping) without its
 comparisons. Step time: the mean of steps 2..K (max over ranks); peak memory: the largest rank's
-peak RSS growth from just before the model is built. Prints both and their ratios to vanilla; no
-pass/fail (speed is not a test).
+peak RSS growth from just before the model is built. Prints both and their ratios to vanilla (and
+writes them with ``--json PATH``); no pass/fail (speed is not a test).
 """
 import argparse
 import json
@@ -97,6 +97,7 @@ def main() -> None:
     p.add_argument("--seq-length", type=int, default=128)
     p.add_argument("--global-batch-size", type=int, default=4)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--json", help="also write the rows (and the settings) as JSON to this path")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--layout", help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
@@ -110,6 +111,7 @@ def main() -> None:
           f"micro-batch=1 steps={ns.steps} distributed optimizer")
     print(f"{'layout':<14}{'mode':<14}{'step s':>9}{'peak MB':>10}{'time x':>8}{'mem x':>8}")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    rows = []
     for name in ns.layouts.split(","):
         layout = Layout.parse(name)
         world = layout.world_size
@@ -126,8 +128,16 @@ def main() -> None:
                 with open(tmp.name) as f:
                     r = json.load(f)
             base = base or r
+            rows.append({"layout": name, "mode": mode, "step_s": r["step_s"], "peak_mb": r["peak_mb"],
+                         "step_x_vanilla": r["step_s"] / base["step_s"], "peak_x_vanilla": r["peak_mb"] / base["peak_mb"]})
             print(f"{name:<14}{mode:<14}{r['step_s']:>9.2f}{r['peak_mb']:>10.0f}{r['step_s'] / base['step_s']:>8.2f}"
                   f"{r['peak_mb'] / base['peak_mb']:>8.2f}", flush=True)
+    if ns.json:
+        from mindspeed_tp.check.report import write_json_atomic
+
+        write_json_atomic(ns.json, {"model": ns.model, "dtype": ns.dtype, "seq_length": ns.seq_length,
+                                    "global_batch_size": ns.global_batch_size, "steps": ns.steps,
+                                    "micro_batch_size": 1, "distributed_optimizer": True, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
 Four equivalent switches apply the same patches exactly once:
 ``import mindspeed_tp.megatron_adaptor``, ``mindspeed_tp.enable(profile=...)``, the environment
 variable ``MINDSPEED_TP=1`` (profile from ``MINDSPEED_TP_PROFILE``), and the training-script flags
-``--true-on-policy`` / ``--true-on-policy-profile PATH``. Map of the package: README, "Layout of
-the code"; the numerics contract: docs/CONTRACT.md.
+``--true-on-policy`` / ``--true-on-policy-profile PATH``. Map of the package:
+docs/DEVELOPING.md; the numerics contract: docs/CONTRACT.md.
 """
 import os
 from typing import Optional

@@ -4,7 +4,7 @@ The stand-ins in tests/fakes/npu (torch_npu, batch_invariant_ops, flash_attn_npu
 flash_attn_npu_v3) carry the public signatures of the real packages, record every call and return
 plain torch results. The contract tests here prove which op is called with exactly which arguments
 (dtypes, layouts, flags) -- the call contract -- and nothing about the numerics of the Ascend
-kernels: that needs an NPU (README, "Ascend").
+kernels: that needs an NPU (docs/DEVICES.md, "Ascend").
 """
 import os
 import sys

