@@ -170,7 +170,7 @@ def render_train(report: Dict) -> List[str]:
     head = (["layout", "mode", "loss per step", "step-1 logprobs ="] + [f"step {k + 1}" for k in range(steps)]
             + ["max|Δgrad| per step", "max|Δparam| per step"])
     out += ["", "Each layout against it; a step's cell is loss, every gradient, every parameter, the optimizer "
-                "state `torch.equal` to one device (✓) or not (✗):", ""]
+                "state bitwise (raw bits) equal to one device (✓) or not (✗):", ""]
     out += _table(head, rows)
     promise = ("every step's loss, gradients, parameters and optimizer state" if report.get("bitwise_training")
                else "step-1 loss and in-step logprobs")
