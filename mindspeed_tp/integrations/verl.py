@@ -44,6 +44,7 @@ from ..kernels.collectives import group_size
 from ..models.marks import TRUE_VOCAB_ATTR, mark_true_vocab
 from ..numerics import ACTIVE
 from ..numerics.vocab import true_vocab_size
+from ..numerics.weight_caches import invalidating
 from ..patching import Patch, PatchRegistry
 
 VERL_LOGPROB = "verl.utils.megatron.tensor_parallel:vocab_parallel_log_probs_from_logits"
@@ -184,6 +185,8 @@ def register(reg: PatchRegistry) -> None:
                          "full-vocab fp32 log-softmax), padded columns excluded by the true vocab size its logits carry"))
     reg.add(Patch(target=MBRIDGE_PROVIDER, replacement=mbridge_true_vocab, wraps=True, on_import=True,
                   reason="mbridge's models carry the Hugging Face vocab size (mbridge pads the model's vocab)"))
+    reg.add(Patch(target=f"{MBRIDGE_BRIDGE}.load_weights", replacement=invalidating, wraps=True, on_import=True,
+                  reason="the re-laid and prepacked weight caches are invalidated after mbridge loads weights"))
     # Only the importer's binding: megatron-core's own get_gpt_decoder_block_spec stays untouched.
     reg.add(Patch(target=VERL_BLOCK_SPEC, replacement=local_decoder_block_spec, wraps=True, on_import=True,
                   everywhere=False, reason="verl's model initializer " + spec_reason))

@@ -14,22 +14,9 @@ from ..kernels.collectives import group_rank
 from ..modes.rollout_layout.linear import full_vocab_parallel_logprob, rollout_layout_linear
 from ..modes.rollout_layout.relayout import install_optimizer_hook
 from ..patching import Hook, Patch, PatchRegistry
-from . import weight_caches
 from .canonical import CanonicalTree
+from .weight_caches import invalidating
 
-
-def invalidating(original):
-    """A writer of weights that bumps no version counter: the weight caches are stale after it."""
-
-    def wrapper(*args, **kwargs):
-        try:
-            return original(*args, **kwargs)
-        finally:
-            weight_caches.invalidate_weight_caches()
-
-    wrapper.__name__, wrapper.__qualname__, wrapper.__doc__ = original.__name__, original.__qualname__, original.__doc__
-    wrapper.__wrapped__ = original
-    return wrapper
 
 
 class RolloutLayout(CanonicalTree):
@@ -49,8 +36,7 @@ class RolloutLayout(CanonicalTree):
                       reason=why + "a state dict is loaded"))
         reg.add(Patch(target="megatron.core.dist_checkpointing.serialization:load", replacement=invalidating,
                       wraps=True, reason=why + "a distributed checkpoint is loaded (into existing tensors)"))
-        reg.add(Patch(target="mbridge.core.bridge:Bridge.load_weights", replacement=invalidating, wraps=True,
-                      on_import=True, reason=why + "mbridge loads Hugging Face weights"))
+        # mbridge's load_weights: integrations/verl.py (applied when mbridge is imported)
 
     def check_expert_ffn(self, ffn: int) -> None:
         """K of an expert's fc2 is cut into the engine's rollout_tp parts."""

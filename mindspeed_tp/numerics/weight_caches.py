@@ -7,8 +7,9 @@ storage, so an in-place edit (``param.copy_``) or a new ``param.data`` tensor fo
 Writes that bump no version counter -- through ``param.data`` (megatron's optimizer copying main
 params back, an EMA, an actor/reference swap), or into existing tensors by a checkpoint loader --
 are covered by bumping the generation: after every torch optimizer step, ``Module.load_state_dict``,
-megatron-core's ``dist_checkpointing.load`` and mbridge's ``load_weights`` (the rollout-layout
-strategy's patch entries), and ``invalidate_weight_caches()`` for any other writer.
+megatron-core's ``dist_checkpointing.load`` (the rollout-layout strategy's patch entries), mbridge's
+``load_weights`` (the verl integration's, applied when mbridge is imported), and
+``invalidate_weight_caches()`` for any other writer.
 ``MINDSPEED_TP_CHECK_WEIGHT_CACHES=1``: every cache hit also compares a checksum of the weight with
 the one taken when the entry was made, and a stale entry is refused (``weight_cache_stale``).
 """
@@ -76,3 +77,18 @@ def fresh(entry_key, entry_sum: Optional[int], weight: torch.Tensor, current_key
     if checksum(weight) != entry_sum:
         raise refuse("weight_cache_stale", what=what, shape=tuple(weight.shape))
     return True
+
+
+def invalidating(original):
+    """A patch factory: ``original`` (a writer of weights that bumps no version counter) with the
+    caches invalidated after it."""
+
+    def wrapper(*args, **kwargs):
+        try:
+            return original(*args, **kwargs)
+        finally:
+            invalidate_weight_caches()
+
+    wrapper.__name__, wrapper.__qualname__, wrapper.__doc__ = original.__name__, original.__qualname__, original.__doc__
+    wrapper.__wrapped__ = original
+    return wrapper
