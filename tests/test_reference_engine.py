@@ -32,7 +32,8 @@ for name in ("tiny-dense", "tiny-moe", "tiny-moe-shared"):
     want = full_weight_shapes(spec, spec.padded_vocab(prof))
     print(name, "SHAPES", got == want, sorted(set(got) ^ set(want))[:4])
     rope = model.rotary_pos_emb.inv_freq
-    print(name, "ROPE", bits_equal(rope, rope_inv_freq(spec.kv_channels, int(spec.rotary_base))))
+    ours = rope_inv_freq(spec.kv_channels, int(spec.rotary_base))
+    print(name, "ROPE", rope.dtype == ours.dtype == torch.float32 and torch.equal(rope.view(torch.int32), ours.view(torch.int32)))
 """
 
 
