@@ -11,7 +11,6 @@ import hashlib
 import json
 import math
 import os
-import signal
 import sys
 import warnings
 from functools import reduce
@@ -520,19 +519,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     return run_main(argv, resolve_args, run, "mindspeed-tp check")
 
 
-def _report_when_stopped(status_file: Optional[str]) -> None:
-    """A rank torchrun stops (SIGTERM, after another rank failed) says so in its status file, so
-    the launcher names the rank that failed first as the one without a report."""
-    if not status_file:
-        return
-
-    def stopped(signum, frame):
-        _write_status(status_file, 3, f"rank {os.environ.get('RANK', '0')}: stopped by the launcher (signal "
-                                      f"{signum}) after another rank failed")
-        os._exit(3)
-
-    signal.signal(signal.SIGTERM, stopped)
-
 
 def run_main(argv: Optional[List[str]], resolve, run_fn, prog: str) -> int:
     """A torchrun entry's error handling and status report (shared by check and train-check):
@@ -541,7 +527,6 @@ def run_main(argv: Optional[List[str]], resolve, run_fn, prog: str) -> int:
     try:
         ns = resolve(argv)
         status_file, timeout = ns.status_file, float(ns.timeout)
-        _report_when_stopped(status_file)
         code, message = run_fn(ns), ""
     except ConfigError as exc:
         code, message = 2, str(exc)
