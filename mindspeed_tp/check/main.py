@@ -7,6 +7,7 @@ torchrun itself. Exit codes: 0 every scored token bitwise equal, 1 not, 2 bad in
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import hashlib
 import json
 import math
@@ -522,7 +523,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def run_main(argv: Optional[List[str]], resolve, run_fn, prog: str) -> int:
     """A torchrun entry's error handling and status report (shared by check and train-check):
-    ``resolve(argv)`` the flags, ``run_fn(ns)`` the exit code; ConfigError is 2, a crash 3."""
+    ``resolve(argv)`` the flags, ``run_fn(ns)`` the exit code; ConfigError is 2, a crash 3. A fatal
+    signal (a segfault in a native library) prints every thread's Python stack first, so the log says
+    where a rank died."""
+    faulthandler.enable()
     status_file, timeout = None, float(DEFAULTS["timeout"])
     try:
         ns = resolve(argv)
