@@ -11,18 +11,11 @@ SUPPORT = os.path.join(ROOT, "tests", "support")
 FAULT_ENV = "MINDSPEED_TP_TEST_FAULT"
 
 
-_INT_VIEWS = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
-
-
 def bits_equal(a, b) -> bool:
-    """The bitwise claim: same shape, same dtype and the same raw bits (-0.0 and +0.0 differ, NaNs
-    compare by their bits), not torch.equal's value equality."""
-    import torch
+    """The bitwise claim (``mindspeed_tp.check.metrics.same_bits``): same shape, dtype and raw bits."""
+    from mindspeed_tp.check.metrics import same_bits
 
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    view = getattr(torch, _INT_VIEWS[a.element_size()])
-    return torch.equal(a.contiguous().view(view), b.contiguous().view(view))
+    return same_bits(a, b)
 
 
 def _env(extra=None):

@@ -20,6 +20,7 @@ from mindspeed_tp.models.layout import Layout
 from mindspeed_tp.models.spec import load_model_spec
 from mindspeed_tp.models.weights import full_weight_shapes
 from mindspeed_tp.kernels import rope_inv_freq
+from mindspeed_tp.check.metrics import same_bits
 from mindspeed_tp.contract.profile import load_profile
 init_distributed(); install_cpu_shims(); mindspeed_tp.enable()
 prof = load_profile()
@@ -32,8 +33,7 @@ for name in ("tiny-dense", "tiny-moe", "tiny-moe-shared"):
     want = full_weight_shapes(spec, spec.padded_vocab(prof))
     print(name, "SHAPES", got == want, sorted(set(got) ^ set(want))[:4])
     rope = model.rotary_pos_emb.inv_freq
-    ours = rope_inv_freq(spec.kv_channels, int(spec.rotary_base))
-    print(name, "ROPE", rope.dtype == ours.dtype == torch.float32 and torch.equal(rope.view(torch.int32), ours.view(torch.int32)))
+    print(name, "ROPE", same_bits(rope, rope_inv_freq(spec.kv_channels, int(spec.rotary_base))))
 """
 
 

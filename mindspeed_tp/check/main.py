@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import hashlib
+import io
 import json
 import math
 import os
@@ -521,12 +522,20 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 
+def _dump_stacks_on_fatal_signals() -> None:
+    """faulthandler on the process's stderr; not where stderr is no file (a caller capturing it)."""
+    try:
+        faulthandler.enable()
+    except (AttributeError, ValueError, io.UnsupportedOperation):
+        pass
+
+
 def run_main(argv: Optional[List[str]], resolve, run_fn, prog: str) -> int:
     """A torchrun entry's error handling and status report (shared by check and train-check):
     ``resolve(argv)`` the flags, ``run_fn(ns)`` the exit code; ConfigError is 2, a crash 3. A fatal
     signal (a segfault in a native library) prints every thread's Python stack first, so the log says
     where a rank died."""
-    faulthandler.enable()
+    _dump_stacks_on_fatal_signals()
     status_file, timeout = None, float(DEFAULTS["timeout"])
     try:
         ns = resolve(argv)

@@ -9,9 +9,16 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float().contiguous().view(torch.int32) == b.float().contiguous().view(torch.int32)
 
 
+_INT_VIEWS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """The bitwise claim for whole tensors: same shape and the same raw fp32 bits everywhere."""
-    return a.shape == b.shape and bool(bitwise_equal(a, b).all())
+    """The bitwise claim for whole tensors: same shape, same dtype and the same raw bits (viewed as
+    integers: -0.0 and +0.0 differ, NaNs compare by their bits), not torch.equal's value equality."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    view = _INT_VIEWS[a.element_size()]
+    return torch.equal(a.contiguous().view(view), b.contiguous().view(view))
 
 
 def compare_logprobs(test: torch.Tensor, ref: torch.Tensor, scored: torch.Tensor) -> Dict[str, float]:

@@ -14,7 +14,7 @@ megatron-core's ``dist_checkpointing.load`` (the rollout-layout strategy's patch
 the one taken when the entry was made, and a stale entry is refused (``weight_cache_stale``).
 """
 import os
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -53,29 +53,38 @@ def checking() -> bool:
     return os.environ.get(CHECK_ENV, "").strip() not in ("", "0")
 
 
-def checksum(weight: torch.Tensor) -> Optional[int]:
-    """The sum of the weight's bits as integers (exact, cheap), when checking; else None."""
+def _tensors(weights) -> Sequence[torch.Tensor]:
+    return (weights,) if isinstance(weights, torch.Tensor) else tuple(weights)
+
+
+def checksum(weights) -> Optional[int]:
+    """The sum of the bits (as integers) of a weight or a sequence of weights, exact and cheap,
+    when checking; else None."""
     if not checking():
         return None
-    w = weight.detach().contiguous()
-    return int(torch.sum(w.view(_INT_VIEW[w.element_size()]), dtype=torch.int64))
+    total = 0
+    for w in _tensors(weights):
+        w = w.detach().contiguous()
+        total += int(torch.sum(w.view(_INT_VIEW[w.element_size()]), dtype=torch.int64))
+    return total
 
 
-def key(weight: torch.Tensor, *extra) -> tuple:
-    return (_generation, weight._version, weight.data_ptr(), *extra)
+def key(weights, *extra) -> tuple:
+    """A cache entry's key for a weight (or a sequence of weights the entry derives from)."""
+    return (_generation, tuple((w._version, w.data_ptr()) for w in _tensors(weights)), *extra)
 
 
-def fresh(entry_key, entry_sum: Optional[int], weight: torch.Tensor, current_key, what: str) -> bool:
-    """Whether a cached entry (its key and checksum) still holds for ``weight``. Checking: a matching
-    key whose checksum differs is refused (the weight was written behind the cache's back)."""
+def fresh(entry_key, entry_sum: Optional[int], weights, current_key, what: str) -> bool:
+    """Whether a cached entry (its key and checksum) still holds for ``weights``. Checking: a
+    matching key whose checksum differs is refused (a weight was written behind the cache's back)."""
     if entry_key != current_key:
         return False
     if not checking():
         return True
     if entry_sum is None:  # filled before checking was switched on: recompute once
         return False
-    if checksum(weight) != entry_sum:
-        raise refuse("weight_cache_stale", what=what, shape=tuple(weight.shape))
+    if checksum(weights) != entry_sum:
+        raise refuse("weight_cache_stale", what=what, shape=[tuple(w.shape) for w in _tensors(weights)])
     return True
 
 

@@ -133,7 +133,8 @@ def plan(ns: argparse.Namespace) -> Plan:
     if not layouts:
         raise ConfigError("--layouts is empty; name at least one layout, e.g. tp2-sp")
     settings = TrainSettings(
-        steps=int(ns.steps) - int(getattr(ns, "steps_done", 0)), micro_batch_size=int(ns.micro_batch_size), global_batch_size=int(ns.global_batch_size),
+        steps=int(ns.steps) - int(getattr(ns, "steps_done", 0)),  # --resume: the steps still to run
+        micro_batch_size=int(ns.micro_batch_size), global_batch_size=int(ns.global_batch_size),
         seq_length=int(ns.seq_length), lr=float(ns.lr), distributed_optimizer=bool(ns.distributed_optimizer),
         overlap=bool(ns.overlap), recompute=ns.recompute, dispatcher=ns.dispatcher, seed=int(ns.seed))
     for layout in [Layout()] + layouts:

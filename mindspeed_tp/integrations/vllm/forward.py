@@ -161,31 +161,16 @@ def _engine_experts(layer, prof):
     w13_local = torch.stack([e.linear_fc1.weight for e in experts])
     w2_local = torch.stack([e.linear_fc2.weight for e in experts])
     group = ps.get_expert_model_parallel_group()
-    key = (weight_caches.generation(),) + tuple(
-        weight_caches.key(w)[1:] for e in experts for w in (e.linear_fc1.weight, e.linear_fc2.weight))
+    weights = [w for e in experts for w in (e.linear_fc1.weight, e.linear_fc2.weight)]
+    key = weight_caches.key(weights)
     w13 = _GatherExperts.apply(w13_local, group)
     w2 = _GatherExperts.apply(w2_local, group)
     entry = getattr(layer, _EXPERTS_ATTR, None)
-    total = weight_caches.checksum(torch.cat([w13_local.reshape(-1), w2_local.reshape(-1)])) \
-        if weight_caches.checking() else None
-    if entry is None or not _experts_fresh(entry, key, total, tuple(w13_local.shape)):
-        entry = (key, total) + kernels.prepack_experts(w13.detach(), w2.detach(), prof.rollout_tp,
-                                                           layer.config.moe_router_topk)
+    if entry is None or not weight_caches.fresh(entry[0], entry[1], weights, key, "the engine's prepacked expert weights"):
+        entry = (key, weight_caches.checksum(weights)) + kernels.prepack_experts(
+            w13.detach(), w2.detach(), prof.rollout_tp, layer.config.moe_router_topk)
         setattr(layer, _EXPERTS_ATTR, entry)
     return w13, w2, entry[2], entry[3]
-
-
-def _experts_fresh(entry, key, total, shape) -> bool:
-    """The prepacked experts still hold (a checksum mismatch under the check mode is refused)."""
-    if entry[0] != key:
-        return False
-    if total is None:
-        return True
-    if entry[1] is None:
-        return False
-    if entry[1] != total:
-        raise refuse("weight_cache_stale", what="the engine's prepacked expert weights", shape=shape)
-    return True
 
 
 def check_moe(layer, prof) -> None:

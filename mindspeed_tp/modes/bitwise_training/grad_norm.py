@@ -24,7 +24,10 @@ import torch.distributed as dist
 _INF, _NAN = 2047, 2048  # bins of inf and NaN squares
 _BINS = 2049  # biased float64 exponents 0..2046 (0 holds only zeros), then inf, NaN
 _HALF = 26
-_LIMIT = 1 << 62  # an accumulator at or above this is normalised before the next chunk
+_LIMIT = 1 << 62
+# A chunk adds below 2^(27 + 16) = 2^43 to an accumulator, so from below 2^60 (a normalisation's
+# bound) 2^18 chunks stay below 2^61 + 2^60 < 2^63: normalise that often.
+_CHUNKS_PER_NORMALISE = 1 << 18
 _MASK = (1 << _HALF) - 1
 # Elements per pass: cache-sized (measured fastest on CPU) and the per-exponent float64 sums exact.
 _CHUNK = 1 << 16
@@ -34,12 +37,15 @@ def exponent_sums(grads: List[torch.Tensor]) -> torch.Tensor:
     """int64 (2, bins): per biased exponent of g^2 the sums of the high and low halves of its
     significand (bin 0: zeros; ``_INF``, ``_NAN``: counts of the non-finite squares)."""
     acc = torch.zeros(2, _BINS, dtype=torch.int64)
+    chunks = 0
     for g in grads:
         whole = g.detach().reshape(-1)
         for start in range(0, whole.numel(), _CHUNK):
             _add_chunk(acc, whole[start:start + _CHUNK].cpu())
-            if int(acc.max()) >= _LIMIT:
+            chunks += 1
+            if chunks == _CHUNKS_PER_NORMALISE:  # no accumulator can pass 2^63 before (no max read per chunk)
                 normalise(acc, _LIMIT >> 2)
+                chunks = 0
     return acc
 
 
