@@ -147,21 +147,33 @@ def test_exact_grad_norm_propagates_non_finite_values_as_vector_norm_does(values
 
 
 def test_exact_grad_norm_accumulators_never_wrap():
-    """An accumulator near 2^63 (beyond ~2^36 elements in one exponent bin, or the ranks' sum) is
-    normalised exactly instead of wrapping."""
+    """An accumulator near 2^63 (beyond ~2^38 elements in one exponent bin, or the ranks' sum) is
+    normalised exactly, by a fixed number of carries, instead of wrapping."""
     from mindspeed_tp.modes.bitwise_training import grad_norm as gn
 
-    acc = gn.exponent_sums([torch.tensor([3.0, 1e-3, 7e5])])
-    scale = (1 << 62) // int(acc[0].max())
-    big = acc * scale  # as if ~2^35 times these elements had been accumulated
+    acc = gn.exponent_sums([torch.tensor([3.0, 1e-3, 7e5, 3.0e38])])
+    scale = (1 << 62) // int(acc.max())
+    big = acc * scale  # as if ~2^38 times these elements had been accumulated
     expected = gn.exact_sum_of_squares(big)
     assert int(big.max()) >= 1 << 61
-    gn.normalise(big, 1 << 40)
-    assert int(big[:, 1:gn._INF].max()) < 1 << 40 and int(big.min()) >= 0
+    gn.normalise(big)
+    assert int(big[:, 1:gn._INF].max()) < 1 << 24 and int(big.min()) >= 0
     assert gn.exact_sum_of_squares(big) == expected
     ranks = big.clone()
-    gn.normalise(ranks, (1 << 62) // 1024)  # what grad_norm does before an all-reduce over 1024 ranks
-    assert gn.exact_sum_of_squares(ranks * 1024) == expected * 1024  # their sum: no wrap, exact
+    gn.normalise(ranks)  # what grad_norm does before an all-reduce, here over 2^20 ranks
+    assert gn.exact_sum_of_squares(ranks * (1 << 20)) == expected * (1 << 20)  # their sum: no wrap, exact
+
+
+def test_exact_grad_norm_normalises_while_it_accumulates(monkeypatch):
+    """Chunks of 3 elements, a normalisation every 2 chunks: the periodic carries keep the total exact."""
+    from mindspeed_tp.modes.bitwise_training import grad_norm as gn
+
+    gen = torch.Generator().manual_seed(1)
+    grads = [torch.randn(40, generator=gen) * 1e3, torch.randn(17, generator=gen).bfloat16()]
+    expected = _exact([g.float() for g in grads])
+    monkeypatch.setattr(gn, "_CHUNK", 3)
+    monkeypatch.setattr(gn, "_CHUNKS_PER_NORMALISE", 2)
+    assert gn.exact_sum_of_squares(gn.exponent_sums(grads)) == expected
 
 
 @pytest.mark.parametrize("microbatches,dp,groups", [(1, 1, 2), (3, 2, 2), (2, 4, 2), (4, 2, 1), (6, 1, 2)])
@@ -315,7 +327,7 @@ def test_lm_head_with_a_non_power_of_two_run_of_vocab_leaves(tmp_path):
 
 
 def test_dyadic_blocks_partition_a_range_into_subtrees():
-    from mindspeed_tp.modes.bitwise_training.column_parallel import dyadic_blocks
+    from mindspeed_tp.contract.tree import dyadic_blocks
 
     assert dyadic_blocks(0, 12) == [(0, 8), (8, 4)]
     assert dyadic_blocks(3, 6) == [(3, 1), (4, 2)]
@@ -501,15 +513,15 @@ def test_a_tp_reduced_gradient_of_a_category_megatron_adds_is_refused_not_skippe
         wrapped([model], None)
 
 
-def test_a_subtree_missing_its_sibling_is_added_to_the_zero_subtree(monkeypatch):
-    """fold_ranges' tree over 6 leaves is the perfect tree over 8 with two zero leaves: a block whose
-    sibling lies past the end gets +0.0 added, as the padded tree adds its zero leaves (so -0.0
-    becomes +0.0 there too)."""
-    from mindspeed_tp.contract.tree import tree_fold
-    from mindspeed_tp.modes.bitwise_training import column_parallel
+def test_a_subtree_missing_its_sibling_is_added_to_the_zero_subtree():
+    """The trees over a non-power-of-two number of leaves (the LM head's vocab leaves per shard, a
+    rank's blocks) are the perfect tree with zero leaves appended: a node whose sibling is empty gets
+    +0.0 added, as the padded tree adds its zero leaves (so -0.0 becomes +0.0 there too)."""
+    from mindspeed_tp.contract.tree import dyadic_blocks, fold_in_order, merge_blocks, tree_fold
 
     negative_zero = torch.full((3, 5), -0.0)
-    monkeypatch.setattr(column_parallel, "_fold_leaves", lambda dy, w_t, size, row_multiple: negative_zero.clone())
-    got = column_parallel.fold_ranges(torch.zeros(3, 6 * 4), torch.zeros(5, 6 * 4), 6, None, torch.float32, False, 16)
     padded_tree = tree_fold(torch.stack([negative_zero] * 6 + [torch.zeros(3, 5)] * 2), dim=0)
-    assert bits_equal(got, padded_tree) and not bits_equal(got, negative_zero)
+    in_order = fold_in_order([negative_zero.clone() for _ in range(6)], 8)
+    blocks = {b: tree_fold(torch.stack([negative_zero] * b[1]), dim=0) for b in dyadic_blocks(0, 6)}
+    for got in (in_order, merge_blocks(blocks)):
+        assert bits_equal(got, padded_tree) and not bits_equal(got, negative_zero)

@@ -145,6 +145,10 @@ class Profile:
     # divide G (each DP rank holds G/DP groups); every DP rank beyond the first group adds one fp32
     # gradient copy per extra group it holds.
     microbatch_groups: int = 2
+    # bitwise_training only. Rows per leaf of the LM head's input-gradient tree: the true vocab is cut
+    # into C canonical shards and each shard into leaves of this many rows (the last one shorter), one
+    # fp32 GEMM each; wide leaves keep those GEMMs large at a real vocabulary.
+    lm_head_grad_leaf_width: int = 2048
 
     def replace(self, **changes) -> "Profile":
         return dataclasses.replace(self, **changes)
@@ -167,7 +171,7 @@ class Profile:
             raise ConfigError(
                 f"profile field 'canonical_shards' must be a power of two, got {self.canonical_shards!r}"
             )
-        for name in ("attention_block_size", "gemm_row_multiple", "vocab_pad_multiple"):
+        for name in ("attention_block_size", "gemm_row_multiple", "vocab_pad_multiple", "lm_head_grad_leaf_width"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"profile field {name!r} must be a positive integer, got {value!r}")

@@ -452,11 +452,6 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "bitwise_training: a column-parallel layer's {n} output rows ({parts} part(s)) do not split into "
             "C={c} canonical leaves per part; choose sizes divisible by {c} per part",
             "the input gradient is a tree over C leaves of the output features"),
-    Refusal("bitwise_vocab_leaves", TRAINING, "make_vocab_size_divisible_by / vocab_pad_multiple",
-            "bitwise_training: this rank's {v_local} vocab rows are not a whole number of {width}-row leaves "
-            "(true vocab {vocab}): pad the vocab so that padded_vocab / TP is a multiple of {width} (the profile's "
-            "vocab_pad_multiple x C padding, or make_vocab_size_divisible_by)",
-            "the LM head's input gradient is a tree over vocab leaves of one width in every layout"),
     Refusal("bitwise_sequence_leaves", TRAINING, "--seq-length / canonical_shards",
             "bitwise_training: the sequence length {s} is not divisible into C={c} position leaves (per-token "
             "weight gradients are trees over them); use a sequence length divisible by {c}",

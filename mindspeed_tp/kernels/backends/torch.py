@@ -137,16 +137,24 @@ class _RecomputeBackward(torch.autograd.Function):
         q, k, v = ctx.saved_tensors
         scale, causal, q_positions, excluded, block_size = ctx.args[:5]
         sq, sk = q.shape[2], k.shape[2]
-        if q_positions is None:
+        starts = range(0, sq, block_size)
+        if q_positions is None:  # the last sq of sk positions: each tile's key extent known on the host
             q_positions = torch.arange(sk - sq, sk, device=q.device)
+            extents = [sk - sq + min(sq, start + block_size) for start in starts]
+        elif causal:  # one host read for every tile's key extent (its largest position + 1), not one per tile
+            tiles = -(-sq // block_size)
+            padded = torch.full((tiles * block_size,), -1, dtype=q_positions.dtype, device=q_positions.device)
+            padded[:sq] = q_positions
+            extents = [int(e) + 1 for e in padded.view(tiles, block_size).amax(-1).tolist()]
+        if not causal:
+            extents = [sk] * len(starts)
         need = ctx.needs_input_grad[:3]
         totals = [torch.zeros_like(t, dtype=torch.float32) if n else None for t, n in zip((q, k, v), need)]
         # Query tiles of block_size rows, each over the keys up to its last position (causal):
         # half the work of one full pass, and only a tile's scores alive at a time.
-        for start in range(0, sq, block_size):
+        for start, keys in zip(starts, extents):
             stop = min(sq, start + block_size)
             pos = q_positions[start:stop]
-            keys = int(pos.max()) + 1 if causal else sk
             ex = excluded
             if ex is not None:
                 ex = ex[..., start:stop, :keys] if ex.shape[-2] == sq else ex[..., :keys]

@@ -1,19 +1,21 @@
-"""The gradient-clipping norm from an exact, order-independent sum of squares.
+"""The gradient-clipping norm from an exact, order-independent sum of squares, on the tensors' device.
 
 Megatron sums each rank's squared norms in fp32 and all-reduces them over the model-parallel (and,
 with the distributed optimizer, data-parallel) ranks: the order follows the layout, and so do the
-norm's bits and the clip coefficient. Here every fp32 gradient element's square is formed exactly in
-float64 (48 significant bits), read off its bits as significand s (53-bit integer) and biased
-exponent e, and s -- split into two 26-bit halves -- goes to the accumulator of e. Within a chunk of
-2^16 elements the halves are summed per exponent as float64 (integers below 2^43: exact in any
-order), then added to int64 accumulators; integer sums are exact and associative, so the collective
-library may add the ranks' accumulators in any order. The total is formed once, exactly, as a Python
-integer and rounded once.
+norm's bits and the clip coefficient. Here every gradient element g (fp32; bf16 and fp16 widened
+exactly) is read off its bits as g = m * 2^(E - 150), m its 24-bit significand and E its biased
+exponent (subnormals: E = 1 without the implicit bit), so g^2 = m^2 * 2^(2E - 300) with m^2 < 2^48.
+m^2 is split into two 24-bit halves and each goes, by one integer scatter-add, to the int64
+accumulator of E. Integer sums are exact and associative: any chunking, any order and the collective
+library's all-reduce give the same accumulators. The total is formed once, exactly, as a Python
+integer from the (2, bins) accumulators, and rounded once: the correctly rounded fp64 sum of squares.
 
-Non-finite elements propagate as ``torch.linalg.vector_norm`` does: any NaN (whatever its sign bit)
-gives NaN, else any inf gives inf. The int64 accumulators never wrap: when one nears 2^62 its bins
-are normalised (each unit of bin e is half a unit of bin e + 1, so the excess is carried upwards,
-exactly), and before the all-reduce they are normalised far enough that the ranks' sum fits.
+Everything up to that final read stays on the gradients' device in chunks of 2^20 elements: no host
+transfer, no host read of a tensor (tested by a case in which any raises). Non-finite elements
+propagate as ``torch.linalg.vector_norm`` does: any NaN (whatever its sign bit) gives NaN, else any
+inf gives inf. The accumulators never wrap: a chunk adds below 2^44 to one, and every 2^12 chunks (and
+before the all-reduce) they are normalised by a fixed number of exact carries (4 units of bin E are
+one unit of bin E + 1), with no host read to decide it; afterwards each is below 2^24.
 """
 import math
 from typing import List, Optional
@@ -21,86 +23,95 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-_INF, _NAN = 2047, 2048  # bins of inf and NaN squares
-_BINS = 2049  # biased float64 exponents 0..2046 (0 holds only zeros), then inf, NaN
-_HALF = 26
-_LIMIT = 1 << 62
-# A chunk adds below 2^(27 + 16) = 2^43 to an accumulator, so from below 2^60 (a normalisation's
-# bound) 2^18 chunks stay below 2^61 + 2^60 < 2^63: normalise that often.
-_CHUNKS_PER_NORMALISE = 1 << 18
+_HALF = 24
 _MASK = (1 << _HALF) - 1
-# Elements per pass: cache-sized (measured fastest on CPU) and the per-exponent float64 sums exact.
-_CHUNK = 1 << 16
+_EXPONENTS = 255  # fp32 biased exponents 0..254 are finite (bin 0 stays empty: subnormals use bin 1)
+# Carries move value up one bin per pass; a sum of fewer than 2^50 squares of finite fp32 values
+# (< 2^256 each) stays below one unit of bin 254 + 27, so the headroom bins never carry out.
+_HEADROOM = 32
+_FINITE = _EXPONENTS + _HEADROOM
+_INF, _NAN = _FINITE, _FINITE + 1  # whether any square was inf, NaN (0 or 1)
+_BINS = _FINITE + 2
+_CHUNK = 1 << 20
+# A chunk adds below 2^20 * 2^24 = 2^44 to an accumulator, so 2^12 chunks add below 2^56; after a
+# normalisation every accumulator is below 2^24 (see normalise): they stay below 2^57 < 2^63.
+_CHUNKS_PER_NORMALISE = 1 << 12
 
 
 def exponent_sums(grads: List[torch.Tensor]) -> torch.Tensor:
-    """int64 (2, bins): per biased exponent of g^2 the sums of the high and low halves of its
-    significand (bin 0: zeros; ``_INF``, ``_NAN``: counts of the non-finite squares)."""
-    acc = torch.zeros(2, _BINS, dtype=torch.int64)
+    """int64 (2, bins) on the gradients' device: per fp32 exponent E the sums of the high and low
+    24-bit halves of m^2 (``_INF``, ``_NAN``: whether any square was inf, NaN)."""
+    device = grads[0].device if len(grads) else torch.device("cpu")
+    acc = torch.zeros(2, _BINS, dtype=torch.int64, device=device)
     chunks = 0
     for g in grads:
+        if g.dtype == torch.float64:
+            raise TypeError("exact grad norm: float64 gradients are not supported (fp32, bf16 or fp16 expected)")
         whole = g.detach().reshape(-1)
         for start in range(0, whole.numel(), _CHUNK):
-            _add_chunk(acc, whole[start:start + _CHUNK].cpu())
+            _add_chunk(acc, whole[start:start + _CHUNK].to(device=device, dtype=torch.float32))
             chunks += 1
-            if chunks == _CHUNKS_PER_NORMALISE:  # no accumulator can pass 2^63 before (no max read per chunk)
-                normalise(acc, _LIMIT >> 2)
+            if chunks == _CHUNKS_PER_NORMALISE:
+                normalise(acc)
                 chunks = 0
     return acc
 
 
 def _add_chunk(acc: torch.Tensor, chunk: torch.Tensor) -> None:
-    square = chunk.double()
-    square.mul_(square)  # exact: an fp32 significand squared fits float64's
-    bits = square.view(torch.int64)
-    exponent = (bits >> 52) & 0x7FF  # the sign bit of a NaN must not make it negative
-    nan = torch.isnan(square)
-    exponent = torch.where(nan, _NAN, exponent)
-    significand = (bits & ((1 << 52) - 1)) | (1 << 52)
-    acc[0] += torch.bincount(exponent, weights=(significand >> _HALF).double(), minlength=_BINS).long()
-    acc[1] += torch.bincount(exponent, weights=(significand & _MASK).double(), minlength=_BINS).long()
-    acc[:, 0] = 0  # zeros: their implicit bit is not real, and they must not count towards a wrap
-    acc[:, _INF:] = (acc[:, _INF:] != 0).long()  # non-finite: only whether any occurred (never wraps)
+    bits = chunk.contiguous().view(torch.int32)
+    exponent = (bits >> 23) & 0xFF
+    fraction = bits & 0x7FFFFF
+    significand = (fraction | ((exponent != 0).int() << 23)).long()
+    square = significand * significand  # exact: below 2^48
+    # Exponent 255 is inf (no fraction) or NaN (any fraction, any sign); their bins count occurrences.
+    special = exponent == 255
+    bins = torch.where(special, _INF + (fraction != 0).int(), exponent.clamp(min=1)).long()
+    halves = torch.stack([torch.where(special, 1, square >> _HALF), torch.where(special, 0, square & _MASK)])
+    acc.index_add_(1, bins, halves)
 
 
-def normalise(acc: torch.Tensor, bound: int) -> None:
-    """In place, the same exact total with every finite accumulator below ``bound``: the low halves
-    folded into the high ones, then each bin's excess carried to the next exponent (2 units of bin
-    e are 1 unit of bin e + 1)."""
-    finite = slice(1, _INF)
-    acc[0, finite] += acc[1, finite] >> _HALF
-    acc[1, finite] &= _MASK
-    while int(acc[0, finite].max()) >= bound:
-        hi = acc[0, finite]
-        carry = hi >> 1
-        if int(carry[-1]):
-            raise OverflowError("exact norm: a carry out of the largest float64 exponent")  # unreachable for fp32
-        acc[0, finite] = (hi & 1) + torch.cat([carry.new_zeros(1), carry[:-1]])
+def normalise(acc: torch.Tensor, passes: int = 32) -> None:
+    """In place, the same exact total with smaller accumulators: the low halves folded into the high
+    ones (then below 2^24), then ``passes`` exact carries of the high ones (4 units of bin E are one of
+    bin E + 1, since g^2 scales by 2^(2E)). A fixed count, so no host read decides it: after k passes
+    every high accumulator is below 4 + max / 4^k, so below 8 after the default 32 from below 2^63."""
+    hi, lo = acc[0, :_FINITE], acc[1, :_FINITE]
+    hi += lo >> _HALF
+    lo &= _MASK
+    for _ in range(passes):
+        carry = hi >> 2
+        hi.bitwise_and_(3)
+        hi[1:] += carry[:-1]
+    acc[:, _INF:].clamp_(max=1)  # non-finite: only whether any occurred
 
 
 def exact_sum_of_squares(acc: torch.Tensor) -> float:
-    """The total of the accumulators, rounded once to fp64: NaN if any element was NaN, else inf if
-    any was infinite (as ``torch.linalg.vector_norm``)."""
-    if int(acc[0, _NAN]) or int(acc[1, _NAN]):
+    """The total of the accumulators, rounded once to fp64 (one host read): NaN if any element was
+    NaN, else inf if any was infinite (as ``torch.linalg.vector_norm``)."""
+    values = acc.tolist()
+    if values[0][_NAN] or values[1][_NAN]:
         return float("nan")
-    if int(acc[0, _INF]) or int(acc[1, _INF]):
+    if values[0][_INF] or values[1][_INF]:
         return float("inf")
     total = 0
-    for e in range(1, _INF):  # bin 0: zeros
-        hi, lo = int(acc[0, e]), int(acc[1, e])
+    for e in range(1, _FINITE):
+        hi, lo = values[0][e], values[1][e]
         if hi or lo:
-            total += ((hi << _HALF) + lo) << (e - 1)  # s * 2^(e - 1075), relative to 2^(1 - 1075)
-    return total / (1 << 1074) if total else 0.0
+            total += ((hi << _HALF) + lo) << (2 * e)  # (m^2 sums) * 2^(2E), relative to 2^-300
+    return total / (1 << 300) if total else 0.0
 
 
 def grad_norm(grads, group: Optional[dist.ProcessGroup], device) -> float:
     """L2 norm of ``grads`` over every rank of ``group`` (None: this rank alone)."""
     if isinstance(grads, torch.Tensor):
         grads = [grads]
-    acc = exponent_sums(list(grads))
+    grads = list(grads)
+    acc = exponent_sums(grads) if grads else torch.zeros(2, _BINS, dtype=torch.int64, device=device)
     world = dist.get_world_size(group=group) if group is not None else 1
     if world > 1:
-        normalise(acc, _LIMIT // world)  # the ranks' sum of every accumulator stays below 2^62
+        if world > 1 << 20:
+            raise ValueError(f"exact grad norm: {world} ranks; at most 2^20 keep the all-reduced accumulators exact")
+        normalise(acc)  # every accumulator below 2^24: the sum over up to 2^20 ranks stays below 2^44
         acc = acc.to(device)
         dist.all_reduce(acc, group=group)
-    return math.sqrt(exact_sum_of_squares(acc.cpu()))
+    return math.sqrt(exact_sum_of_squares(acc))
