@@ -3,12 +3,12 @@
 The sum of exp over the vocab is cut into leaves of L contiguous columns, L chosen from the true
 vocab size alone (``vocab_leaf_width``), never from how the vocab is padded or split: padded columns
 are excluded (exp = 0 exactly), every rank sums its whole leaves (each the same L columns in every
-layout), the leaf sums are gathered in vocab order and folded by one perfect binary tree over the
-true vocab's leaves, zero-padded to a power of two (adding an exact zero changes nothing). So the
+layout) and folds its run's aligned blocks of leaves (subtrees), the block sums are gathered and
+merged by one perfect binary tree over the true vocab's leaves, zero-padded to a power of two (adding
+an exact zero changes nothing). So the
 bits are the same for any TP and any padding (Megatron's ``make_vocab_size_divisible_by`` x TP, the
 profile's TP-independent padding, or none). The max and the target logit are exact operations.
 """
-import math
 from typing import Optional
 
 import torch
@@ -16,7 +16,7 @@ import torch
 from . import dispatch
 from .collectives import group_size, gather_along_rank, group_rank, max_across_ranks
 from ..contract.refusals import refuse
-from ..contract.tree import tree_fold
+from ..contract.tree import dyadic_blocks, merge_blocks, tree_fold
 
 
 def mask_padded_vocab(logits: torch.Tensor, vocab_size: int, vocab_start: int = 0) -> torch.Tensor:
@@ -49,6 +49,22 @@ def vocab_leaf_width(vocab_size: int, canonical_shards: int = 8, pad_multiple: i
     return width
 
 
+def _fold_vocab_leaves(local: torch.Tensor, group, used: int) -> torch.Tensor:
+    """The perfect tree over the ``used`` leaves that hold a real column (the rest sum to exactly 0:
+    empty subtrees), every rank holding a contiguous run of ``local.shape[-1]`` leaves in rank order.
+    Each rank folds its run's maximal aligned blocks (subtrees) itself and only the block sums are
+    gathered -- about 2 log2(leaves) numbers per token and rank instead of every leaf sum -- then the
+    blocks merge bottom-up in tree order: the same additions as folding every leaf at once."""
+    world, n = group_size(group), local.shape[-1]
+    runs = [dyadic_blocks(min(r * n, used), min((r + 1) * n, used)) for r in range(world)]
+    most = max(1, max(len(blocks) for blocks in runs))
+    me = group_rank(group)
+    sums = [tree_fold(local[..., a - me * n:a - me * n + size], dim=-1) for a, size in runs[me]]
+    sums += [local.new_zeros(local.shape[:-1])] * (most - len(sums))
+    gathered = gather_along_rank(torch.stack(sums, dim=-1), group)  # (world, ..., most)
+    return merge_blocks({block: gathered[r, ..., i] for r in range(world) for i, block in enumerate(runs[r])})
+
+
 class _VocabParallelLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, canonical_shards, vocab_size, temperature, pad_multiple):
@@ -66,14 +82,7 @@ class _VocabParallelLogprob(torch.autograd.Function):
         lmax = max_across_ranks(lf.amax(-1), group)
         e = torch.exp(lf - lmax.unsqueeze(-1))
         local = _leaf_sums(e.reshape(*e.shape[:-1], v_local // width, width))  # (..., leaves of this rank)
-        gathered = gather_along_rank(local, group)                                # (world, ..., leaves)
-        leaves = gathered.movedim(0, -2).reshape(*local.shape[:-1], world * local.shape[-1])
-        used = -(-true_vocab // width)  # leaves holding a real column; the rest sum to exactly 0
-        span = 1 << max(0, math.ceil(math.log2(used)))
-        leaves = leaves[..., :used]
-        if span > used:
-            leaves = torch.cat([leaves, leaves.new_zeros(*leaves.shape[:-1], span - used)], dim=-1)
-        total = tree_fold(leaves, dim=-1)
+        total = _fold_vocab_leaves(local, group, -(-true_vocab // width))
         in_range = (target >= vocab_start) & (target < vocab_start + v_local)
         idx = (target - vocab_start).clamp(0, v_local - 1).long()
         picked = torch.where(in_range, lf.gather(-1, idx.unsqueeze(-1)).squeeze(-1), 0.0)

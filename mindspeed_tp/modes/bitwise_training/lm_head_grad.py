@@ -52,7 +52,7 @@ class _Rows:
             self.pieces.append((start, stop, dy, w))
 
     def take(self, start: int, stop: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """dy (M, stop - start) contiguous and W (stop - start, H) for global rows [start, stop)."""
+        """dy (M, stop - start) and W (stop - start, H), both contiguous, for global rows [start, stop)."""
         dys, ws = [], []
         for a, b, dy, w in sorted(self.pieces, key=lambda p: p[0]):
             lo, hi = max(a, start), min(b, stop)
@@ -61,8 +61,9 @@ class _Rows:
                 ws.append(w[lo - a:hi - a])
         if sum(d.shape[1] for d in dys) != stop - start:
             raise RuntimeError(f"LM-head gradient: rows [{start}, {stop}) not all present on this rank")
+        # Contiguous operands either way: the library sees the same strides whichever rank computes.
         if len(dys) == 1:
-            return dys[0].contiguous(), ws[0]
+            return dys[0].contiguous(), ws[0].contiguous()
         return torch.cat(dys, dim=1), torch.cat(ws, dim=0)
 
 
