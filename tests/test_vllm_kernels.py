@@ -102,3 +102,86 @@ def test_plain_backward_of_gemm_rope_attention_and_moe_match_fp32_autograd():
         want = torch.autograd.grad(kernels._moe_reference(h, topk_w, topk_ids, w13, w2), (h, logits, w13, w2), go)
         for a, b in zip(got, want):
             assert torch.allclose(a, b, atol=1e-4)
+
+
+class _LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the largest tensor any op produces while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+def test_attention_backward_is_blockwise_and_the_plain_causal_math(dtype, monkeypatch):
+    """A semantics check, not a bitwise claim (the backward is the plain fp32 math, never compared
+    with any other implementation's bits): the block-wise backward equals fp32 autograd of the dense
+    causal-softmax formula to rounding, over several query blocks (the last one partial), GQA,
+    prompts of different lengths; and no op in it produces a tensor of (queries x keys) per head:
+    the largest is one block of query rows against the keys (b, heads, block, s)."""
+    monkeypatch.setattr(kernels, "BACKWARD_BLOCK", 64)
+    b, s, hq, hk, d = 2, 200, 4, 2, 32
+    q = _randn(b, s, hq, d, seed=11, dtype=dtype).requires_grad_()
+    k = _randn(b, s, hk, d, seed=12, dtype=dtype).requires_grad_()
+    v = _randn(b, s, hk, d, seed=13, dtype=dtype).requires_grad_()
+    go = _randn(b, s, hq, d, seed=14, dtype=dtype)
+    out = kernels.attention(q, k, v, ScoringPlan((50, 130), 1000), 1 / math.sqrt(d))
+    with _LargestTensor() as seen:
+        out.backward(go)
+    assert 0 < seen.numel <= b * hq * 64 * s < b * hq * s * s
+    qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
+    scores = torch.einsum("bqhd,bkhd->bhqk", qr, kr.repeat_interleave(2, 2)) / math.sqrt(d)
+    scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
+    torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), vr.repeat_interleave(2, 2)).backward(go.float())
+    for got, want in ((q, qr), (k, kr), (v, vr)):
+        assert got.grad.dtype == dtype
+        assert torch.allclose(got.grad.float(), want.grad.to(dtype).float(), atol=1e-4 if dtype == torch.float32 else 2e-2)
+
+
+def test_engine_tp2_partials_are_prepacked_once_per_weight_version(monkeypatch):
+    """At engine TP=2 a row-parallel layer runs the engine's GEMM on each K/2 slice of the weight:
+    the packed copies are kept per (parameter, slice), so a second forward dispatches (prepacks)
+    nothing, and a weight update -- an in-place edit, or a write through ``.data`` followed by
+    ``invalidate_weight_caches()`` (the in-memory weight sync) -- prepacks both slices again,
+    and the output is the updated weight's."""
+    from mindspeed_tp import invalidate_weight_caches
+    from mindspeed_tp.contract.profile import load_profile
+    from mindspeed_tp.integrations.vllm.numerics import VllmEngine
+    from mindspeed_tp.modes.rollout_layout.engine_math import rollout_row_parallel
+
+    engine = VllmEngine(load_profile("vllm-cpu-tp2"))
+    dispatch, calls = kernels._vllm()["dispatch"], []
+    monkeypatch.setitem(kernels._vllm(), "dispatch", lambda *a, **kw: (calls.append(1), dispatch(*a, **kw))[1])
+    x = _randn(9, 128, seed=21)
+    w = torch.nn.Parameter(_randn(64, 128, seed=22, scale=128 ** -0.5))
+
+    def forward():
+        return rollout_row_parallel(x, w, engine.profile, x.dtype, gemm=engine.partial_gemm_for(w))
+
+    def fresh_reference():  # the same partials through holders made for this call only
+        halves = [kernels.engine_linear(x[:, c].contiguous(), w.detach()[:, c].contiguous()) for c in
+                  (slice(0, 64), slice(64, 128))]
+        return halves[0] + halves[1]
+
+    first = forward()
+    assert len(calls) == 2  # one prepack per engine rank's slice
+    assert bits_equal(forward(), first) and len(calls) == 2
+    want = fresh_reference()
+    assert bits_equal(first, want)
+    with torch.no_grad():
+        w.mul_(0.5)  # in place: the parameter's version counter moves
+    calls.clear()
+    assert bits_equal(forward(), fresh_reference()) and len(calls) == 2 + 2  # (+2: the reference's own)
+    calls.clear()
+    w.data.copy_(_randn(64, 128, seed=23, scale=128 ** -0.5))  # no version bump: the sync's path
+    invalidate_weight_caches()
+    got = forward()
+    assert len(calls) == 2 and not bits_equal(got, first)
+    assert bits_equal(got, fresh_reference())

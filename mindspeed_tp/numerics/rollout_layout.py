@@ -26,6 +26,10 @@ class RolloutLayout(CanonicalTree):
     partial_gemm = None
     log_softmax = None
 
+    def partial_gemm_for(self, weight):
+        """The partial GEMM for row-parallel ``weight`` (a real engine keys its packed-weight cache on it)."""
+        return self.partial_gemm
+
     @classmethod
     def register_patches(cls, reg: PatchRegistry) -> None:
         reg.add_hook(Hook(target="torch.optim.optimizer:register_optimizer_step_post_hook",
@@ -50,7 +54,7 @@ class RolloutLayout(CanonicalTree):
         self.profile.check_rollout_k(
             layer.input_size, f"input size of {type(layer).__name__} (heads*kv_channels or ffn_hidden_size)")
         output = rollout_layout_linear(input_, layer.weight, group, self.profile, bool(layer.sequence_parallel),
-                                       gemm=self.partial_gemm)
+                                       gemm=self.partial_gemm_for(layer.weight))
         return output, None
 
     def expert_down_proj(self, a, weight, etp_group, dtype):

@@ -19,7 +19,7 @@ so training still gets ordinary gradients; only the forward is bitwise the engin
 from __future__ import annotations
 
 import functools
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
@@ -27,6 +27,7 @@ from ...kernels.linear import _with_plain_backward
 from . import host
 
 _HOLDER_ATTR = "_mindspeed_tp_vllm_linear"
+_SLICES_ATTR = "_mindspeed_tp_vllm_linear_slices"  # on a parameter: its slices' entries
 BLOCK_SIZE = 128  # the engine's KV block size on CPU (platforms/cpu.py default; started with it)
 
 
@@ -51,24 +52,47 @@ class _Holder(torch.nn.Module):
         self.weight = torch.nn.Parameter(weight.detach(), requires_grad=False)
 
 
-def _engine_holder(weight: torch.Tensor) -> _Holder:
+def _engine_holder(weight: torch.Tensor, source: Optional[torch.Tensor] = None) -> _Holder:
     """The engine's GEMM dispatched for this weight, prepacked once per weight version (an optimizer
     step, an in-place edit, a new ``.data`` or a checkpoint load re-dispatches: the packed copy would be
-    stale; ``numerics/weight_caches.py``)."""
+    stale; ``numerics/weight_caches.py``).
+
+    ``source``: the parameter ``weight`` is a slice of (or is derived from, as the re-laid row-parallel
+    weight is): the entry is then kept on the parameter under the slice's place in its tensor, and
+    its freshness is the parameter's. Without it, a fresh copy each forward (an engine rank's K slice)
+    would miss every time and re-prepack."""
     from ...numerics import weight_caches
 
-    key = weight_caches.key(weight, tuple(weight.shape), weight.dtype)
-    entry = getattr(weight, _HOLDER_ATTR, None)
-    if entry is None or not weight_caches.fresh(entry[0], entry[2], weight, key, "the engine's prepacked GEMM weight"):
-        holder = _Holder(weight.detach().contiguous())
-        _vllm()["dispatch"](holder, remove_weight=False)
-        entry = (key, holder, weight_caches.checksum(weight))
-        setattr(weight, _HOLDER_ATTR, entry)
+    what = "the engine's prepacked GEMM weight"
+    if source is None:
+        key = weight_caches.key(weight, tuple(weight.shape), weight.dtype)
+        entry = getattr(weight, _HOLDER_ATTR, None)
+        if entry is None or not weight_caches.fresh(entry[0], entry[2], weight, key, what):
+            entry = (key, _prepack(weight), weight_caches.checksum(weight))
+            setattr(weight, _HOLDER_ATTR, entry)
+        return entry[1]
+    place = (weight.storage_offset(), tuple(weight.shape), tuple(weight.stride()), weight.dtype)
+    key = weight_caches.key(source, place)
+    entries = getattr(source, _SLICES_ATTR, None)
+    if entries is None or entries[0] != weight_caches.generation():  # one generation's entries at a time
+        entries = (weight_caches.generation(), {})
+        setattr(source, _SLICES_ATTR, entries)
+    entry = entries[1].get(place)
+    # the checksum is the slice's own: a cache hit compares the bits it was packed from
+    if entry is None or not weight_caches.fresh(entry[0], entry[2], weight, key, what):
+        entry = (key, _prepack(weight), weight_caches.checksum(weight))
+        entries[1][place] = entry
     return entry[1]
 
 
-def _engine_gemm(weight: torch.Tensor):
-    holder = _engine_holder(weight)
+def _prepack(weight: torch.Tensor) -> _Holder:
+    holder = _Holder(weight.detach().contiguous())
+    _vllm()["dispatch"](holder, remove_weight=False)
+    return holder
+
+
+def _engine_gemm(weight: torch.Tensor, source: Optional[torch.Tensor] = None):
+    holder = _engine_holder(weight, source)
     return lambda x: holder.cpu_linear(x, holder.weight, None)
 
 
@@ -77,22 +101,24 @@ def engine_gemm_name(weight: torch.Tensor) -> str:
     return host.gemm_name(_engine_holder(weight).cpu_linear)
 
 
-def engine_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` in x's dtype by the engine's own GEMM; plain backward."""
+def engine_linear(x: torch.Tensor, weight: torch.Tensor, source: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x @ weight.T`` in x's dtype by the engine's own GEMM; plain backward. ``source``: the
+    parameter ``weight`` is a slice of (``_engine_holder``)."""
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1])
     if weight.dtype != x2d.dtype:
         raise TypeError(f"engine_linear: input {x2d.dtype} and weight {weight.dtype} differ (the engine runs one dtype)")
-    gemm = _engine_gemm(weight)
+    gemm = _engine_gemm(weight, source)
     out = _with_plain_backward(x2d, weight, lambda a, w: gemm(a.contiguous()))
     return out.reshape(*lead, out.shape[-1])
 
 
-def engine_partial_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def engine_partial_linear(x: torch.Tensor, weight: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
     """A row-parallel partial as an engine rank computes it (its K/R slice, output in the model
     dtype): the GEMM ``modes.rollout_layout.engine_math.rollout_row_parallel`` takes. The K slice
-    of a weight is a strided view; the engine holds it as its own contiguous weight."""
-    return engine_linear(x.contiguous(), weight.contiguous())
+    of a weight is a strided view; the engine holds it as its own contiguous weight, prepacked once
+    per (``source`` parameter, slice) and weight version."""
+    return engine_linear(x.contiguous(), weight, source)
 
 
 # ---------------------------------------------------------------- norms
@@ -190,42 +216,64 @@ def _paged_attention(q, k, v, plan, scale: float) -> torch.Tensor:
     slots = (block_table_seq.long()[:, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE).reshape(-1)
     ops.cpu_attn_reshape_and_cache(k.reshape(b * s, hk, d).contiguous(), v.reshape(b * s, hk, d).contiguous(),
                                    key_cache, value_cache, slots, isa)
-    q_rows, starts, seq_lens, tables = [], [0], [], []
-    for i in range(b):
-        prompt = int(plan.prompt_lens[i])
-        begin = 0
-        for end in plan.chunk_ends(i):  # the prefill requests
-            q_rows.append(q[i, begin:end])
-            starts.append(starts[-1] + end - begin)
-            seq_lens.append(end)
-            tables.append(i)
-            begin = end
-        for p in range(prompt, s):  # one decode request per later position
-            q_rows.append(q[i, p:p + 1])
-            starts.append(starts[-1] + 1)
-            seq_lens.append(p + 1)
-            tables.append(i)
-    query = torch.cat(q_rows).contiguous()
-    query_start_loc = torch.tensor(starts, dtype=torch.int32)
-    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
-    block_table = block_table_seq[torch.tensor(tables)].contiguous()
+    # Sequence i's requests, in position order: its prefill chunks, then one decode per later
+    # position; a request ends at its last query row + 1 (= its seq_len, the keys it attends to).
+    # Every sequence contributes its s rows in order, so the query rows are q's rows as they are.
+    ends = torch.cat([torch.cat([torch.tensor(plan.chunk_ends(i), dtype=torch.int64),
+                                 torch.arange(int(plan.prompt_lens[i]) + 1, s + 1)]) for i in range(b)])
+    per_seq = torch.tensor([len(plan.chunk_ends(i)) + s - int(plan.prompt_lens[i]) for i in range(b)])
+    seq_of = torch.repeat_interleave(torch.arange(b), per_seq)
+    query = q.reshape(b * s, hq, d).contiguous()
+    query_start_loc = torch.cat([torch.zeros(1, dtype=torch.int64), seq_of * s + ends]).to(torch.int32)
+    seq_lens_t = ends.to(torch.int32)
+    block_table = block_table_seq[seq_of].contiguous()
     metadata = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=len(seq_lens), num_heads=hq, num_kv_heads=hk, head_dim=d, seq_lens=seq_lens_t, dtype=dtype,
+        num_reqs=int(seq_lens_t.shape[0]), num_heads=hq, num_kv_heads=hk, head_dim=d, seq_lens=seq_lens_t, dtype=dtype,
         query_start_loc=query_start_loc, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False)
     out = torch.empty_like(query)
     ops.cpu_attention_with_kv_cache(
         query=query, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=query_start_loc,
         seq_lens=seq_lens_t, scale=float(scale), causal=True, alibi_slopes=None, sliding_window=-1,
         block_table=block_table, softcap=0.0, scheduler_metadata=metadata, s_aux=None)
-    result = torch.empty_like(q)
-    row = 0
-    for i in range(b):
-        prompt = int(plan.prompt_lens[i])
-        result[i, :prompt] = out[row:row + prompt]
-        row += prompt
-        result[i, prompt:] = out[row:row + s - prompt]
-        row += s - prompt
-    return result
+    return out.view(b, s, hq, d)  # the requests' rows are the sequences' positions in order
+
+
+BACKWARD_BLOCK = 256  # query rows per block of the attention backward: memory (b, h, block, s) fp32
+
+
+def _attention_backward(q, k, v, grad, scale: float, block: int):
+    """Gradients of plain causal attention in fp32 (GQA: query head j reads KV head j // (hq/hk)),
+    recomputed from q/k/v one block of query rows at a time: a block's scores against the keys up
+    to its last row are its whole softmax (causal), so nothing of size s x s is ever held.
+    The same math as differentiating ``softmax(q k^T * scale, causal) v`` densely (tested against it)."""
+    b, s, hq, d = q.shape
+    hk = k.shape[2]
+    rep = hq // hk
+    # Queries as (b, hk, s, rep, d): a block of rows x the rep heads of one KV head is one matrix
+    # (rows * rep, d) against that KV head's (s, d) keys -- no repeated K/V, one GEMM per KV head.
+    qf = q.float().reshape(b, s, hk, rep, d).permute(0, 2, 1, 3, 4).contiguous()
+    gf = grad.float().reshape(b, s, hk, rep, d).permute(0, 2, 1, 3, 4).contiguous()
+    kf = k.float().permute(0, 2, 1, 3)
+    vf = v.float().permute(0, 2, 1, 3)
+    dq = torch.empty_like(qf)
+    dk = torch.zeros(b, hk, s, d, dtype=torch.float32)
+    dv = torch.zeros(b, hk, s, d, dtype=torch.float32)
+    for start in range(0, s, block):
+        end = min(start + block, s)
+        n = (end - start) * rep
+        qb, gb = qf[:, :, start:end].reshape(b, hk, n, d), gf[:, :, start:end].reshape(b, hk, n, d)
+        kb, vb = kf[:, :, :end], vf[:, :, :end]
+        scores = (qb @ kb.transpose(-1, -2)).mul_(scale)  # (b, hk, rows * rep, end)
+        row_pos = (start + torch.arange(n) // rep).unsqueeze(-1)
+        p = torch.softmax(scores.masked_fill_(torch.arange(end) > row_pos, float("-inf")), dim=-1)
+        del scores
+        ds = gb @ vb.transpose(-1, -2)  # dP, turned into dS in place
+        ds.sub_((ds * p).sum(-1, keepdim=True)).mul_(p).mul_(scale)  # softmax backward: sum(dP * P) = dO . O
+        dq[:, :, start:end] = (ds @ kb).view(b, hk, end - start, rep, d)
+        dk[:, :, :end] += ds.transpose(-1, -2) @ qb
+        dv[:, :, :end] += p.transpose(-1, -2) @ gb
+    dq = dq.permute(0, 2, 1, 3, 4).reshape(b, s, hq, d)
+    return dq, dk.permute(0, 2, 1, 3), dv.permute(0, 2, 1, 3)
 
 
 class _Attention(torch.autograd.Function):
@@ -236,19 +284,9 @@ class _Attention(torch.autograd.Function):
         return _paged_attention(q.detach(), k.detach(), v.detach(), plan, scale)
 
     @staticmethod
-    def backward(ctx, grad):  # plain causal attention in fp32 (GQA by head groups), recomputed
+    def backward(ctx, grad):  # plain causal attention in fp32, recomputed block by block
         q, k, v = ctx.saved_tensors
-        with torch.enable_grad():
-            qf, kf, vf = (t.detach().float().requires_grad_(True) for t in (q, k, v))
-            rep = q.shape[2] // k.shape[2]
-            kk = kf.repeat_interleave(rep, dim=2)
-            vv = vf.repeat_interleave(rep, dim=2)
-            scores = torch.einsum("bqhd,bkhd->bhqk", qf, kk) * ctx.scale
-            s = q.shape[1]
-            causal = torch.ones(s, s, dtype=torch.bool).tril()
-            scores = scores.masked_fill(~causal, float("-inf"))
-            out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, dim=-1), vv)
-            dq, dk, dv = torch.autograd.grad(out, (qf, kf, vf), grad.float())
+        dq, dk, dv = _attention_backward(q.detach(), k.detach(), v.detach(), grad, ctx.scale, BACKWARD_BLOCK)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 

@@ -3,6 +3,7 @@ with the installed engine's own kernels for every forward piece (``forward.py`` 
 computes and why). Registered in ``numerics.ENGINES`` as ``vllm``."""
 from __future__ import annotations
 
+import functools
 import inspect
 
 from ... import compat
@@ -14,7 +15,10 @@ from .kernels import engine_partial_linear
 
 class VllmEngine(RolloutLayout):
     name = "vllm"
-    partial_gemm = staticmethod(engine_partial_linear)
+
+    def partial_gemm_for(self, weight):
+        """The engine's GEMM on each engine rank's K slice, prepacked once per (parameter, slice)."""
+        return functools.partial(engine_partial_linear, source=weight)
 
     def check_ready(self) -> None:
         """The engine the profile names is installed, on a CPU it was built for."""
