@@ -26,7 +26,7 @@ DEFAULTS = dict(
     model=None, profile=None, engine="reference", layout="tp2-sp-pp2", layouts=None, reshard_at=None, iterations=10,
     prompts=4, group_size=4, max_prompt=12, max_new_tokens=16, temperature=1.0, eos_token_id=None,
     micro_batch_size=2, logprob_micro_batch_size=4, lr=1e-2, clip_ratio=0.2, seed=1234, dtype="bf16",
-    bitwise_training=False, compare_vanilla=False, reward="parity", json=None, plot=None, save_state=None,
+    bitwise_training=False, compare_vanilla=False, reward="multiple-of-8", json=None, plot=None, save_state=None,
     timeout=600.0,
 )
 SEQ_MULTIPLE = 32  # the padded batch length: a multiple every SP split and canonical leaf width divides
@@ -63,8 +63,8 @@ def build_parser(prog: str = "mindspeed-tp rl-check") -> argparse.ArgumentParser
                         "(dense models), so a run resharded mid-way keeps the same trajectory")
     p.add_argument("--compare-vanilla", action="store_true", default=None,
                    help="also run plain megatron-core on the same seeds (a second arm)")
-    p.add_argument("--reward", help="the task: bundled 'parity' (default) or module:function(prompt, response) "
-                                    "-> float")
+    p.add_argument("--reward", help="the task: bundled 'multiple-of-8' (default) or module:function(prompt, response) "
+                                    "-> float (token-id lists)")
     p.add_argument("--json", help="write the report as JSON to this path")
     p.add_argument("--plot", metavar="FILE.png", help="mismatch and reward per iteration (needs matplotlib)")
     p.add_argument("--save-state", help="write the final trained state (train-check's layout-free format)")

@@ -1,9 +1,11 @@
 """The bundled verifiable task, and loading a user's reward function (``--reward module:function``).
 
 A reward function takes a prompt and a response (token-id lists; the response without padding,
-its EOS token included if it stopped on one) and returns a float. The bundled task: the share of
-response tokens whose id has the parity of the prompt's last token -- a rule of the prompt that a
-random tiny model meets half the time and GRPO measurably teaches it.
+its EOS token included if it stopped on one) and returns a float. The bundled task
+(``multiple-of-8``): the share of response tokens whose id is a multiple of 8 -- a random tiny model
+meets it 1/8 of the time, and GRPO teaches it within the default 10 iterations (measured on
+tiny-dense: 0.14 -> 0.65). A rule conditioned on the prompt (the parity of its last token) was
+tried first: 10 iterations of 4x4 samples do not learn it measurably.
 """
 from __future__ import annotations
 
@@ -15,14 +17,13 @@ from ...errors import ConfigError
 RewardFn = Callable[[List[int], List[int]], float]
 
 
-def parity_share(prompt: List[int], response: List[int]) -> float:
+def multiple_of_8_share(prompt: List[int], response: List[int]) -> float:
     if not response:
         return 0.0
-    want = prompt[-1] % 2
-    return sum(1 for t in response if t % 2 == want) / len(response)
+    return sum(1 for t in response if t % 8 == 0) / len(response)
 
 
-BUNDLED = {"parity": parity_share}
+BUNDLED = {"multiple-of-8": multiple_of_8_share}
 
 
 def load_reward(name: str) -> RewardFn:
