@@ -4,6 +4,9 @@
 (tp*pp*dp processes each, on this node), the one-device run first; it merges the worlds' rows
 into one table and report (same exit codes as ``check``, launcher flags: ``--timeout`` only).
 
+``mindspeed-tp rl-check [flags]`` launches one torchrun world for the training layout (two with
+``--reshard-at``: layout A's, then B's, handed A's state) and prints the per-iteration table.
+
 ``mindspeed-tp check [flags]`` validates the flags, then launches torchrun on this node with as
 many processes as the layouts need (``--nproc`` overrides) running ``python -m mindspeed_tp.check``.
 For several nodes, run it on every node with ``--nnodes N --node-rank R --rdzv-endpoint HOST:PORT``
