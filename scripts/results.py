@@ -221,7 +221,6 @@ def render_train_bench(report: Dict) -> List[str]:
 # the reports
 
 
-@dataclass
 def render_rl(report: Dict) -> List[str]:
     st = report.get("settings", {})
     eng = report.get("engine") or {}
@@ -250,6 +249,7 @@ def render_rl(report: Dict) -> List[str]:
     return out
 
 
+@dataclass
 class Report:
     name: str
     title: str

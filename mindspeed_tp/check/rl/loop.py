@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ... import disable, enable
-from ..harness import _setup_parallel_state
+from ..harness import _setup_parallel_state, _stage_dtype
 from ..rollout import rollout_prompts
 from ..train.loop import TrainSettings, make_optimizer, model_parallel_chunks, wire_config
 from ..train.state_file import load_state, save_state
@@ -66,7 +66,10 @@ def run_arm(spec, layout, dtype, profile, settings: RLSettings, vanilla: bool, e
 
     ts = settings.train_settings()
     _setup_parallel_state(layout, settings.seed, training=True)
-    chunks, wrapped, ddp_config = model_parallel_chunks(spec, layout, dtype, profile, ts)
+    # Pipeline stages send what the forward's residual stream holds: fp32 under a real-engine profile
+    # (the engine's unrounded fused-add sum), the model dtype otherwise.
+    chunks, wrapped, ddp_config = model_parallel_chunks(spec, layout, dtype, profile, ts,
+                                                        pipeline_dtype=_stage_dtype(profile, vanilla, dtype))
     optimizer = make_optimizer(wrapped, dtype, ts)
     if load_state_path:
         load_state(load_state_path, spec, layout, chunks, optimizer)

@@ -134,13 +134,16 @@ def gather_rows(rows: Dict[int, torch.Tensor], batch: ScoringBatch) -> torch.Ten
     return everyone[owners.argmax(0), torch.arange(g)]
 
 
-def model_parallel_chunks(spec, layout, dtype, profile, settings):
+def model_parallel_chunks(spec, layout, dtype, profile, settings, **config_overrides):
+    """The model chunks in megatron's DDP; ``config_overrides``: TransformerConfig fields on top
+    (rl-check: pipeline_dtype under a real-engine profile)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     # perform_initialization: what a training run does; it also tags the TP-sharded weights
     # (tensor_model_parallel, partition_dim), which the gradient norm and clipping read. The seeded
     # weights overwrite the values.
-    overrides = dict(RECOMPUTE[settings.recompute], calculate_per_token_loss=True, perform_initialization=True)
+    overrides = dict(RECOMPUTE[settings.recompute], calculate_per_token_loss=True, perform_initialization=True,
+                     **config_overrides)
     if layout.vpp > 1:
         # Megatron-LM's settings for the interleaved schedule. With batched p2p and pp=2 the previous
         # and next stage are one rank, and a forward activation and a backward gradient of the same
