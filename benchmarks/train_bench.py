@@ -45,8 +45,8 @@ def worker(ns) -> None:
     from mindspeed_tp.check.builder import DTYPES
     from mindspeed_tp.models.layout import Layout
     from mindspeed_tp.models.spec import load_model_spec
-    from mindspeed_tp.check.train.loop import (TrainSettings, _data, _forward_step, _LossRecorder, _model_parallel_chunks,
-                                               _optimizer, _wire_config, micro_batch_rows, train_batch)
+    from mindspeed_tp.check.train.loop import (TrainSettings, _data, _forward_step, _LossRecorder, model_parallel_chunks,
+                                               make_optimizer, wire_config, micro_batch_rows, train_batch)
     from mindspeed_tp.contract.profile import load_profile
     from mindspeed_tp.devices.cpu_shims import install_cpu_shims
 
@@ -63,9 +63,9 @@ def worker(ns) -> None:
 
     _setup_parallel_state(layout, settings.seed, training=True)
     base = _rss_mb()
-    chunks, wrapped, ddp_config = _model_parallel_chunks(spec, layout, DTYPES[ns.dtype], profile, settings)
-    optimizer = _optimizer(wrapped, DTYPES[ns.dtype], settings)
-    _wire_config(chunks[0].config, wrapped, ddp_config, optimizer)
+    chunks, wrapped, ddp_config = model_parallel_chunks(spec, layout, DTYPES[ns.dtype], profile, settings)
+    optimizer = make_optimizer(wrapped, DTYPES[ns.dtype], settings)
+    wire_config(chunks[0].config, wrapped, ddp_config, optimizer)
     batch = train_batch(spec, settings)
     rows = micro_batch_rows(settings, layout.dp, ps.get_data_parallel_rank())
     times = []

@@ -4,6 +4,9 @@
 (tp*pp*dp processes each, on this node), the one-device run first; it merges the worlds' rows
 into one table and report (same exit codes as ``check``, launcher flags: ``--timeout`` only).
 
+``mindspeed-tp rl-check [flags]`` launches one torchrun world for the training layout (two with
+``--reshard-at``: layout A's, then B's, handed A's state) and prints the per-iteration table.
+
 ``mindspeed-tp check [flags]`` validates the flags, then launches torchrun on this node with as
 many processes as the layouts need (``--nproc`` overrides) running ``python -m mindspeed_tp.check``.
 For several nodes, run it on every node with ``--nnodes N --node-rank R --rdzv-endpoint HOST:PORT``
@@ -190,6 +193,42 @@ def _train_check(argv: List[str]) -> int:
         return report.finish(parts, summary, pl, ns)
 
 
+def _rl_check(argv: List[str]) -> int:
+    from .check.rl import report
+    from .check.rl.main import build_parser, plan, resolve_args
+
+    if "-h" in argv or "--help" in argv:
+        build_parser().print_help()
+        return 0
+    try:
+        ns = resolve_args(argv)
+        pl = plan(ns)
+        if ns.results or ns.launch_layout or ns.load_state or ns.state_out:
+            raise ConfigError("--results / --launch-layout / --load-state / --state-out are the launcher's; "
+                              "run mindspeed-tp rl-check without them")
+    except ConfigError as exc:
+        print(f"mindspeed-tp rl-check: error: {exc}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="mindspeed-tp-rl-") as tmp:
+        parts, handover = [], None
+        for i, (layout, first, last) in enumerate(pl.segments):  # resharded: A's world, then B's
+            results = os.path.join(tmp, f"results-{i}.json")
+            extra = ["--launch-layout", layout.name, "--first-iteration", str(first), "--last-iteration", str(last),
+                     "--results", results]
+            if handover:
+                extra += ["--load-state", handover]
+            if i + 1 < len(pl.segments):
+                handover = os.path.join(tmp, f"state-{i}.safetensors")
+                extra += ["--state-out", handover]
+            code, messages = _launch_world("mindspeed_tp.check.rl", layout.world_size, argv + extra, tmp, f"s{i}")
+            for message in messages:
+                print(f"mindspeed-tp rl-check: error: {message}", file=sys.stderr)
+            if code:
+                return code
+            parts.append(report.read_part(results))
+        return report.finish(parts, pl, ns)
+
+
 def _patches(argv: List[str]) -> int:
 
     for title, reg in (("numerics patches (enable)", patches.registry()),
@@ -209,7 +248,7 @@ def _refusals(argv: List[str]) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"check": _check, "train-check": _train_check, "patches": _patches, "refusals": _refusals}
+    commands = {"check": _check, "train-check": _train_check, "rl-check": _rl_check, "patches": _patches, "refusals": _refusals}
     if not argv or argv[0] not in commands:
         print(f"usage: mindspeed-tp {{{','.join(commands)}}} [flags]   (mindspeed-tp check --help)", file=sys.stderr)
         return 2

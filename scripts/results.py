@@ -221,6 +221,34 @@ def render_train_bench(report: Dict) -> List[str]:
 # the reports
 
 
+def render_rl(report: Dict) -> List[str]:
+    st = report.get("settings", {})
+    eng = report.get("engine") or {}
+    out = [f"Model `{report.get('model')}`, {report.get('dtype')}, profile {report.get('profile')}; engine "
+           f"{eng.get('name')} {eng.get('version', '')} at TP={eng.get('tp')}, training at {report.get('layout')}; "
+           f"{st.get('prompts')} prompts x {st.get('group_size')} samples per iteration, reward "
+           f"`{report.get('reward')}`, Adam lr {st.get('lr')}. Mismatch: the training forward's logprobs of every "
+           f"response token against the engine's.", ""]
+    arms = {a["mode"]: a["iterations"] for a in report["arms"]}
+    ours, vanilla = arms.get("mindspeed-tp", []), arms.get("vanilla", [])
+    head = ["iteration", "reward", "loss", "max|Δlogp|", "k3 KL", "max|r−1|", "bitwise"]
+    if vanilla:
+        head += ["vanilla reward", "vanilla max|Δlogp|", "vanilla k3 KL", "vanilla max|r−1|", "vanilla bitwise"]
+    rows = []
+    for i, r in enumerate(ours):
+        row = [r["iteration"], f"{r['reward_mean']:.4f}", f"{r['loss']:.3g}", _e(r["max_abs_logdiff"]),
+               _e(r["mismatch_kl"]), _e(r["max_abs_ratio_minus_1"]), f"{r['bitwise_fraction']:.4f}"]
+        if vanilla:
+            v = vanilla[i]
+            row += [f"{v['reward_mean']:.4f}", _e(v["max_abs_logdiff"]), _e(v["mismatch_kl"]),
+                    _e(v["max_abs_ratio_minus_1"]), f"{v['bitwise_fraction']:.4f}"]
+        rows.append(row)
+    out += _table(head, rows)
+    out += ["", f"Verdict (mindspeed-tp, every iteration): "
+                f"{'bitwise equal to the engine' if report.get('all_bitwise_equal') else 'NOT bitwise equal'}."]
+    return out
+
+
 @dataclass
 class Report:
     name: str
@@ -310,6 +338,22 @@ REPORTS = [
            "tiny-dense, engine at TP=2 (vllm-cpu-tp2), training at tp2-sp-pp2.",
            CLI + ["check", "--engine", "vllm", "--profile", "vllm-cpu-tp2", "--model", "tiny-dense", "--tp", "2",
                   "--sp", "--pp", "2", "--rollout", "8", "--temperature", "1.0", "--json", OUT], render_check,
+           needs="vllm", cost="needs .venv-vllm; starting vLLM takes minutes here"),
+    Report("rl-check", "The RL loop: GRPO against the reference engine, trained at tp2-sp-pp2",
+           "mindspeed-tp rl-check: ten GRPO iterations (verl's advantage and clipped loss, megatron-core's DDP, "
+           "distributed optimizer and schedules), the reference engine at one device sampling, weights synced in "
+           "memory after every step; vanilla megatron-core on the same seeds alongside.",
+           CLI + ["rl-check", "--model", "tiny-dense", "--layout", "tp2-sp-pp2", "--iterations", "10",
+                  "--compare-vanilla", "--json", OUT], render_rl, cost="two 10-iteration arms at 4 processes"),
+    Report("rl-check-vllm-dense", "The RL loop against the real vLLM at TP=1, dense trained at tp2-sp-pp2",
+           "As above with vllm-cpu at TP=1 (vllm-cpu-tp1) as the engine, started once, weights synced in memory.",
+           CLI + ["rl-check", "--engine", "vllm", "--profile", "vllm-cpu-tp1", "--model", "tiny-dense", "--layout",
+                  "tp2-sp-pp2", "--iterations", "10", "--compare-vanilla", "--json", OUT], render_rl,
+           needs="vllm", cost="needs .venv-vllm; starting vLLM takes minutes here"),
+    Report("rl-check-vllm-moe", "The RL loop against the real vLLM at TP=2, MoE trained at tp2-sp-ep2",
+           "tiny-moe, engine at TP=2 (vllm-cpu-tp2), training at tp2-sp-ep2.",
+           CLI + ["rl-check", "--engine", "vllm", "--profile", "vllm-cpu-tp2", "--model", "tiny-moe", "--layout",
+                  "tp2-sp-ep2", "--iterations", "10", "--compare-vanilla", "--json", OUT], render_rl,
            needs="vllm", cost="needs .venv-vllm; starting vLLM takes minutes here"),
 ]
 BY_NAME = {r.name: r for r in REPORTS}

@@ -25,6 +25,8 @@ fi
 line="$(echo "$version" | cut -d. -f2)"
 with_verl=""
 [ -z "$vllm_spec" ] && [ "$line" -ge 16 ] && with_verl="$verl_spec $mbridge_spec"
+# .venv-vllm: verl too (mindspeed-tp rl-check takes GRPO's advantage and loss from it)
+[ -n "$vllm_spec" ] && with_verl="$verl_spec"
 stamp="$venv/.mindspeed-tp-stamp"
 src_hash="$(cd "$root" && cat setup.py mindspeed_tp-autoload.pth mindspeed_tp_autoload.py $(find mindspeed_tp -type f \( -name '*.py' -o -name '*.yaml' \) | sort) | sha256sum | cut -c1-16)"
 want="$torch_spec megatron-core==$version${vllm_spec:+ $vllm_spec}${with_verl:+ $with_verl} $src_hash"

@@ -112,9 +112,10 @@ def cli():
 # (they are not skipped there: they are not part of those runs).
 import importlib.util as _importlib_util  # noqa: E402
 
-collect_ignore = [] if _importlib_util.find_spec("vllm") is not None else ["test_vllm_engine.py", "test_vllm_kernels.py"]
+collect_ignore = [] if _importlib_util.find_spec("vllm") is not None else ["test_vllm_engine.py", "test_vllm_kernels.py",
+                                                                        "test_rl_vllm.py"]
 if _importlib_util.find_spec("verl") is None:
-    collect_ignore.append("test_verl_entry.py")
+    collect_ignore += ["test_verl_entry.py", "test_rl_check.py", "test_rl_vllm.py"]
 
 
 def pytest_configure(config):

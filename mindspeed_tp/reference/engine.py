@@ -24,6 +24,7 @@ class Request:
     request_id: int = 0
     temperature: float = 0.0  # 0: greedy
     arrival_step: int = 0     # continuous batching: the step at which the request joins
+    eos_token_id: Optional[int] = None  # stop after sampling this token (it is part of the output)
     # filled by the engine
     output: List[int] = field(default_factory=list)
     logprobs: List[float] = field(default_factory=list)
@@ -31,7 +32,8 @@ class Request:
 
     @property
     def done(self) -> bool:
-        return len(self.output) >= self.max_new_tokens
+        stopped = self.eos_token_id is not None and bool(self.output) and self.output[-1] == self.eos_token_id
+        return stopped or len(self.output) >= self.max_new_tokens
 
 
 class PagedKVCache:

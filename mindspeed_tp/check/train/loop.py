@@ -115,16 +115,17 @@ def global_loss(losses: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
     return per_sequence.sum() / scored.sum().float()
 
 
-def _gather_losses(recorder: _LossRecorder, batch: ScoringBatch) -> torch.Tensor:
-    """(G, s) per-token losses on every rank: the rows move from the rank that computed them (last
-    pipeline stage, TP rank 0, its DP rank) by an all-gather; nothing is summed."""
+def gather_rows(rows: Dict[int, torch.Tensor], batch: ScoringBatch) -> torch.Tensor:
+    """(G, s) per-token values (a loss function's, by global row) on every rank: the rows move from
+    the rank that computed them (last pipeline stage, TP rank 0, its DP rank) by an all-gather;
+    nothing is summed."""
     from megatron.core import parallel_state as ps
 
     g, s = batch.tokens.shape
     mine = torch.zeros(g, s)
     owned = torch.zeros(g, dtype=torch.int64)
     if ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0:
-        for row, values in recorder.rows.items():
+        for row, values in rows.items():
             mine[row], owned[row] = values, 1
     everyone = gather_along_rank(mine, dist.group.WORLD)          # (W, G, s)
     owners = gather_along_rank(owned, dist.group.WORLD)           # (W, G)
@@ -133,13 +134,16 @@ def _gather_losses(recorder: _LossRecorder, batch: ScoringBatch) -> torch.Tensor
     return everyone[owners.argmax(0), torch.arange(g)]
 
 
-def _model_parallel_chunks(spec, layout, dtype, profile, settings):
+def model_parallel_chunks(spec, layout, dtype, profile, settings, **config_overrides):
+    """The model chunks in megatron's DDP; ``config_overrides``: TransformerConfig fields on top
+    (rl-check: pipeline_dtype under a real-engine profile)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     # perform_initialization: what a training run does; it also tags the TP-sharded weights
     # (tensor_model_parallel, partition_dim), which the gradient norm and clipping read. The seeded
     # weights overwrite the values.
-    overrides = dict(RECOMPUTE[settings.recompute], calculate_per_token_loss=True, perform_initialization=True)
+    overrides = dict(RECOMPUTE[settings.recompute], calculate_per_token_loss=True, perform_initialization=True,
+                     **config_overrides)
     if layout.vpp > 1:
         # Megatron-LM's settings for the interleaved schedule. With batched p2p and pp=2 the previous
         # and next stage are one rank, and a forward activation and a backward gradient of the same
@@ -166,7 +170,7 @@ def _model_parallel_chunks(spec, layout, dtype, profile, settings):
 _BUCKET_SIZE = 40000
 
 
-def _optimizer(wrapped, dtype, settings):
+def make_optimizer(wrapped, dtype, settings):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     config = OptimizerConfig(
@@ -177,7 +181,7 @@ def _optimizer(wrapped, dtype, settings):
     return get_megatron_optimizer(config, wrapped)
 
 
-def _wire_config(config, wrapped, ddp_config, optimizer) -> None:
+def wire_config(config, wrapped, ddp_config, optimizer) -> None:
     """The hooks a Megatron training script sets on the model config (Megatron-LM's training.py)."""
     from megatron.core.distributed import finalize_model_grads
 
@@ -212,10 +216,10 @@ def train_layout(spec: ModelSpec, layout: Layout, dtype: torch.dtype, profile: P
     from megatron.core.pipeline_parallel import get_forward_backward_func
     _setup_parallel_state(layout, settings.seed, training=True)
     batch = train_batch(spec, settings)
-    chunks, wrapped, ddp_config = _model_parallel_chunks(spec, layout, dtype, profile, settings)
-    optimizer = _optimizer(wrapped, dtype, settings)
+    chunks, wrapped, ddp_config = model_parallel_chunks(spec, layout, dtype, profile, settings)
+    optimizer = make_optimizer(wrapped, dtype, settings)
     steps_before = load_state(load_state_path, spec, layout, chunks, optimizer) if load_state_path else 0
-    _wire_config(chunks[0].config, wrapped, ddp_config, optimizer)
+    wire_config(chunks[0].config, wrapped, ddp_config, optimizer)
     compare = ShardComparison(spec, layout, chunks)
     rows = micro_batch_rows(settings, layout.dp, ps.get_data_parallel_rank())
     forward_backward = get_forward_backward_func()
@@ -252,7 +256,7 @@ def train_layout(spec: ModelSpec, layout: Layout, dtype: torch.dtype, profile: P
         if step > 0:  # with overlap_param_gather, last step's update reached the params in this forward
             record_after_step(step - 1)
         _, grad_norm, _ = optimizer.step()
-        per_token = _gather_losses(recorder, batch)
+        per_token = gather_rows(recorder.rows, batch)
         if step == 0:
             logprobs = -per_token
         losses.append(global_loss(per_token, batch.scored))

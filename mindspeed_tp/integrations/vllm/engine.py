@@ -15,7 +15,7 @@ import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from .refusals import check_engine_settings, require_vllm
 
@@ -73,12 +73,17 @@ class Engine:
     start_seconds: float
     info: Dict[str, object] = field(default_factory=dict)
 
-    def generate(self, prompts: List[List[int]], temperature: float, max_new_tokens: int, seed: int) -> List[Rollout]:
-        """One request per prompt (request i seeded with seed + i), ``max_new_tokens`` tokens each."""
+    def generate(self, prompts: List[List[int]], temperature: float, max_new_tokens: int, seed: int,
+                 eos_token_id: Optional[int] = None) -> List[Rollout]:
+        """One request per prompt (request i seeded with seed + i), ``max_new_tokens`` tokens each,
+        or fewer when ``eos_token_id`` is given: a response then stops after sampling it (the token
+        is part of the output, as a reward and the training forward see it)."""
         from vllm import SamplingParams
 
-        params = [SamplingParams(temperature=float(temperature), max_tokens=int(max_new_tokens), min_tokens=int(max_new_tokens),
-                                 ignore_eos=True, logprobs=0, seed=int(seed) + i, detokenize=False)
+        stop = {} if eos_token_id is None else {"stop_token_ids": [int(eos_token_id)]}
+        params = [SamplingParams(temperature=float(temperature), max_tokens=int(max_new_tokens),
+                                 min_tokens=int(max_new_tokens) if eos_token_id is None else 0,
+                                 ignore_eos=True, logprobs=0, seed=int(seed) + i, detokenize=False, **stop)
                   for i in range(len(prompts))]
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         rollouts = []

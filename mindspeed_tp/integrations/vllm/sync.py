@@ -31,10 +31,17 @@ def _gather_tp(param: torch.Tensor, rule: str, group) -> torch.Tensor:
 
 def gathered_full_weights(model, spec: ModelSpec, layout) -> Dict[str, torch.Tensor]:
     """Megatron TP=1 tensors (global names) of a model in ``layout``, on every rank."""
-    from megatron.core import parallel_state as ps
-
     if layout.pp > 1:
         raise refuse("vllm_sync_source", what="a pipeline-parallel model", fix="pp=1")
+    return stage_full_weights(model, spec, layout)
+
+
+def stage_full_weights(model, spec: ModelSpec, layout) -> Dict[str, torch.Tensor]:
+    """The full (TP- and EP-gathered) tensors of the layers this model chunk holds, by global name, on
+    every rank of its tensor- and expert-parallel groups (one pipeline stage's share; ``check.rl``
+    brings the stages together)."""
+    from megatron.core import parallel_state as ps
+
     if spec.is_moe and layout.etp > 1:
         raise refuse("vllm_sync_source", what="expert tensor parallelism (--etp > 1)", fix="--etp 1")
     tp_group = ps.get_tensor_model_parallel_group()

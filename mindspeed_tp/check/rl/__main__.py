@@ -1,0 +1,6 @@
+import sys
+
+from .main import main
+
+if __name__ == "__main__":  # vLLM (--engine vllm) spawns processes that import this module again
+    sys.exit(main())
