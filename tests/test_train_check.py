@@ -121,3 +121,23 @@ def test_activation_recomputation_gives_the_same_bits(recompute_runs, recompute)
         for key in keys:
             assert bits_equal(saved[f"{recompute}/{key}"], saved[f"none/{key}"]), key
         assert saved["none/loss"][1] < saved["none/loss"][0]
+
+
+def test_the_same_state_is_written_as_the_same_bytes(tmp_path):
+    """safetensors orders its metadata map differently from one write to the next (5 writes gave 5
+    different files before): the state file sorts its header, so two runs compare file to file."""
+    import torch
+
+    from mindspeed_tp.check.train.state_file import read_state, write_atomically
+
+    tensors = {f"layer{i}.weight": torch.arange(6.0).reshape(2, 3) * i for i in range(6)}
+    metadata = {f"key{i}": str(i) for i in range(30)}
+    blobs = set()
+    for n in range(4):
+        keys = sorted(metadata, reverse=bool(n % 2))
+        path = tmp_path / f"s{n}.safetensors"
+        write_atomically(str(path), dict(sorted(tensors.items(), reverse=bool(n % 2))), {k: metadata[k] for k in keys})
+        blobs.add(path.read_bytes())
+        loaded, meta = read_state(str(path))
+        assert meta["key7"] == "7" and all(torch.equal(loaded[k], v) for k, v in tensors.items())
+    assert len(blobs) == 1

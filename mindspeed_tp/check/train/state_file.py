@@ -16,6 +16,7 @@ step (``step-000002.safetensors``), the last two kept.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 from typing import Dict, List, Tuple
@@ -44,9 +45,21 @@ def _digest(tensors: Dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def _sorted_header(blob: bytes) -> bytes:
+    """The safetensors file with its JSON header's keys sorted. safetensors keeps the metadata in a
+    hash map, so two writes of the same state could order it differently; the tensor bytes and their
+    offsets do not change, and the compact JSON keeps its length (padded as before)."""
+    size = int.from_bytes(blob[:8], "little")
+    header = json.dumps(json.loads(blob[8:8 + size]), sort_keys=True, separators=(",", ":")).encode()
+    if len(header) > size:
+        raise RuntimeError("state file: the sorted header is longer than safetensors' own")
+    return blob[:8] + header + b" " * (size - len(header)) + blob[8 + size:]
+
+
 def write_atomically(path: str, tensors: Dict[str, torch.Tensor], metadata: Dict[str, str]) -> None:
-    """``path`` appears complete or not at all: a temporary file beside it, fsynced, renamed."""
-    blob = save(tensors, metadata={**metadata, "sha256": _digest(tensors)})
+    """``path`` appears complete or not at all: a temporary file beside it, fsynced, renamed. The
+    same state always gives the same bytes (``_sorted_header``), so two runs compare file to file."""
+    blob = _sorted_header(save(tensors, metadata={**metadata, "sha256": _digest(tensors)}))
     directory = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")
     with open(tmp, "wb") as f:
