@@ -45,6 +45,8 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
 MODES = ("vanilla", "default", "bitwise")
+PROGRESS = "scale_bench progress: "  # worker lines the launcher passes through
+LONG_S = 30.0  # a first run this long is timed once (see series())
 COMPONENT_THREADS = 1  # as one torchrun rank (torchrun sets OMP_NUM_THREADS=1): ratios comparable
 
 
@@ -171,6 +173,23 @@ def measure_mode(case: Case, mode: str, repeats: int) -> Dict:
         dist.barrier()
         return time.perf_counter() - t0
 
+    def series(fn, on_each=None) -> List[float]:
+        """The timed repeats after a warm-up; a warm-up longer than LONG_S (on any rank: every rank
+        decides alike) is the measurement itself, so a slow path is not run ``repeats`` more times."""
+        times = []
+        for i in range(repeats + 1):
+            t = timed(fn)
+            if on_each:
+                on_each()
+            if i == 0:
+                first = torch.tensor([t], dtype=torch.float64)
+                dist.all_reduce(first, op=dist.ReduceOp.MAX)
+                if float(first) > LONG_S:
+                    return [t]
+            else:
+                times.append(t)
+        return times
+
     def forward():
         with torch.no_grad():
             logits = _pipeline_forward(model, layout, batch, spec.hidden_size, dtype)
@@ -187,15 +206,14 @@ def measure_mode(case: Case, mode: str, repeats: int) -> Dict:
         optimizer.step()
 
     model.eval()
-    forward_s = [timed(forward) for _ in range(repeats + 1)][1:]
+    forward_s = series(forward)
+    _progress(f"{case.name} {mode}: forward {statistics.median(forward_s):.2f} s")
     model.train()
-    step_s, step_bytes = [], 0
-    for i in range(repeats + 1):
-        comm_counter.reset()
-        t = timed(step)
-        step_bytes = comm_counter.total()
-        if i:
-            step_s.append(t)
+    counted = {}
+    comm_counter.reset()
+    step_s = series(step, lambda: (counted.update(bytes=comm_counter.total()), comm_counter.reset()))
+    step_bytes = counted["bytes"]
+    _progress(f"{case.name} {mode}: step {statistics.median(step_s):.2f} s")
     peak = _rss_mb("VmHWM") - base
     out = torch.tensor([statistics.median(forward_s), statistics.median(step_s), peak, step_bytes],
                        dtype=torch.float64)
@@ -206,6 +224,13 @@ def measure_mode(case: Case, mode: str, repeats: int) -> Dict:
     gc.collect()
     return {"forward_s": float(out[0]), "step_s": float(out[1]), "peak_mb": float(out[2]),
             "step_bytes": int(out[3])}
+
+
+def _progress(line: str) -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        print(f"{PROGRESS}{line}", flush=True)
 
 
 def worker(ns) -> None:
@@ -388,10 +413,17 @@ def run_case(case: Case, rounds: int, repeats: int, timeout: Optional[float]) ->
                os.path.abspath(__file__), "--worker", "--model", case.model, "--layout", case.layout,
                "--seq-length", str(case.seq_length), "--dtype", case.dtype, "--sequences", str(case.sequences),
                "--modes", ",".join(case.modes), "--rounds", str(rounds), "--repeats", str(repeats), "--out", out]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        if proc.returncode:
-            raise SystemExit(f"scale_bench: case {case.name} failed (exit {proc.returncode}):\n"
-                             f"{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}")
+        with tempfile.TemporaryFile("w+") as err:
+            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+            lines = []
+            for line in proc.stdout:  # progress through, the rest kept for an error message
+                print(line[len(PROGRESS):], end="", file=sys.stderr, flush=True) if line.startswith(PROGRESS) \
+                    else lines.append(line)
+            code = proc.wait(timeout=timeout)
+            if code:
+                err.seek(0)
+                raise SystemExit(f"scale_bench: case {case.name} failed (exit {code}):\n"
+                                 f"{''.join(lines)[-2000:]}\n{err.read()[-6000:]}")
         with open(out) as f:
             runs = json.load(f)
     modes = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in runs.items()}
@@ -424,7 +456,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, help="mode orders per case (default 2, --quick/--smoke 1)")
     p.add_argument("--repeats", type=int, help="timed forwards and steps per mode after a warm-up (default 2, "
                                                 "--quick/--smoke 1)")
-    p.add_argument("--lm-head-tokens", type=int, default=256, help="M of the LM-head component")
+    p.add_argument("--lm-head-tokens", type=int, default=128, help="M of the LM-head component")
     p.add_argument("--timeout", type=float, help="seconds per case launch")
     p.add_argument("--json", help="write the report here")
     # the worker's arguments

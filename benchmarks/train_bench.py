@@ -89,7 +89,12 @@ def worker(ns) -> None:
     dist.destroy_process_group()
 
 
-def main() -> None:
+# --smoke: the tiny model at TP=1, vanilla and bitwise training (one process per launch; seconds each).
+SMOKE = dict(model="tiny-dense", layouts="tp1", steps=2, seq_length=16, global_batch_size=2)
+SMOKE_MODES = ("vanilla", "bitwise")
+
+
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="bench-dense-1024")
     p.add_argument("--layouts", default="tp2-sp,tp2-sp-dp2")
@@ -98,11 +103,15 @@ def main() -> None:
     p.add_argument("--global-batch-size", type=int, default=4)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--json", help="also write the rows (and the settings) as JSON to this path")
+    p.add_argument("--smoke", action="store_true", help="the tiny model at tp1, two short steps (the tests run it)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--layout", help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
-    ns = p.parse_args()
+    ns = p.parse_args(argv)
+    if ns.smoke:
+        for key, value in SMOKE.items():
+            setattr(ns, key, value)
     if ns.worker:
         return worker(ns)
     from mindspeed_tp.models.layout import Layout
@@ -116,7 +125,7 @@ def main() -> None:
         layout = Layout.parse(name)
         world = layout.world_size
         base = None
-        for mode in MODES + (DP1_MODES if layout.dp == 1 else ()):
+        for mode in SMOKE_MODES if ns.smoke else MODES + (DP1_MODES if layout.dp == 1 else ()):
             with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                        os.path.abspath(__file__), "--worker", "--layout", name, "--mode", mode, "--out", tmp.name,
