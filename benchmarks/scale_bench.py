@@ -213,11 +213,12 @@ def measure_mode(case: Case, mode: str, repeats: int) -> Dict:
     comm_counter.reset()
     step_s = series(step, lambda: (counted.update(bytes=comm_counter.total()), comm_counter.reset()))
     step_bytes = counted["bytes"]
-    _progress(f"{case.name} {mode}: step {statistics.median(step_s):.2f} s")
     peak = _rss_mb("VmHWM") - base
     out = torch.tensor([statistics.median(forward_s), statistics.median(step_s), peak, step_bytes],
                        dtype=torch.float64)
     dist.all_reduce(out, op=dist.ReduceOp.MAX)  # the slowest rank, the largest rank
+    _progress(f"{case.name} {mode}: step {float(out[1]):.2f} s, peak {float(out[2]):.0f} MB, "
+              f"{float(out[3]) / 2 ** 20:.1f} MiB sent per step")
     del model, chunks, wrapped, optimizer
     _teardown_parallel_state()
     disable()
@@ -248,9 +249,10 @@ def worker(ns) -> None:
     for r in range(ns.rounds):
         for mode in case.modes if r % 2 == 0 else tuple(reversed(case.modes)):  # against drift
             runs[mode].append(measure_mode(case, mode, ns.repeats))
-    if dist.get_rank() == 0:
-        with open(ns.out, "w") as f:
-            json.dump(runs, f)
+            if dist.get_rank() == 0:  # after every mode: a later mode's failure keeps these
+                with open(ns.out + ".tmp", "w") as f:
+                    json.dump({m: rs for m, rs in runs.items() if rs}, f)
+                os.replace(ns.out + ".tmp", ns.out)
     comm_counter.counter.revert()
     dist.destroy_process_group()
 
@@ -420,17 +422,24 @@ def run_case(case: Case, rounds: int, repeats: int, timeout: Optional[float]) ->
                 print(line[len(PROGRESS):], end="", file=sys.stderr, flush=True) if line.startswith(PROGRESS) \
                     else lines.append(line)
             code = proc.wait(timeout=timeout)
-            if code:
-                err.seek(0)
-                raise SystemExit(f"scale_bench: case {case.name} failed (exit {code}):\n"
-                                 f"{''.join(lines)[-2000:]}\n{err.read()[-6000:]}")
-        with open(out) as f:
-            runs = json.load(f)
+            err.seek(0)
+            log = f"{''.join(lines)[-2000:]}\n{err.read()[-6000:]}"
+        runs = {}
+        if os.path.exists(out):
+            with open(out) as f:
+                runs = json.load(f)
     modes = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in runs.items()}
-    v = modes["vanilla"]
-    ratios = {m: {k: (modes[m][k] / v[k] if v[k] else float("nan")) for k in v} for m in modes if m != "vanilla"}
-    return {"name": case.name, "model": case.model, "layout": case.layout, "seq_length": case.seq_length,
-            "dtype": case.dtype, "sequences": case.sequences, "modes": modes, "ratios": ratios}
+    v = modes.get("vanilla")
+    ratios = {m: {k: (modes[m][k] / v[k] if v[k] else float("nan")) for k in v} for m in modes
+              if m != "vanilla" and v}
+    row = {"name": case.name, "model": case.model, "layout": case.layout, "seq_length": case.seq_length,
+           "dtype": case.dtype, "sequences": case.sequences, "modes": modes, "ratios": ratios}
+    if code:  # reported with what was measured (a rank killed for memory on a shared machine, ...)
+        missing = [m for m in case.modes if m not in modes]
+        row["failed"] = {"exit_code": code, "modes_not_measured": missing, "log_tail": log[-3000:]}
+        print(f"scale_bench: case {case.name} failed (exit {code}; not measured: {', '.join(missing) or '-'}):\n"
+              f"{log}", file=sys.stderr, flush=True)
+    return row
 
 
 def print_case(row: Dict) -> None:
@@ -440,6 +449,8 @@ def print_case(row: Dict) -> None:
                                       f"{q['step_bytes']:>8.2f}")
         print(f"{row['name']:<40}{mode:<9}{m['forward_s']:>9.2f}{m['step_s']:>9.2f}{m['peak_mb']:>9.0f}"
               f"{m['step_bytes'] / 2**20:>10.1f}{ratio}", flush=True)
+    for mode in row.get("failed", {}).get("modes_not_measured", []):
+        print(f"{row['name']:<40}{mode:<9}not measured: the case failed (exit {row['failed']['exit_code']})")
 
 
 HEADER = (f"{'case':<40}{'mode':<9}{'fwd s':>9}{'step s':>9}{'peak MB':>9}{'step MiB':>10}"
@@ -494,6 +505,7 @@ def main(argv=None) -> int:
     for case in cases:
         rows.append(run_case(case, rounds, repeats, ns.timeout))
         print_case(rows[-1])
+    failed = [r["name"] for r in rows if "failed" in r]
     components = []
     if not ns.no_components:
         print("components (one thread; ours vs reference):", flush=True)
@@ -509,6 +521,10 @@ def main(argv=None) -> int:
         from mindspeed_tp.check.report import write_json_atomic
 
         write_json_atomic(ns.json, report)
+    if failed:
+        print(f"scale_bench: failed cases (their measured modes are in the report): {', '.join(failed)}",
+              file=sys.stderr)
+        return 1
     return 0
 
 

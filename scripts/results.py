@@ -232,6 +232,10 @@ def render_scale(report: Dict) -> List[str]:
             rows.append([case["name"], mode, f"{m['forward_s']:.2f}", f"{m['step_s']:.2f}", f"{m['peak_mb']:.0f}",
                          f"{m['step_bytes'] / 2 ** 20:.1f}"]
                         + [_ratio(q.get(k)) if q else "-" for k in ("forward_s", "step_s", "peak_mb", "step_bytes")])
+        failed = case.get("failed")
+        for mode in (failed or {}).get("modes_not_measured", []):
+            rows.append([case["name"], mode, f"not measured: the case failed (exit code {failed['exit_code']})"]
+                        + [""] * 7)
     out += _table(["case", "mode", "forward s", "step s", "peak MB", "step MiB sent", "forward ×", "step ×",
                    "peak ×", "bytes ×"], rows, "llrrrrrrrr")
     if report.get("components"):

@@ -96,6 +96,7 @@ def test_scale_bench_smoke_writes_the_documented_report(tmp_path):
     assert {"cases", "components", "cpu", "commit"} <= set(data)
     assert "cores" in data["cpu"] and "bf16 GEMMs" in data["cpu"] and data["commit"]
     (case,) = data["cases"]
+    assert "failed" not in case
     assert {"name", "model", "layout", "seq_length", "dtype", "modes", "ratios"} <= set(case)
     assert set(case["modes"]) == {"vanilla", "default", "bitwise"}
     assert set(case["ratios"]) == {"default", "bitwise"}
