@@ -42,7 +42,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
+# This checkout's package, as the launched workers get it (PYTHONPATH=ROOT): the components and the
+# cases measure the same code, whatever copy of mindspeed_tp is installed.
+sys.path[:0] = [HERE, ROOT]
 
 MODES = ("vanilla", "default", "bitwise")
 PROGRESS = "scale_bench progress: "  # worker lines the launcher passes through
