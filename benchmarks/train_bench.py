@@ -1,7 +1,7 @@
 """Step time and peak memory of bitwise training vs vanilla megatron-core (CPU, gloo).
 
     python benchmarks/train_bench.py [--model bench-dense-1024] [--layouts tp2-sp,tp2-sp-dp2]
-                                     [--steps 3] [--seq-length 128] [--dtype bf16] [--json PATH]
+                                     [--steps 3] [--seq-length 128] [--dtype bf16] [--json PATH] [--smoke]
 
 One torchrun launch per (layout, mode) -- vanilla, mindspeed-tp (default profile), mindspeed-tp with
 bitwise_training (and at DP=1 with microbatch_groups: 1) -- through the train-check's own training script (megatron's DDP with the
