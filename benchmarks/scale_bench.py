@@ -37,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -466,6 +466,8 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="a tiny model and tiny components (seconds)")
     p.add_argument("--list", action="store_true", help="print the case names and exit")
     p.add_argument("--no-components", action="store_true", help="skip the component rows")
+    p.add_argument("--only-modes", help="comma-separated subset of each case's modes (vanilla is always kept: "
+                                        "the ratios' reference)")
     p.add_argument("--rounds", type=int, help="mode orders per case (default 2, --quick/--smoke 1)")
     p.add_argument("--repeats", type=int, help="timed forwards and steps per mode after a warm-up (default 2, "
                                                 "--quick/--smoke 1)")
@@ -497,6 +499,12 @@ def main(argv=None) -> int:
         cases = [CASES[n] for n in ns.cases.split(",")]
     else:
         cases = [CASES[n] for n in (QUICK if ns.quick else FULL)]
+    if ns.only_modes:
+        keep = {"vanilla", *ns.only_modes.split(",")}
+        unknown = keep - set(MODES)
+        if unknown:
+            p.error(f"--only-modes: unknown {', '.join(sorted(unknown))} (modes: {', '.join(MODES)})")
+        cases = [replace(c, modes=tuple(m for m in c.modes if m in keep)) for c in cases]
     cpu = cpu_description()
     print(f"scale benchmark: {len(cases)} case(s), {rounds} round(s) x {repeats} timed repeat(s) per mode; CPU: {cpu}",
           flush=True)
