@@ -234,7 +234,7 @@ def render_scale(report: Dict) -> List[str]:
                         + [_ratio(q.get(k)) if q else "-" for k in ("forward_s", "step_s", "peak_mb", "step_bytes")])
         failed = case.get("failed")
         for mode in (failed or {}).get("modes_not_measured", []):
-            why = ("a rank was killed (SIGKILL, out of memory on the shared machine)"
+            why = ("a rank was killed by SIGKILL (most likely out of memory: the machine was shared)"
                    if "SIGKILL" in failed.get("log_tail", "") else f"the case failed (exit code {failed['exit_code']})")
             rows.append([case["name"], mode, f"not measured: {why}"] + [""] * 7)
     out += _table(["case", "mode", "forward s", "step s", "peak MB", "step MiB sent", "forward ×", "step ×",
