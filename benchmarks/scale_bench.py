@@ -106,9 +106,9 @@ def component_shapes(case: Case, lm_tokens: int, attention_tokens: Tuple[int, ..
     padded = spec.padded_vocab(profile)
     h, ffn, kv = spec.hidden_size, spec.ffn_hidden_size, spec.kv_channels
     qkv = (spec.num_attention_heads + 2 * spec.num_query_groups) * kv * h
-    per_layer = qkv + spec.num_attention_heads * kv * h + 3 * ffn * h
-    heads = 1 if spec.tie_word_embeddings else 2
-    params = (spec.num_layers * per_layer + heads * padded * h) // tp
+    per_layer = qkv + spec.num_attention_heads * kv * h + 3 * ffn * h  # dense layers (a MoE's experts not counted)
+    vocab_matrices = 1 if spec.tie_word_embeddings else 2  # embedding and LM head
+    params = (spec.num_layers * per_layer + vocab_matrices * padded * h) // tp
     return ComponentShapes(lm_tokens, h, padded // tp, spec.vocab_size, params, spec.num_attention_heads // tp,
                            max(1, spec.num_query_groups // tp), kv, attention_tokens)
 
