@@ -332,6 +332,11 @@ REPORTS = [
            "(a rank killed for memory, ...); the modes it measured are shown, the others marked not measured.",
            [PY, "benchmarks/scale_bench.py", "--quick", "--json", OUT], render_scale, exit_codes=(0, 1),
            cost="real dimensions: ten minutes or more on 2 cores"),
+    Report("scale-quick-bitwise", "Costs at scale (`--quick`), bitwise training against vanilla alone",
+           "The --quick case with only vanilla and bitwise training in the process (`--only-modes bitwise`): on a "
+           "shared 2-core machine the three-mode run's bitwise step was killed for memory.",
+           [PY, "benchmarks/scale_bench.py", "--quick", "--only-modes", "bitwise", "--no-components", "--json", OUT],
+           render_scale, exit_codes=(0, 1), cost="real dimensions: ten minutes or more on 2 cores"),
     Report("scale", "Costs at scale (full)",
            "benchmarks/scale_bench.py: qwen3-1.7b-2layer and qwen3-8b-2layer at tp2-sp and tp2-sp-dp2, 1k / 4k / 8k "
            "tokens per sequence, fp32 and bf16.",
