@@ -83,9 +83,8 @@ def test_train_bench_smoke(tmp_path):
     proc = _run("benchmarks/train_bench.py", "--smoke", "--json", str(report))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     data = json.loads(report.read_text())
-    assert [(r["layout"], r["mode"]) for r in data["rows"]] == [("tp1", "vanilla"), ("tp1", "bitwise")]
-    assert data["rows"][0]["step_x_vanilla"] == 1.0
-    assert all(r["step_s"] > 0 for r in data["rows"])
+    assert [(r["layout"], r["mode"]) for r in data["rows"]] == [("tp1", "bitwise")]
+    assert data["rows"][0]["step_s"] > 0 and data["rows"][0]["peak_mb"] > 0
 
 
 def test_scale_bench_smoke_writes_the_documented_report(tmp_path):
