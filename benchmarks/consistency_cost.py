@@ -41,6 +41,7 @@ from mindspeed_tp.contract.profile import load_profile  # noqa: E402
 
 MAIN_CASES = [("tiny-dense", "tp2-sp", 512), ("tiny-moe", "tp1-ep2", 512), ("tiny-moe", "tp2-sp-ep2", 512),
               ("bench-dense-1024", "tp2-sp", 512)]
+SMOKE_CASES = [("tiny-dense", "tp2-sp", 32)]
 SCALING_CASES = [("tiny-dense", "tp2-sp", 128), ("tiny-dense", "tp2-sp", 1024), ("bench-dense-1024", "tp2-sp", 256),
                  ("bench-dense-1024", "tp2-sp", 1024)]
 
@@ -151,23 +152,26 @@ def run_case(model_name, layout_name, seq, dtype, profiles, repeats, with_step):
     return row
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default="reports/consistency_cost.json")
     p.add_argument("--quick", action="store_true", help="tiny models only (smoke run)")
+    p.add_argument("--smoke", action="store_true", help="one tiny case, short sequences (seconds; the tests run it)")
     p.add_argument("--rollout-profile", default="rollout-tp1", help="profile of the rollout-layout mode")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    owns_group = not dist.is_initialized()  # a caller's process group (tests/workers/bench_smoke.py) stays
     init_distributed()
     install_cpu_shims()
     comm_counter.counter.apply()
     dtype = DTYPES[args.dtype]
     profiles = {"vanilla": load_profile(), "consistent": load_profile(), "rollout": load_profile(args.rollout_profile)}
-    main_cases = MAIN_CASES[:3] if args.quick else MAIN_CASES
-    scaling_cases = [] if args.quick else SCALING_CASES
-    rows = [run_case(m, l, s, dtype, profiles, args.repeats, True) for m, l, s in main_cases]
-    scaling = [run_case(m, l, s, dtype, profiles, args.repeats, False) for m, l, s in scaling_cases]
+    main_cases = SMOKE_CASES if args.smoke else MAIN_CASES[:3] if args.quick else MAIN_CASES
+    scaling_cases = [] if args.quick or args.smoke else SCALING_CASES
+    repeats = 1 if args.smoke else args.repeats
+    rows = [run_case(m, l, s, dtype, profiles, repeats, True) for m, l, s in main_cases]
+    scaling = [run_case(m, l, s, dtype, profiles, repeats, False) for m, l, s in scaling_cases]
     if dist.get_rank() == 0:
         print(f"mode/vanilla ratios (median of repeats), dtype={args.dtype}, world={dist.get_world_size()}, "
               f"rollout mode: {args.rollout_profile}")
@@ -187,7 +191,8 @@ def main():
         write_json_atomic(args.json, {"dtype": args.dtype, "world": dist.get_world_size(),
                                       "rollout_profile": args.rollout_profile, "cases": rows,
                                       "scaling": scaling})
-    dist.destroy_process_group()
+    if owns_group:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -116,6 +116,7 @@ def run_model(args):
     from mindspeed_tp.devices import accelerator_available
     from mindspeed_tp.devices.cpu_shims import install_cpu_shims
 
+    owns_group = not dist.is_initialized()  # a caller's process group (tests/workers/bench_smoke.py) stays
     init_distributed(600.0, args.device)
     if not accelerator_available():
         install_cpu_shims()
@@ -183,7 +184,8 @@ def run_model(args):
                            "world": dist.get_world_size(), "device": str(device),
                            "shared_gpu_host_staged": device.type == "cuda" and dist.get_backend() == "gloo",
                            "median": med, "ratios": ratios, "samples": times})
-    dist.destroy_process_group()
+    if owns_group:
+        dist.destroy_process_group()
 
 
 def _write(path, data):

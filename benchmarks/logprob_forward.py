@@ -23,15 +23,16 @@ from mindspeed_tp.models.weights import load_seeded_weights
 from mindspeed_tp.contract.profile import load_profile
 
 
-def main():
-    p = argparse.ArgumentParser()
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny-dense")
     p.add_argument("--layout", default="tp4-sp-pp2")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-length", type=int, default=256)
     p.add_argument("--repeats", type=int, default=7)
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    owns_group = not dist.is_initialized()  # a caller's process group (tests/workers/bench_smoke.py) stays
     init_distributed()
     install_cpu_shims()
     from megatron.core import parallel_state
@@ -62,7 +63,8 @@ def main():
         print(f"vanilla    median {v * 1e3:8.1f} ms")
         print(f"consistent median {c * 1e3:8.1f} ms")
         print(f"ratio consistent/vanilla: {c / v:.2f}x")
-    dist.destroy_process_group()
+    if owns_group:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -91,7 +91,7 @@ def measure(spec, layout, dtype, profile, batch, mode, repeats):
     return {k: statistics.median(r.get(k, 0.0) for r in runs) for k in set().union(*runs)}
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="bench-dense-1024")
     p.add_argument("--layout", default="tp2-sp")
@@ -99,7 +99,8 @@ def main():
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--repeats", type=int, default=5)
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    owns_group = not dist.is_initialized()  # a caller's process group (tests/workers/bench_smoke.py) stays
     init_distributed()
     install_cpu_shims()
     spec, layout, profile = load_model_spec(args.model), Layout.parse(args.layout), load_profile()
@@ -120,7 +121,8 @@ def main():
             a, b = v.get(kind, 0.0), c.get(kind, 0.0)
             share = f"{(b - a) / extra:.0%}" if extra > 0 and kind != "total" else "-"
             print(f"{kind:<20}{a * 1e3:>12.2f}{b * 1e3:>15.2f}{(b / a if a else float('nan')):>8.2f}{share:>16}")
-    dist.destroy_process_group()
+    if owns_group:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

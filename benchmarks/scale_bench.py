@@ -1,0 +1,542 @@
+"""Cost at real scale: Qwen3 dimensions, a 151936-token vocabulary, 1k-8k-token sequences.
+
+    python benchmarks/scale_bench.py --quick --json reports/scale.json
+    python benchmarks/scale_bench.py --cases qwen3-8b-2layer-tp2-sp-4k-fp32 --json reports/scale.json
+    python benchmarks/scale_bench.py --list
+
+Each case (model, layout, tokens per sequence, dtype) is one torchrun launch of ``layout.world_size``
+ranks that runs every mode -- vanilla megatron-core, mindspeed-tp's default profile, bitwise
+training -- in one process, interleaved against drift (vanilla, default, bitwise, then the reverse
+order for a second round). Per mode: the logprob forward (no grad, the whole batch on every rank,
+megatron's vocab-parallel cross entropy), the training step as train-check runs it (megatron's DDP,
+distributed optimizer, schedules, Adam with clipping; ``check/train/loop.py``), the peak memory
+(the largest rank's peak RSS above its RSS before the model is built: the kernel's peak counter is
+reset per mode) and the bytes a rank sends through collectives in one step (``comm_counter.py``).
+Times: the median of the timed repeats after one warm-up, the slowest rank. Then the component
+rows, one process, one thread, each against its reference on the same inputs:
+
+- the LM head's input gradient under bitwise training (``column_linear``, one rank's vocab shard at
+  the case's TP) against one plain GEMM ``dy @ W`` of the same shape;
+- the exact clipping norm (``grad_norm``) against ``torch.linalg.vector_norm`` over the same tensors
+  (a rank's parameter count);
+- attention forward+backward (``consistent_attention``, a rank's heads) against torch's
+  ``scaled_dot_product_attention`` (the fused kernel vanilla would get from a fused backend;
+  megatron's unfused local attention materialises (heads, s, s) fp32 scores, 2 GB a tensor at 8k,
+  more than this machine's share).
+
+Prints a table of times and ratios mode/vanilla, and writes them as JSON (``--json``). Speed is
+reported here, never asserted in tests. ``--smoke``: a tiny model and tiny components (seconds; the
+test suite runs it so that a moved module breaks the suite, not this script).
+"""
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from typing import Callable, Dict, List, Optional, Tuple
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+# This checkout's package, as the launched workers get it (PYTHONPATH=ROOT): the components and the
+# cases measure the same code, whatever copy of mindspeed_tp is installed.
+sys.path[:0] = [HERE, ROOT]
+
+MODES = ("vanilla", "default", "bitwise")
+PROGRESS = "scale_bench progress: "  # worker lines the launcher passes through
+LONG_S = 30.0  # a first run this long is timed once (see series())
+COMPONENT_THREADS = 1  # as one torchrun rank (torchrun sets OMP_NUM_THREADS=1): ratios comparable
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    layout: str
+    seq_length: int
+    dtype: str
+    sequences: int = 2
+    modes: Tuple[str, ...] = MODES
+
+    @property
+    def name(self) -> str:
+        seq = f"{self.seq_length // 1024}k" if self.seq_length % 1024 == 0 else str(self.seq_length)
+        return f"{self.model}-{self.layout}-{seq}-{self.dtype}"
+
+
+def _matrix() -> List[Case]:
+    cases = [Case(m, lay, s, d) for d in ("fp32", "bf16") for m in ("qwen3-1.7b-2layer", "qwen3-8b-2layer")
+             for lay in ("tp2-sp", "tp2-sp-dp2") for s in (1024, 4096, 8192)]
+    # MoE at scale (issue #24): bitwise training is for dense models only (refused for MoE).
+    moe = [Case("qwen3-30b-a3b-2layer", lay, s, "fp32", modes=("vanilla", "default"))
+           for lay in ("tp2-sp-ep2", "tp1-ep2") for s in (1024, 4096)]
+    return cases + moe
+
+
+CASES: Dict[str, Case] = {c.name: c for c in _matrix()}
+QUICK = ["qwen3-1.7b-2layer-tp2-sp-1k-fp32"]
+# The full run: every dense case (MoE cases run when named with --cases).
+FULL = [n for n, c in CASES.items() if "a3b" not in c.model]
+SMOKE_CASE = Case("tiny-dense-tied", "tp2-sp", 64, "fp32")
+
+
+@dataclass(frozen=True)
+class ComponentShapes:
+    tokens: int        # M of the LM-head input gradient
+    hidden: int
+    vocab_rows: int    # one rank's padded vocab rows
+    vocab: int         # the true vocab (its leaf width)
+    norm_elements: int
+    heads: int         # query heads of one rank
+    groups: int        # KV groups of one rank
+    head_dim: int
+    attention_tokens: Tuple[int, ...]
+
+
+def component_shapes(case: Case, lm_tokens: int, attention_tokens: Tuple[int, ...]) -> ComponentShapes:
+    from mindspeed_tp.contract.profile import load_profile
+    from mindspeed_tp.models.layout import Layout
+    from mindspeed_tp.models.spec import load_model_spec
+
+    spec, layout, profile = load_model_spec(case.model), Layout.parse(case.layout), load_profile()
+    tp = layout.tp
+    padded = spec.padded_vocab(profile)
+    h, ffn, kv = spec.hidden_size, spec.ffn_hidden_size, spec.kv_channels
+    qkv = (spec.num_attention_heads + 2 * spec.num_query_groups) * kv * h
+    per_layer = qkv + spec.num_attention_heads * kv * h + 3 * ffn * h  # dense layers (a MoE's experts not counted)
+    vocab_matrices = 1 if spec.tie_word_embeddings else 2  # embedding and LM head
+    params = (spec.num_layers * per_layer + vocab_matrices * padded * h) // tp
+    return ComponentShapes(lm_tokens, h, padded // tp, spec.vocab_size, params, spec.num_attention_heads // tp,
+                           max(1, spec.num_query_groups // tp), kv, attention_tokens)
+
+
+# ---------------------------------------------------------------------------------------------
+# the per-case worker (under torchrun)
+
+
+def _rss_mb(field: str = "VmRSS") -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _reset_peak() -> None:
+    """The kernel's peak-RSS counter (VmHWM) restarts from the current RSS (Linux clear_refs 5)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def measure_mode(case: Case, mode: str, repeats: int) -> Dict:
+    from functools import partial
+
+    import torch
+    import torch.distributed as dist
+
+    import comm_counter
+    from megatron.core import parallel_state as ps
+    from megatron.core import pipeline_parallel  # its function looked up per step: enable() patches it
+
+    from mindspeed_tp import disable, enable
+    from mindspeed_tp.check.builder import DTYPES
+    from mindspeed_tp.check.harness import (_logprobs_from_logits, _pipeline_forward, _setup_parallel_state,
+                                            _teardown_parallel_state)
+    from mindspeed_tp.check.train.loop import (TrainSettings, _data, _forward_step, _LossRecorder,
+                                               _model_parallel_chunks, _optimizer, _wire_config, micro_batch_rows,
+                                               train_batch)
+    from mindspeed_tp.contract.profile import load_profile
+    from mindspeed_tp.models.layout import Layout
+    from mindspeed_tp.models.spec import load_model_spec
+
+    spec, layout, dtype = load_model_spec(case.model), Layout.parse(case.layout), DTYPES[case.dtype]
+    profile = load_profile("default").replace(bitwise_training=mode == "bitwise")
+    settings = TrainSettings(steps=repeats + 1, micro_batch_size=1, global_batch_size=case.sequences,
+                             seq_length=case.seq_length, distributed_optimizer=True)
+    disable() if mode == "vanilla" else enable(profile)
+    _setup_parallel_state(layout, settings.seed, training=True)
+    gc.collect()
+    base = _rss_mb()
+    _reset_peak()
+    chunks, wrapped, ddp_config = _model_parallel_chunks(spec, layout, dtype, profile, settings)
+    optimizer = _optimizer(wrapped, dtype, settings)
+    _wire_config(chunks[0].config, wrapped, ddp_config, optimizer)
+    batch = train_batch(spec, settings)
+    rows = micro_batch_rows(settings, layout.dp, ps.get_data_parallel_rank())
+    model = chunks[0]
+
+    def timed(fn) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        dist.barrier()
+        return time.perf_counter() - t0
+
+    def series(fn, on_each=None) -> List[float]:
+        """The timed repeats after a warm-up; a warm-up longer than LONG_S (on any rank: every rank
+        decides alike) is the measurement itself, so a slow path is not run ``repeats`` more times."""
+        times = []
+        for i in range(repeats + 1):
+            t = timed(fn)
+            if on_each:
+                on_each()
+            if i == 0:
+                first = torch.tensor([t], dtype=torch.float64)
+                dist.all_reduce(first, op=dist.ReduceOp.MAX)
+                if float(first) > LONG_S:
+                    return [t]
+            else:
+                times.append(t)
+        return times
+
+    def forward():
+        with torch.no_grad():
+            logits = _pipeline_forward(model, layout, batch, spec.hidden_size, dtype)
+            _logprobs_from_logits(logits, batch, spec.vocab_size)
+
+    def step():
+        for m in wrapped:
+            m.zero_grad_buffer()
+        optimizer.zero_grad()
+        pipeline_parallel.get_forward_backward_func()(
+            forward_step_func=partial(_forward_step, _LossRecorder()), data_iterator=_data(batch, rows),
+            model=wrapped[0], num_microbatches=len(rows), seq_length=settings.seq_length, micro_batch_size=1,
+            decoder_seq_length=settings.seq_length, forward_only=False)
+        optimizer.step()
+
+    model.eval()
+    forward_s = series(forward)
+    _progress(f"{case.name} {mode}: forward {statistics.median(forward_s):.2f} s")
+    model.train()
+    counted = {}
+    comm_counter.reset()
+    step_s = series(step, lambda: (counted.update(bytes=comm_counter.total()), comm_counter.reset()))
+    step_bytes = counted["bytes"]
+    peak = _rss_mb("VmHWM") - base
+    out = torch.tensor([statistics.median(forward_s), statistics.median(step_s), peak, step_bytes],
+                       dtype=torch.float64)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)  # the slowest rank, the largest rank
+    _progress(f"{case.name} {mode}: step {float(out[1]):.2f} s, peak {float(out[2]):.0f} MB, "
+              f"{float(out[3]) / 2 ** 20:.1f} MiB sent per step")
+    del model, chunks, wrapped, optimizer
+    _teardown_parallel_state()
+    disable()
+    gc.collect()
+    return {"forward_s": float(out[0]), "step_s": float(out[1]), "peak_mb": float(out[2]),
+            "step_bytes": int(out[3])}
+
+
+def _progress(line: str) -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        print(f"{PROGRESS}{line}", flush=True)
+
+
+def worker(ns) -> None:
+    import torch.distributed as dist
+
+    import comm_counter
+    from mindspeed_tp.check.harness import init_distributed
+    from mindspeed_tp.devices.cpu_shims import install_cpu_shims
+
+    init_distributed(3600.0)
+    install_cpu_shims()
+    comm_counter.counter.apply()
+    case = Case(ns.model, ns.layout, ns.seq_length, ns.dtype, ns.sequences, tuple(ns.modes.split(",")))
+    runs: Dict[str, List[Dict]] = {m: [] for m in case.modes}
+    for r in range(ns.rounds):
+        for mode in case.modes if r % 2 == 0 else tuple(reversed(case.modes)):  # against drift
+            runs[mode].append(measure_mode(case, mode, ns.repeats))
+            if dist.get_rank() == 0:  # after every mode: a later mode's failure keeps these
+                with open(ns.out + ".tmp", "w") as f:
+                    json.dump({m: rs for m, rs in runs.items() if rs}, f)
+                os.replace(ns.out + ".tmp", ns.out)
+    comm_counter.counter.revert()
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------
+# components (this process, one thread)
+
+
+def _median_time(fn: Callable[[], None], repeats: int, long_s: float = 10.0) -> float:
+    """Median of ``repeats`` timed calls after one warm-up; a warm-up longer than ``long_s`` is the
+    measurement itself (a slow path is timed once, not three times)."""
+    t0 = time.perf_counter()
+    fn()
+    first = time.perf_counter() - t0
+    if first > long_s:
+        return first
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _row(name: str, ours: float, reference: float) -> Dict:
+    return {"name": name, "ours_s": ours, "reference_s": reference, "ratio": ours / reference}
+
+
+def lm_head_input_grad(shapes: ComponentShapes, repeats: int) -> Dict:
+    """Bitwise training's LM-head backward for dx only (the weight needs no gradient) against one
+    GEMM of the same shape."""
+    import torch
+
+    from mindspeed_tp.contract.profile import load_profile
+    from mindspeed_tp.modes.bitwise_training.column_parallel import column_linear
+
+    g = torch.Generator().manual_seed(0)
+    m, h, n = shapes.tokens, shapes.hidden, shapes.vocab_rows
+    x = torch.randn(m, h, generator=g).requires_grad_(True)
+    w = torch.randn(n, h, generator=g) * h ** -0.5
+    dy = torch.randn(m, n, generator=g)
+    prof = load_profile("default").replace(bitwise_training=True)
+    out = column_linear(x, w, None, False, torch.float32, lambda a, b, dt: (a @ b.t()).to(dt), prof,
+                        vocab=shapes.vocab)
+
+    def ours():
+        torch.autograd.grad(out, x, dy, retain_graph=True)
+
+    ours_s = _median_time(ours, repeats)
+    ref_s = _median_time(lambda: dy @ w, repeats)
+    return _row(f"LM-head input gradient, bitwise (M={m}, V/TP={n}, H={h}) vs dy @ W", ours_s, ref_s)
+
+
+def exact_norm(shapes: ComponentShapes, repeats: int) -> Dict:
+    import torch
+
+    from mindspeed_tp.modes.bitwise_training.grad_norm import grad_norm
+
+    g = torch.Generator().manual_seed(1)
+    # A few tensors of a rank's sizes: one large (the vocab shard), the rest in layer-sized pieces.
+    sizes, left = [], shapes.norm_elements
+    for part in (shapes.vocab_rows * shapes.hidden, 4 * shapes.hidden * shapes.hidden):
+        while left > part and part:
+            sizes.append(part)
+            left -= part
+    sizes.append(left)
+    grads = [torch.randn(s, generator=g) * 1e-3 for s in sizes]
+    ours_s = _median_time(lambda: grad_norm(grads, None, torch.device("cpu")), repeats)
+    ref_s = _median_time(
+        lambda: torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in grads])), repeats)
+    return _row(f"exact grad norm ({shapes.norm_elements / 1e6:.0f}M fp32 elements) vs vector_norm", ours_s, ref_s)
+
+
+def attention(shapes: ComponentShapes, tokens: int, repeats: int) -> Dict:
+    import torch
+    import torch.nn.functional as F
+
+    from mindspeed_tp.kernels.attention import consistent_attention
+
+    g = torch.Generator().manual_seed(2)
+    hq, hkv, d = shapes.heads, shapes.groups, shapes.head_dim
+    q = torch.randn(1, hq, tokens, d, generator=g)
+    k = torch.randn(1, hkv, tokens, d, generator=g)
+    v = torch.randn(1, hkv, tokens, d, generator=g)
+    dout = torch.randn(1, hq, tokens, d, generator=g)
+    scale = d ** -0.5
+
+    def run(fn):
+        def call():
+            qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+            torch.autograd.backward(fn(qq, kk, vv), dout)
+        return call
+
+    def vanilla(qq, kk, vv):  # KV groups expanded, as megatron's attention does before the product
+        rep = hq // hkv
+        return F.scaled_dot_product_attention(qq, kk.repeat_interleave(rep, 1), vv.repeat_interleave(rep, 1),
+                                              is_causal=True, scale=scale)
+
+    ours_s = _median_time(run(lambda qq, kk, vv: consistent_attention(qq, kk, vv, scale, causal=True)), repeats)
+    ref_s = _median_time(run(vanilla), repeats)
+    return _row(f"attention fwd+bwd {tokens} tokens ({hq} heads, {hkv} KV groups, d={d}) vs torch SDPA",
+                ours_s, ref_s)
+
+
+def run_components(shapes: ComponentShapes, repeats: int) -> List[Dict]:
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(COMPONENT_THREADS)
+    try:
+        rows = [lm_head_input_grad(shapes, repeats), exact_norm(shapes, repeats)]
+        rows += [attention(shapes, t, repeats) for t in shapes.attention_tokens]
+    finally:
+        torch.set_num_threads(threads)
+    for r in rows:
+        print(f"  {r['name']}: {r['ours_s']:.3f} s vs {r['reference_s']:.3f} s = {r['ratio']:.2f}x", flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# the launcher
+
+
+def cpu_description() -> str:
+    model, flags = "unknown", set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == "unknown":
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    import torch
+
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
+    native_bf16 = "avx512_bf16" in flags or "amx_tile" in flags
+    return (f"{model}, {os.cpu_count()} cores, ISA {' '.join(isa) or 'none'}, torch capability "
+            f"{torch.backends.cpu.get_cpu_capability()}, bf16 GEMMs {'native' if native_bf16 else 'emulated'}")
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run_case(case: Case, rounds: int, repeats: int, timeout: Optional[float]) -> Dict:
+    from mindspeed_tp.models.layout import Layout
+
+    world = Layout.parse(case.layout).world_size
+    # A fixed mmap threshold: freed large tensors go back to the kernel, so one mode's peak RSS does
+    # not start from the previous mode's cached heap (glibc raises the threshold dynamically otherwise).
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               MALLOC_MMAP_THRESHOLD_="1048576", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "runs.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+               os.path.abspath(__file__), "--worker", "--model", case.model, "--layout", case.layout,
+               "--seq-length", str(case.seq_length), "--dtype", case.dtype, "--sequences", str(case.sequences),
+               "--modes", ",".join(case.modes), "--rounds", str(rounds), "--repeats", str(repeats), "--out", out]
+        with tempfile.TemporaryFile("w+") as err:
+            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+            lines = []
+            for line in proc.stdout:  # progress through, the rest kept for an error message
+                print(line[len(PROGRESS):], end="", file=sys.stderr, flush=True) if line.startswith(PROGRESS) \
+                    else lines.append(line)
+            code = proc.wait(timeout=timeout)
+            err.seek(0)
+            log = f"{''.join(lines)[-2000:]}\n{err.read()[-6000:]}"
+        runs = {}
+        if os.path.exists(out):
+            with open(out) as f:
+                runs = json.load(f)
+    modes = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in runs.items()}
+    v = modes.get("vanilla")
+    ratios = {m: {k: (modes[m][k] / v[k] if v[k] else float("nan")) for k in v} for m in modes
+              if m != "vanilla" and v}
+    row = {"name": case.name, "model": case.model, "layout": case.layout, "seq_length": case.seq_length,
+           "dtype": case.dtype, "sequences": case.sequences, "modes": modes, "ratios": ratios}
+    if code:  # reported with what was measured (a rank killed for memory on a shared machine, ...)
+        missing = [m for m in case.modes if m not in modes]
+        row["failed"] = {"exit_code": code, "modes_not_measured": missing, "log_tail": log[-3000:]}
+        print(f"scale_bench: case {case.name} failed (exit {code}; not measured: {', '.join(missing) or '-'}):\n"
+              f"{log}", file=sys.stderr, flush=True)
+    return row
+
+
+def print_case(row: Dict) -> None:
+    for mode, m in row["modes"].items():
+        q = row["ratios"].get(mode)
+        ratio = "" if q is None else (f"{q['forward_s']:>8.2f}{q['step_s']:>8.2f}{q['peak_mb']:>8.2f}"
+                                      f"{q['step_bytes']:>8.2f}")
+        print(f"{row['name']:<40}{mode:<9}{m['forward_s']:>9.2f}{m['step_s']:>9.2f}{m['peak_mb']:>9.0f}"
+              f"{m['step_bytes'] / 2**20:>10.1f}{ratio}", flush=True)
+    for mode in row.get("failed", {}).get("modes_not_measured", []):
+        print(f"{row['name']:<40}{mode:<9}not measured: the case failed (exit {row['failed']['exit_code']})")
+
+
+HEADER = (f"{'case':<40}{'mode':<9}{'fwd s':>9}{'step s':>9}{'peak MB':>9}{'step MiB':>10}"
+          f"{'fwd x':>8}{'step x':>8}{'mem x':>8}{'bytes x':>8}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", help="comma-separated case names (--list); default: every dense case")
+    p.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)} plus the components")
+    p.add_argument("--smoke", action="store_true", help="a tiny model and tiny components (seconds)")
+    p.add_argument("--list", action="store_true", help="print the case names and exit")
+    p.add_argument("--no-components", action="store_true", help="skip the component rows")
+    p.add_argument("--only-modes", help="comma-separated subset of each case's modes (vanilla is always kept: "
+                                        "the ratios' reference)")
+    p.add_argument("--rounds", type=int, help="mode orders per case (default 2, --quick/--smoke 1)")
+    p.add_argument("--repeats", type=int, help="timed forwards and steps per mode after a warm-up (default 2, "
+                                                "--quick/--smoke 1)")
+    p.add_argument("--lm-head-tokens", type=int, default=128, help="M of the LM-head component")
+    p.add_argument("--timeout", type=float, help="seconds per case launch")
+    p.add_argument("--json", help="write the report here")
+    # the worker's arguments
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    for flag in ("--model", "--layout", "--dtype", "--modes", "--out"):
+        p.add_argument(flag, help=argparse.SUPPRESS)
+    for flag in ("--seq-length", "--sequences"):
+        p.add_argument(flag, type=int, help=argparse.SUPPRESS)
+    ns = p.parse_args(argv)
+    if ns.worker:
+        worker(ns)
+        return 0
+    if ns.list:
+        for name, c in CASES.items():
+            print(f"{name:<44}{'quick' if name in QUICK else ''}{'' if name in FULL else ' (only with --cases)'}")
+        return 0
+    light = ns.quick or ns.smoke
+    rounds, repeats = ns.rounds or (1 if light else 2), ns.repeats or (1 if light else 2)
+    if ns.smoke:
+        cases = [SMOKE_CASE]
+    elif ns.cases:
+        unknown = [n for n in ns.cases.split(",") if n not in CASES]
+        if unknown:
+            p.error(f"--cases: unknown {', '.join(unknown)} (--list prints the names)")
+        cases = [CASES[n] for n in ns.cases.split(",")]
+    else:
+        cases = [CASES[n] for n in (QUICK if ns.quick else FULL)]
+    if ns.only_modes:
+        keep = {"vanilla", *ns.only_modes.split(",")}
+        unknown = keep - set(MODES)
+        if unknown:
+            p.error(f"--only-modes: unknown {', '.join(sorted(unknown))} (modes: {', '.join(MODES)})")
+        cases = [replace(c, modes=tuple(m for m in c.modes if m in keep)) for c in cases]
+    cpu = cpu_description()
+    print(f"scale benchmark: {len(cases)} case(s), {rounds} round(s) x {repeats} timed repeat(s) per mode; CPU: {cpu}",
+          flush=True)
+    print("modes: vanilla megatron-core, default profile, bitwise training; ratios mode/vanilla; step bytes: "
+          "sent per rank in one training step", flush=True)
+    print(HEADER, flush=True)
+    rows = []
+    for case in cases:
+        rows.append(run_case(case, rounds, repeats, ns.timeout))
+        print_case(rows[-1])
+    failed = [r["name"] for r in rows if "failed" in r]
+    components = []
+    if not ns.no_components:
+        print("components (one thread; ours vs reference):", flush=True)
+        if ns.smoke:
+            shapes = component_shapes(SMOKE_CASE, 16, (256,))
+        else:
+            shapes = component_shapes(cases[0], ns.lm_head_tokens, (2048, 8192))
+        components = run_components(shapes, repeats=3)
+    report = {"cases": rows, "components": components, "cpu": cpu, "commit": commit(),
+              "settings": {"rounds": rounds, "repeats": repeats, "lm_head_tokens": ns.lm_head_tokens,
+                           "component_threads": COMPONENT_THREADS, "quick": ns.quick, "smoke": ns.smoke}}
+    if ns.json:
+        from mindspeed_tp.check.report import write_json_atomic
+
+        write_json_atomic(ns.json, report)
+    if failed:
+        print(f"scale_bench: failed cases (their measured modes are in the report): {', '.join(failed)}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""Every script under benchmarks/ imported and run on a tiny case, so that a moved module or a
+changed helper breaks the suite instead of the benchmark (issue #28: consistency_cost.py once
+failed at import and nothing noticed). Speed is never asserted: the smoke runs check that each
+script runs end to end and writes what it documents.
+
+Launches are shared: the torchrun benchmarks (consistency_cost, logprob_forward, module_shares,
+gpu_bench's CPU-runnable model part and its GEMM part under Triton's interpreter) run one after
+another in one 2-rank launch (tests/workers/bench_smoke.py); train_bench and scale_bench are
+launchers themselves and run as users run them, with --smoke.
+"""
+import glob
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, _env, run_torchrun
+
+BENCH = os.path.join(ROOT, "benchmarks")
+sys.path.insert(0, BENCH)
+
+# Which test below runs each script (a helper module counts when a smoke-run script imports it).
+COVERED = {
+    "comm_counter.py": "imported by consistency_cost and scale_bench",
+    "consistency_cost.py": "test_torchrun_benchmarks_run_in_one_launch",
+    "logprob_forward.py": "test_torchrun_benchmarks_run_in_one_launch",
+    "module_shares.py": "test_torchrun_benchmarks_run_in_one_launch",
+    "gpu_bench.py": "test_torchrun_benchmarks_run_in_one_launch, test_gpu_bench_without_cuda_says_how_to_dry_run",
+    "train_bench.py": "test_train_bench_smoke",
+    "scale_bench.py": "test_scale_bench_smoke_writes_the_documented_report",
+}
+SCALE_KEYS = {"forward_s", "step_s", "peak_mb", "step_bytes"}
+
+
+def _run(*args, timeout=600):
+    return subprocess.run([sys.executable, *args], env=_env(), capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT)
+
+
+def test_every_benchmark_script_has_a_smoke_run():
+    scripts = {os.path.basename(p) for p in glob.glob(os.path.join(BENCH, "*.py"))}
+    assert scripts == set(COVERED), f"benchmarks without a smoke run here: {sorted(scripts - set(COVERED))}; " \
+                                    f"listed but gone: {sorted(set(COVERED) - scripts)}"
+
+
+def test_torchrun_benchmarks_run_in_one_launch(tmp_path):
+    proc = run_torchrun("bench_smoke.py", 2, str(tmp_path), timeout=600, env={"TRITON_INTERPRET": "1"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    for step in ("consistency_cost", "logprob_forward", "module_shares", "gpu_bench model", "gpu_bench gemm"):
+        assert f"BENCH-SMOKE {step} done" in proc.stdout, out[-6000:]
+    assert "ratio consistent/vanilla:" in proc.stdout  # logprob_forward
+    assert "module shares of the logprob forward" in proc.stdout
+    cost = json.loads((tmp_path / "consistency_cost.json").read_text())
+    (case,) = cost["cases"]
+    assert (case["model"], case["layout"]) == ("tiny-dense", "tp2-sp")
+    for key in ("ratios", "rollout_ratios"):
+        assert {"forward_s", "step_s", "forward_bytes", "step_bytes", "step_saved_bytes"} <= set(case[key])
+        assert case[key]["forward_s"] > 0
+    model = json.loads((tmp_path / "gpu_model.json").read_text())
+    assert model["device"] == "cpu" and set(model["ratios"]) == {"forward_s", "step_s"}
+    gemm = json.loads((tmp_path / "gpu_gemm.json").read_text())
+    assert [r["gemm"] for r in gemm["rows"]] == ["qkv", "proj", "fc1", "fc2", "lm_head"]
+    assert all(r["invariant_tflops"] > 0 and r["cublas_tflops"] > 0 for r in gemm["rows"])
+
+
+def test_gpu_bench_without_cuda_says_how_to_dry_run(monkeypatch):
+    """Without a GPU the default (cuda) run stops with a message naming the CPU dry run, not a trace."""
+    import gpu_bench
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for argv in (["gemm"], ["model"]):
+        with pytest.raises(SystemExit, match=r"no CUDA device \(use --device cpu for a dry run\)"):
+            gpu_bench.main(argv)
+
+
+def test_train_bench_smoke(tmp_path):
+    report = tmp_path / "train.json"
+    proc = _run("benchmarks/train_bench.py", "--smoke", "--json", str(report))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    data = json.loads(report.read_text())
+    assert [(r["layout"], r["mode"]) for r in data["rows"]] == [("tp1", "bitwise")]
+    assert data["rows"][0]["step_s"] > 0 and data["rows"][0]["peak_mb"] > 0
+
+
+def test_scale_bench_smoke_writes_the_documented_report(tmp_path):
+    report = tmp_path / "scale.json"
+    proc = _run("benchmarks/scale_bench.py", "--smoke", "--json", str(report))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    data = json.loads(report.read_text())
+    assert {"cases", "components", "cpu", "commit"} <= set(data)
+    assert "cores" in data["cpu"] and "bf16 GEMMs" in data["cpu"] and data["commit"]
+    (case,) = data["cases"]
+    assert "failed" not in case
+    assert {"name", "model", "layout", "seq_length", "dtype", "modes", "ratios"} <= set(case)
+    assert set(case["modes"]) == {"vanilla", "default", "bitwise"}
+    assert set(case["ratios"]) == {"default", "bitwise"}
+    for mode, ratios in case["ratios"].items():
+        assert set(ratios) == set(case["modes"][mode]) == SCALE_KEYS
+        for key in SCALE_KEYS:
+            assert ratios[key] == case["modes"][mode][key] / case["modes"]["vanilla"][key]
+    assert all(case["modes"][m]["step_bytes"] > 0 and case["modes"][m]["step_s"] > 0 for m in case["modes"])
+    names = [c["name"] for c in data["components"]]
+    assert [n.split(" ")[0] for n in names] == ["LM-head", "exact", "attention"], names
+    for c in data["components"]:
+        assert set(c) == {"name", "ours_s", "reference_s", "ratio"}
+        assert math.isclose(c["ratio"], c["ours_s"] / c["reference_s"])
+    assert case["name"] in proc.stdout and "step x" in proc.stdout  # the table
+
+
+def test_scale_bench_cases_are_the_issues_matrix():
+    import scale_bench
+    from mindspeed_tp.models.spec import load_model_spec
+
+    assert scale_bench.QUICK == ["qwen3-1.7b-2layer-tp2-sp-1k-fp32"]
+    quick = scale_bench.CASES[scale_bench.QUICK[0]]
+    assert (quick.model, quick.layout, quick.seq_length, quick.dtype, quick.sequences) == \
+        ("qwen3-1.7b-2layer", "tp2-sp", 1024, "fp32", 2)
+    full = {(c.model, c.layout, c.seq_length, c.dtype) for c in (scale_bench.CASES[n] for n in scale_bench.FULL)}
+    assert full == {(m, lay, s, d) for m in ("qwen3-1.7b-2layer", "qwen3-8b-2layer") for lay in ("tp2-sp", "tp2-sp-dp2")
+                    for s in (1024, 4096, 8192) for d in ("fp32", "bf16")}
+    dims = {n: load_model_spec(n) for n in ("qwen3-1.7b-2layer", "qwen3-8b-2layer", "qwen3-30b-a3b-2layer")}
+    got = {n: (s.hidden_size, s.num_attention_heads, s.num_query_groups, s.kv_channels, s.ffn_hidden_size,
+               s.vocab_size, s.tie_word_embeddings, s.num_layers) for n, s in dims.items()}
+    assert got == {"qwen3-1.7b-2layer": (2048, 16, 8, 128, 6144, 151936, True, 2),
+                   "qwen3-8b-2layer": (4096, 32, 8, 128, 12288, 151936, False, 2),
+                   "qwen3-30b-a3b-2layer": (2048, 32, 4, 128, 6144, 151936, False, 2)}
+    moe = dims["qwen3-30b-a3b-2layer"]
+    assert (moe.num_experts, moe.moe_router_topk, moe.moe_ffn_hidden_size) == (128, 8, 768)
+    with pytest.raises(SystemExit) as err:
+        scale_bench.main(["--cases", "no-such-case"])
+    assert err.value.code == 2  # argparse's error: "--cases: unknown no-such-case (--list prints the names)"
