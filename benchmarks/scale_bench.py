@@ -297,8 +297,9 @@ def lm_head_input_grad(shapes: ComponentShapes, repeats: int) -> Dict:
     w = torch.randn(n, h, generator=g) * h ** -0.5
     dy = torch.randn(m, n, generator=g)
     prof = load_profile("default").replace(bitwise_training=True)
-    out = column_linear(x, w, None, False, torch.float32, lambda a, b, dt: (a @ b.t()).to(dt), prof,
-                        vocab=shapes.vocab)
+    # One process: a rank's V/TP rows as the whole (its share of the leaf GEMMs; the few rows Megatron's
+    # padding moves between ranks are not in this row).
+    out = column_linear(x, w, None, False, torch.float32, lambda a, b, dt: (a @ b.t()).to(dt), prof, vocab=n)
 
     def ours():
         torch.autograd.grad(out, x, dy, retain_graph=True)

@@ -124,3 +124,15 @@ def test_bad_settings_exit_2(flags, match):
     proc = run_cli("rl-check", "--model", "tiny-dense", *flags, timeout=120)
     assert proc.returncode == 2, explain(proc)
     assert match in proc.stderr
+
+
+def test_the_bundled_task_is_learnable_at_the_default_settings(tmp_path):
+    """The default 10 iterations on one device (the loop and the task, not the layout, are the point):
+    the reward at the last iteration is clearly above the first (measured: 0.14 -> 0.65), and every
+    iteration stays bitwise equal to the engine."""
+    path = str(tmp_path / "learn.json")
+    proc = run_cli("rl-check", "--model", "tiny-dense", "--layout", "tp1", "--json", path)
+    assert proc.returncode == 0, explain(proc)
+    ours = [a for a in json.load(open(path))["arms"] if a["mode"] == "mindspeed-tp"][0]["iterations"]
+    assert len(ours) == 10 and all(r["bitwise_fraction"] == 1.0 for r in ours)
+    assert ours[-1]["reward_mean"] > ours[0]["reward_mean"] + 0.1, [r["reward_mean"] for r in ours]
