@@ -20,7 +20,7 @@ def short_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("rl")
     path = str(out / "rl.json")
     proc = run_cli("rl-check", "--model", "tiny-dense", "--layout", "tp2-sp", "--iterations", "2", "--compare-vanilla",
-                   "--eos-token-id", str(EOS), "--logprob-micro-batch-size", "8", "--json", path,
+                   "--eos-token-id", str(EOS), "--logprob-max-tokens", "56", "--json", path,
                    "--plot", str(out / "rl.png"))
     return proc, path, out
 
@@ -58,6 +58,25 @@ def test_eos_and_max_length_termination_prompt_lengths(short_run):
     assert len(set(first["prompt_lengths"])) > 1
     assert first["tokens_digest"] == arms["vanilla"][0]["tokens_digest"]
     assert first["rewards"] == arms["vanilla"][0]["rewards"]
+
+
+def test_the_forward_only_pass_cuts_micro_batches_by_a_token_budget(short_run):
+    """The shared run's forward-only pass ran under --logprob-max-tokens 56 (micro-batches of varying
+    size, as verl's use_dynamic_bsz) and its logprobs are still bitwise the engine's (above); the cut:
+    in order, within the budget, every row of the rank's share once, sizes that differ."""
+    from mindspeed_tp.check.rl.step import token_budget_rows
+
+    proc, path, _ = short_run
+    assert proc.returncode == 0, explain(proc)
+    assert json.load(open(path))["settings"]["logprob_max_tokens"] == 56
+    lengths = [10, 12, 20, 40, 9, 9, 9, 60, 5, 25]
+    for dp, rank in ((1, 0), (2, 1)):
+        groups = token_budget_rows(lengths, 56, dp, rank)
+        rows = [r for g in groups for r in g.tolist()]
+        share = len(lengths) // dp
+        assert rows == list(range(rank * share, (rank + 1) * share))
+        assert all(len(g) == 1 or sum(lengths[r] for r in g.tolist()) <= 56 for g in groups)
+    assert sorted({len(g) for g in token_budget_rows(lengths, 56, 1, 0)}) == [1, 2, 3]
 
 
 def test_grpo_advantages_from_verl():

@@ -36,6 +36,7 @@ class RLSettings:
     eos_token_id: Optional[int] = None
     micro_batch_size: int = 2
     logprob_micro_batch_size: int = 4
+    logprob_max_tokens: Optional[int] = None  # a token budget per forward-only micro-batch instead
     lr: float = 1e-2
     clip_ratio: float = 0.2
     seed: int = 1234
@@ -95,7 +96,7 @@ def run_arm(spec, layout, dtype, profile, settings: RLSettings, vanilla: bool, e
         rewards = task.score(reward_fn, *prompts_and_responses(batch))
         adv = grpo.advantages(rewards, mask, settings.group_size)
         train_lp = forward_logprobs(forward_backward, wrapped, spec, profile, vanilla, settings.temperature, batch,
-                                    layout, settings.logprob_micro_batch_size)
+                                    layout, settings.logprob_micro_batch_size, settings.logprob_max_tokens)
         step_lp = train_step(forward_backward, wrapped, optimizer, spec, profile, vanilla, settings.temperature,
                              batch, layout, settings.micro_batch_size, rollout_lp, adv, loss)
         # The reported loss: verl's global token-mean of the step's policy loss, from the gathered

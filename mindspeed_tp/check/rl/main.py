@@ -25,7 +25,7 @@ from .loop import RLSettings
 DEFAULTS = dict(
     model=None, profile=None, engine="reference", layout="tp2-sp-pp2", layouts=None, reshard_at=None, iterations=10,
     prompts=4, group_size=4, max_prompt=12, max_new_tokens=16, temperature=1.0, eos_token_id=None,
-    micro_batch_size=2, logprob_micro_batch_size=4, lr=1e-2, clip_ratio=0.2, seed=1234, dtype="bf16",
+    micro_batch_size=2, logprob_micro_batch_size=4, logprob_max_tokens=None, lr=1e-2, clip_ratio=0.2, seed=1234, dtype="bf16",
     bitwise_training=False, compare_vanilla=False, reward="multiple-of-8", json=None, plot=None, save_state=None,
     timeout=600.0,
 )
@@ -54,6 +54,9 @@ def build_parser(prog: str = "mindspeed-tp rl-check") -> argparse.ArgumentParser
     p.add_argument("--micro-batch-size", type=int, help="sequences per training micro-batch (default 2)")
     p.add_argument("--logprob-micro-batch-size", type=int,
                    help="sequences per micro-batch of the forward-only logprob pass (default 4)")
+    p.add_argument("--logprob-max-tokens", type=int,
+                   help="instead: micro-batches of the forward-only pass cut by this many real tokens each, so "
+                        "their sizes vary (verl's use_dynamic_bsz / log_prob_max_token_len_per_gpu)")
     p.add_argument("--lr", type=float, help="Adam learning rate (default 1e-2)")
     p.add_argument("--clip-ratio", type=float, help="PPO clip ratio (default 0.2)")
     p.add_argument("--seed", type=int, help="seed of the weights, prompts and sampling (default 1234)")
@@ -90,7 +93,7 @@ def resolve_args(argv: Optional[List[str]]) -> argparse.Namespace:
         merged[key] = getattr(args, key)
     ns = argparse.Namespace(**merged)
     for name in ("iterations", "prompts", "group_size", "max_new_tokens", "micro_batch_size",
-                 "logprob_micro_batch_size"):
+                 "logprob_micro_batch_size") + (("logprob_max_tokens",) if ns.logprob_max_tokens is not None else ()):
         if int(getattr(ns, name)) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
     if int(ns.max_prompt) < 2:
@@ -158,7 +161,9 @@ def plan(ns: argparse.Namespace) -> Plan:
                           max_new_tokens=int(ns.max_new_tokens), temperature=float(ns.temperature),
                           eos_token_id=None if ns.eos_token_id is None else int(ns.eos_token_id),
                           micro_batch_size=int(ns.micro_batch_size),
-                          logprob_micro_batch_size=int(ns.logprob_micro_batch_size), lr=float(ns.lr),
+                          logprob_micro_batch_size=int(ns.logprob_micro_batch_size),
+                          logprob_max_tokens=None if ns.logprob_max_tokens is None else int(ns.logprob_max_tokens),
+                          lr=float(ns.lr),
                           clip_ratio=float(ns.clip_ratio), seed=int(ns.seed), seq_length=seq_length)
     n = settings.prompts * settings.group_size
     for layout, _, _ in segments:

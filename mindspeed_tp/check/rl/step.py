@@ -1,8 +1,9 @@
 """One RL step's two passes through megatron-core's schedules (``get_forward_backward_func``):
 
 - ``forward_logprobs``: the forward-only pass an RL trainer makes for the current policy's
-  logprobs (verl's ``compute_log_prob``), at its own micro-batch size (``--logprob-micro-batch-size``:
-  batch invariance means the split does not matter);
+  logprobs (verl's ``compute_log_prob``), at its own micro-batch size (``--logprob-micro-batch-size``)
+  or with micro-batches of varying size cut by a token budget (``--logprob-max-tokens``, as verl's
+  ``use_dynamic_bsz``): batch invariance means the split does not matter;
 - ``train_step``: the forward-backward of verl's clipped policy loss with the rollout's logprobs as
   the old ones, then the optimizer step.
 
@@ -14,7 +15,7 @@ engine's prefill and the responses as its decode steps (``harness._engine_scorin
 from __future__ import annotations
 
 from functools import partial
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -73,8 +74,8 @@ class Pass:
         return loss, tokens, {"policy loss": torch.stack([loss.detach(), tokens.float()])}
 
 
-def _run(forward_backward, wrapped, p: Pass, rows_per_micro, seq_length: int, micro_batch_size: int,
-         forward_only: bool):
+def _schedule(forward_backward, wrapped, p: Pass, rows_per_micro, seq_length: int, micro_batch_size: int,
+              forward_only: bool) -> None:
     iterators = [p.data(rows_per_micro) for _ in wrapped]
     forward_backward(
         forward_step_func=p.forward_step,
@@ -83,7 +84,29 @@ def _run(forward_backward, wrapped, p: Pass, rows_per_micro, seq_length: int, mi
         num_microbatches=len(rows_per_micro), seq_length=seq_length, micro_batch_size=micro_batch_size,
         decoder_seq_length=seq_length, forward_only=forward_only,
     )
+
+
+def _run(forward_backward, wrapped, p: Pass, rows_per_micro, seq_length: int, micro_batch_size: int,
+         forward_only: bool):
+    _schedule(forward_backward, wrapped, p, rows_per_micro, seq_length, micro_batch_size, forward_only)
     return gather_rows(p.rows, p.batch)
+
+
+def token_budget_rows(lengths: List[int], max_tokens: int, dp: int, dp_rank: int) -> List[torch.Tensor]:
+    """This DP rank's micro-batches under a token budget (verl's ``use_dynamic_bsz``): its contiguous
+    share of the rows, cut in order into runs whose real tokens (prompt + response) stay within
+    ``max_tokens`` (a longer sequence alone), so the micro-batches differ in size."""
+    share = len(lengths) // dp
+    groups, current, used = [], [], 0
+    for row in range(dp_rank * share, (dp_rank + 1) * share):
+        if current and used + lengths[row] > max_tokens:
+            groups.append(torch.tensor(current))
+            current, used = [], 0
+        current.append(row)
+        used += lengths[row]
+    if current:
+        groups.append(torch.tensor(current))
+    return groups
 
 
 def micro_rows(num: int, micro_batch_size: int, dp: int, dp_rank: int) -> List[torch.Tensor]:
@@ -95,17 +118,24 @@ def micro_rows(num: int, micro_batch_size: int, dp: int, dp_rank: int) -> List[t
 
 
 def forward_logprobs(forward_backward, wrapped, spec, profile, vanilla, temperature, batch, layout,
-                     micro_batch_size: int) -> torch.Tensor:
-    """(N, s) logprobs of the current weights on every rank, from a forward-only pass."""
+                     micro_batch_size: int, max_tokens: Optional[int] = None) -> torch.Tensor:
+    """(N, s) logprobs of the current weights on every rank, from a forward-only pass: micro-batches
+    of ``micro_batch_size`` sequences, or under a token budget ``max_tokens`` (``token_budget_rows``;
+    one schedule call per micro-batch, since a pipeline's shapes are fixed per call)."""
     from megatron.core import parallel_state as ps
 
     for m in wrapped:
         m.eval()
     try:
         p = Pass(spec, profile, vanilla, temperature, batch)
-        rows = micro_rows(batch.tokens.shape[0], micro_batch_size, layout.dp, ps.get_data_parallel_rank())
+        s = batch.tokens.shape[1]
         with torch.no_grad():
-            return _run(forward_backward, wrapped, p, rows, batch.tokens.shape[1], micro_batch_size, True)
+            if max_tokens is None:
+                rows = micro_rows(batch.tokens.shape[0], micro_batch_size, layout.dp, ps.get_data_parallel_rank())
+                return _run(forward_backward, wrapped, p, rows, s, micro_batch_size, True)
+            for rows in token_budget_rows(list(batch.lengths), max_tokens, layout.dp, ps.get_data_parallel_rank()):
+                _schedule(forward_backward, wrapped, p, [rows], s, len(rows), True)
+            return gather_rows(p.rows, p.batch)
     finally:
         for m in wrapped:
             m.train()
