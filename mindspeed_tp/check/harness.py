@@ -130,7 +130,7 @@ def _teardown_parallel_state() -> None:
 
 def _setup_parallel_state(layout: Layout, seed: int, training: bool = False) -> None:
     """Megatron's parallel state for ``layout``. training: the train-check's world (exactly
-    tp*pp*dp processes, virtual pipeline stages, and the gloo groups megatron's optimizers use)."""
+    tp*cp*pp*dp processes, virtual pipeline stages, and the gloo groups megatron's optimizers use)."""
     global _current_layout
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -139,7 +139,7 @@ def _setup_parallel_state(layout: Layout, seed: int, training: bool = False) -> 
 
     world = dist.get_world_size()
     if training and world != layout.world_size:
-        raise ConfigError(f"training layout {layout.name} needs exactly tp*pp*dp={layout.world_size} processes; "
+        raise ConfigError(f"training layout {layout.name} needs exactly tp*cp*pp*dp={layout.world_size} processes; "
                           f"launched with {world} (mindspeed-tp train-check launches one world per size)")
     if world % layout.required_world_size:
         raise ConfigError(
