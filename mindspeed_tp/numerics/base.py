@@ -64,6 +64,18 @@ class Numerics:
         """Packed (thd): query [t, np, hn], key/value [t, ng, hn], ``bounds`` the cu_seqlens -> [t, np*hn]."""
         raise NotImplementedError
 
+    # Context parallelism: True when the strategy's attention needs whole sequences of queries (an
+    # engine that scores a request as its prefill and decode steps): the CP adapter then gathers the
+    # queries too and keeps this rank's rows of the output.
+    cp_whole_queries = False
+
+    def cp_rope(self, t: torch.Tensor, freqs: torch.Tensor, config, interleaved: bool,
+                positions: torch.Tensor) -> torch.Tensor:
+        """Context parallelism, padded (bshd): RoPE of this rank's chunks; ``freqs`` are already their
+        angles (Megatron's RotaryEmbedding slices them per CP rank), ``positions`` their absolute
+        positions."""
+        return self.rope(t, freqs, config, interleaved, None)
+
     def cp_attention(self, module, query, key_full, value_full, attention_mask, mask_name: str, causal: bool,
                      q_positions: torch.Tensor) -> torch.Tensor:
         """Context parallelism: this rank's queries [sq_local, b, np, hn] at absolute ``q_positions``

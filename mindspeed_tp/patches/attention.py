@@ -105,8 +105,10 @@ def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group
     if mscale != 1.0:
         raise refuse("rope_mscale")
     interleaved = bool(getattr(config, "rotary_interleaved", False))
-    if cp_group is not None and cp_group.size() > 1 and cu_seqlens is not None:
-        return context_parallel.packed_rope(t, freqs, config, interleaved, cu_seqlens, cp_group)
+    if cp_group is not None and cp_group.size() > 1:
+        if cu_seqlens is not None:
+            return context_parallel.packed_rope(t, freqs, config, interleaved, cu_seqlens, cp_group)
+        return context_parallel.padded_rope(t, freqs, config, interleaved, cp_group)
     return ACTIVE.strategy.rope(t, freqs, config, interleaved, cu_seqlens)
 
 

@@ -73,7 +73,15 @@ def attention(module, query, key, value, attention_mask, mask_name: str, causal:
     value_full = cp.gather_sequence(value, [0, total], group)
     positions = cp.local_positions(total, size, rank, device=query.device)
     mask = _local_mask(attention_mask, sq_local, total)
-    return ACTIVE.strategy.cp_attention(module, query, key_full, value_full, mask, mask_name, causal, positions)
+    strategy = ACTIVE.strategy
+    if strategy.cp_whole_queries:  # the strategy scores whole sequences: keep this rank's rows
+        if mask_name != "causal":
+            raise refuse("context_parallel_mask", shape=tuple(attention_mask.shape) if attention_mask is not None
+                         else None, sq=sq_local, sk=total)
+        query_full = cp.gather_sequence(query, [0, total], group)
+        out = strategy.attention(module, query_full, key_full, value_full, None, mask_name, causal)
+        return out.index_select(0, positions)
+    return strategy.cp_attention(module, query, key_full, value_full, mask, mask_name, causal, positions)
 
 
 def packed_attention(module, query, key, value, bounds, causal: bool, group):
@@ -84,6 +92,13 @@ def packed_attention(module, query, key, value, bounds, causal: bool, group):
     value_full = cp.gather_sequence(value, bounds, group)
     return ACTIVE.strategy.cp_packed_attention(module, query, key_full, value_full, bounds, causal,
                                                group.size(), group.rank())
+
+
+def padded_rope(t, freqs, config, interleaved: bool, group):
+    """bshd RoPE under CP: ``freqs`` are this rank's chunks' angles already (Megatron's
+    RotaryEmbedding); the strategy also gets their absolute positions."""
+    positions = cp.local_positions(t.shape[0] * group.size(), group.size(), group.rank(), device=t.device)
+    return ACTIVE.strategy.cp_rope(t, freqs, config, interleaved, positions)
 
 
 def packed_rope(t, freqs, config, interleaved: bool, cu_seqlens, group):
