@@ -21,6 +21,7 @@ default mode's "as megatron sums them". Bitwise training does not cover CP (refu
 """
 from __future__ import annotations
 
+import functools
 from typing import List, Sequence
 
 import torch
@@ -60,6 +61,11 @@ def sequence_order(bounds: Sequence[int], cp_size: int) -> torch.Tensor:
     """perm with full[perm] = the ranks' local rows concatenated rank after rank, put back in sequence
     order: full row g comes from concatenated row perm[g]. bounds: [0, L] for one padded
     sequence, or the packed row's cu_seqlens."""
+    return _sequence_order(tuple(int(b) for b in bounds), cp_size)
+
+
+@functools.lru_cache(maxsize=64)  # every layer of a forward asks for the same batch's order
+def _sequence_order(bounds: tuple, cp_size: int) -> torch.Tensor:
     local = packed_local_index(bounds, cp_size, 0).numel()
     owner = torch.empty(bounds[-1], dtype=torch.long)
     for r in range(cp_size):
