@@ -141,16 +141,18 @@ def launch(key, tmp_path_factory):
 
 @pytest.mark.parametrize("key", list(CHECKS), ids=lambda k: f"{k[0]}-{k[1]}-{'packed' if k[2] else 'padded'}")
 def test_cp_layouts_logprobs_bitwise_equal_to_one_device(key, tmp_path_factory):
+    from mindspeed_tp.models.layout import Layout
+
     t, report = launch(key, tmp_path_factory)
     scored = t["scored"]
     ref = t["consistent/reference"]
+    tokens = scored.t().reshape(-1)  # Megatron's token order (position-major) for the routing maps
     for layout in CHECKS[key]:
-        from mindspeed_tp.models.layout import Layout
-
         name = Layout.parse(layout).name
         assert bits_equal(t[f"consistent/{name}"][scored], ref[scored]), (key, name)
         if key[0] == "tiny-moe":
-            assert bits_equal(t[f"consistent/routing/{name}"], t["consistent/routing/reference"]), (key, name)
+            routing = t[f"consistent/routing/{name}"][:, tokens]
+            assert routing.sum() > 0 and bits_equal(routing, t["consistent/routing/reference"][:, tokens]), (key, name)
     ours = [r for r in report["results"] if not r["vanilla"]]
     assert len(ours) == len(CHECKS[key]) and all(r["bitwise_equal_fraction"] == 1.0 for r in ours)
     assert all(r["layout"]["cp"] > 1 for r in ours)
@@ -161,7 +163,8 @@ def test_vanilla_is_compared_without_cp_and_the_report_says_so(tmp_path_factory)
     vanilla = [r for r in report["results"] if r["vanilla"]]
     assert {r["ran_as"] for r in vanilla} == {"tp1", "tp2-sp", "tp1-pp2"}
     assert all("Transformer Engine" in r["note"] for r in vanilla)
-    assert all(r["bitwise_equal_fraction"] < 1.0 for r in vanilla if r["ran_as"] != "tp1")
+    # vanilla's own TP split changes its bits (the point of the comparison)
+    assert all(r["bitwise_equal_fraction"] < 1.0 for r in vanilla if r["ran_as"] == "tp2-sp")
 
 
 def test_train_check_step_one_loss_bitwise_at_cp(tmp_path):

@@ -39,6 +39,7 @@ def attention_init(original):
 
     def __init__(self, config, *args, **kwargs):
         if getattr(config, "context_parallel_size", 1) > 1:
+            check_modes()  # at model construction, before any batch
             cp_type = kwargs.get("cp_comm_type", None)
             if cp_type not in (None, "p2p", "all_gather"):
                 raise refuse("context_parallel_comm_type", value=cp_type)
