@@ -67,6 +67,27 @@ def test_each_ranks_chunks_over_gathered_keys_equal_one_device_bits(dtype, size)
         assert bits_equal(mine, whole[:, :, pos]), rank
 
 
+def test_key_value_gradients_summed_over_the_cp_ranks_are_one_devices():
+    """Default mode's backward: each rank's queries give dK/dV for every key; summed over the ranks
+    (what the exchange's backward all-reduce does) they are one device's gradients, dQ each rank's
+    rows of it (fp32, within round-off: only the forward is under the contract)."""
+    gen = torch.Generator().manual_seed(2)
+    s, d, size = 96, 16, 2
+    q = torch.randn(1, 4, s, d, generator=gen, requires_grad=True)
+    k, v = (torch.randn(1, 2, s, d, generator=gen, requires_grad=True) for _ in range(2))
+    g = torch.randn(1, 4, s, d, generator=gen)
+    whole = torch.autograd.grad(consistent_attention(q, k, v, 0.25, block_size=16), (q, k, v), g)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for rank in range(size):
+        pos = cp.local_positions(s, size, rank)
+        mine = cp.cp_attention(q[:, :, pos], k, v, 0.25, True, pos, None, 16, 16, None)
+        gq, gk, gv = torch.autograd.grad(mine, (q, k, v), g[:, :, pos])
+        dq, dk, dv = dq + gq, dk + gk, dv + gv
+    for ours, ref in zip((dq, dk, dv), whole):
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+        assert ref.abs().max() > 0
+
+
 def test_packed_chunks_over_gathered_keys_equal_one_device_bits():
     gen = torch.Generator().manual_seed(1)
     bounds, size = [0, 8, 48, 112], 2
