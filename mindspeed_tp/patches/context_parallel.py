@@ -8,6 +8,7 @@ angles of its chunks; for packed (thd) ones the adapter picks each sequence's ch
 from __future__ import annotations
 
 import copy
+import inspect
 
 import torch
 
@@ -40,7 +41,8 @@ def attention_init(original):
     def __init__(self, config, *args, **kwargs):
         if getattr(config, "context_parallel_size", 1) > 1:
             check_modes()  # at model construction, before any batch
-            cp_type = kwargs.get("cp_comm_type", None)
+            bound = inspect.signature(original).bind(self, config, *args, **kwargs)
+            cp_type = bound.arguments.get("cp_comm_type")
             if cp_type not in (None, "p2p", "all_gather"):
                 raise refuse("context_parallel_comm_type", value=cp_type)
             local = copy.copy(config)
