@@ -1,7 +1,7 @@
 """``mindspeed-tp`` console script.
 
 ``mindspeed-tp train-check [flags]`` launches one torchrun world per world size its layouts need
-(tp*pp*dp processes each, on this node), the one-device run first; it merges the worlds' rows
+(tp*cp*pp*dp processes each, on this node), the one-device run first; it merges the worlds' rows
 into one table and report (same exit codes as ``check``, launcher flags: ``--timeout`` only).
 
 ``mindspeed-tp rl-check [flags]`` launches one torchrun world for the training layout (two with

@@ -88,7 +88,8 @@ def render_check(report: Dict) -> List[str]:
             rows.append([r["layout"]["name"], _check_mode(r), r.get("profile", "-"), f"n/a: {r['unsupported']}"]
                         + [""] * (len(head) - 4))
             continue
-        row = [r["layout"]["name"], _check_mode(r) + (" (alongside)" if r.get("alongside") else ""),
+        row = [r["layout"]["name"] + (f" (run as {r['ran_as']}: {r['note'].split(':')[0]})" if r.get("ran_as") else ""),
+               _check_mode(r) + (" (alongside)" if r.get("alongside") else ""),
                "-" if r.get("vanilla") else r.get("profile", "-"), _e(r["max_abs_logdiff"]), _e(r["mean_abs_logdiff"]),
                f"{r['bitwise_equal_fraction'] * 100:.1f} %", _e(r["max_abs_probdiff"]), f"{r['pearson']:.6f}",
                r["tokens"]]
@@ -202,6 +203,19 @@ def render_cost(report: Dict) -> List[str]:
         out += _table(["model", "layout", "seq", "canonical tree forward ×", "rollout layout forward ×",
                        "vanilla forward ms"], rows, "llrrrr")
     return out
+
+
+def render_cp_cost(report: Dict) -> List[str]:
+    out = [f"Model `{report['model']}`, one sequence of {report['seq']} tokens, {report['dtype']}, rank 0 of 2 "
+           "(tp1: both ranks hold the whole sequence; tp1-cp2: each its two chunks). Activation memory: the tensors "
+           "a forward+backward step saves for backward (with CP including each layer's gathered keys/values); "
+           "bytes: what the rank sends through collectives (at tp1-cp2: the K/V all-gathers, in backward also their "
+           "gradients' all-reduce). The exchange is an all-gather: kernels/context_parallel.py says why.", ""]
+    rows = [[r["layout"], r["tokens_per_rank"], f"{r['saved_bytes'] / 2**20:.1f}", _ratio(r["saved_ratio"]),
+             f"{r['forward_bytes'] / 2**20:.1f}", f"{r['step_bytes'] / 2**20:.1f}", f"{r['forward_s']:.2f}",
+             f"{r['step_s']:.2f}"] for r in report["rows"]]
+    return out + _table(["layout", "tokens / rank", "activation MiB", "× CP=1", "K/V exchange MiB / forward",
+                         "MiB / step", "forward s", "step s"], rows, "lrrrrrrr")
 
 
 def render_train_bench(report: Dict) -> List[str]:
@@ -348,6 +362,15 @@ REPORTS = [
            "ratio moves with model size and sequence length.",
            TORCHRUN + ["--nproc-per-node", "2", "benchmarks/consistency_cost.py", "--json", OUT], render_cost,
            cost="several minutes on 2 cores"),
+    Report("context-parallel", "Context parallelism: CP layouts against one device",
+           "tiny-dense, bf16: each sequence in 2*CP chunks (Megatron's layout), keys/values all-gathered over the CP "
+           "group; vanilla megatron-core (CP needs Transformer Engine there) is scored at the same layout without CP.",
+           CLI + ["check", "--model", "tiny-dense", "--dtype", "bf16", "--layouts", "cp2,cp4,tp2-sp-cp2,tp1-cp2-pp2",
+                  "--compare-vanilla", "--json", OUT], render_check, cheap=True),
+    Report("context-parallel-cost", "Context parallelism: activation memory and K/V exchange at 8k tokens",
+           "benchmarks/context_parallel_cost.py: one 8192-token sequence at CP=1 and CP=2.",
+           TORCHRUN + ["--nproc-per-node", "2", "benchmarks/context_parallel_cost.py", "--seq", "8192", "--json", OUT],
+           render_cp_cost, cost="an 8192-token forward and backward per layout: minutes on 2 cores"),
     Report("train-bench", "Training step time and memory",
            "benchmarks/train_bench.py: megatron's DDP, distributed optimizer, Adam with clipping; vanilla, "
            "mindspeed-tp and bitwise training (at DP=1 also with one micro-batch group).",

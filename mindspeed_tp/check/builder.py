@@ -68,6 +68,7 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype, disp
         gradient_accumulation_fusion=False,
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
         sequence_parallel=layout.sp,
         params_dtype=dtype,
         pipeline_dtype=dtype,

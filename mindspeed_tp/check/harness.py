@@ -23,6 +23,7 @@ from ..switch import disable, enable
 from . import bisect, hooks
 from .batch import PackedBatch, ScoringBatch, pack_batch
 from .builder import build_gpt_stage
+from .context_parallel import cp_state, gather_columns, global_rows, local_columns, place_rows
 from ..models.layout import Layout
 from ..models.spec import ModelSpec
 from ..models.weights import SeededWeights, load_weights
@@ -129,7 +130,7 @@ def _teardown_parallel_state() -> None:
 
 def _setup_parallel_state(layout: Layout, seed: int, training: bool = False) -> None:
     """Megatron's parallel state for ``layout``. training: the train-check's world (exactly
-    tp*pp*dp processes, virtual pipeline stages, and the gloo groups megatron's optimizers use)."""
+    tp*cp*pp*dp processes, virtual pipeline stages, and the gloo groups megatron's optimizers use)."""
     global _current_layout
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -138,7 +139,7 @@ def _setup_parallel_state(layout: Layout, seed: int, training: bool = False) -> 
 
     world = dist.get_world_size()
     if training and world != layout.world_size:
-        raise ConfigError(f"training layout {layout.name} needs exactly tp*pp*dp={layout.world_size} processes; "
+        raise ConfigError(f"training layout {layout.name} needs exactly tp*cp*pp*dp={layout.world_size} processes; "
                           f"launched with {world} (mindspeed-tp train-check launches one world per size)")
     if world % layout.required_world_size:
         raise ConfigError(
@@ -159,6 +160,7 @@ def _setup_parallel_state(layout: Layout, seed: int, training: bool = False) -> 
             virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
             expert_model_parallel_size=layout.ep,
             expert_tensor_parallel_size=layout.etp,
+            context_parallel_size=layout.cp,
             distributed_timeout_minutes=_timeout_s / 60.0,
             **kwargs,
         )
@@ -189,9 +191,11 @@ def _stage_dtype(profile: Profile, vanilla: bool, dtype):
 
 
 def _pipeline_forward(model, layout: Layout, batch: ScoringBatch, hidden: int, dtype,
-                      packed: Optional[PackedBatch] = None):
+                      packed: Optional[PackedBatch] = None, columns: Optional[torch.Tensor] = None):
     """Forward through this rank's stage; activations move between stages by send/recv. With
-    ``packed``: one row of packed (thd) sequences, boundaries in PackedSeqParams, no mask."""
+    ``packed``: one row of packed (thd) sequences, boundaries in PackedSeqParams, no mask.
+    ``columns``: under CP, the sequence (or packed-row) columns this rank holds (its 2 chunks); the
+    mask keeps their query rows over every key, the boundaries stay the whole row's."""
     from megatron.core import parallel_state
 
     extra = {}
@@ -203,6 +207,9 @@ def _pipeline_forward(model, layout: Layout, batch: ScoringBatch, hidden: int, d
         b, s = tokens.shape
         positions = torch.arange(s, device=_device).unsqueeze(0).expand(b, s)
         mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=_device), diagonal=1).view(1, 1, s, s)
+    if columns is not None:
+        tokens, positions = tokens[:, columns], positions[:, columns.to(_device)]
+        mask = None if mask is None else mask[:, :, columns.to(_device)]
     b, s = tokens.shape
     if not parallel_state.is_pipeline_first_stage():
         rows = s // layout.tp if layout.sp else s
@@ -269,8 +276,9 @@ class _RoutingCapture:
         moe_patch.remove_routing_observer(self._observe)
 
 
-def _full_routing(maps, layout: Layout, spec: ModelSpec, tokens: int) -> torch.Tensor:
-    """(num_layers, s*b, E) uint8 on every rank: layer l's expert set per token (zeros if dense)."""
+def _full_routing(maps, layout: Layout, spec: ModelSpec, tokens: int, rows=None) -> torch.Tensor:
+    """(num_layers, s*b, E) uint8 on every rank: layer l's expert set per token (zeros if dense).
+    rows: under CP, each local token's row in the whole batch (the other CP ranks fill the rest)."""
     from megatron.core import parallel_state
 
     full = torch.zeros(spec.num_layers, tokens, spec.num_experts, dtype=torch.uint8)
@@ -280,7 +288,7 @@ def _full_routing(maps, layout: Layout, spec: ModelSpec, tokens: int) -> torch.T
             parts = [torch.empty_like(chosen, dtype=torch.uint8) for _ in range(layout.tp)]
             dist.all_gather(parts, chosen.to(torch.uint8), group=group)
             chosen = torch.cat(parts)
-        full[layer_number - 1] = chosen.to(torch.uint8).cpu()
+        full[layer_number - 1] = place_rows(chosen.to(torch.uint8).cpu(), rows, tokens)
     dist.all_reduce(full, op=dist.ReduceOp.MAX)  # replicas hold equal maps; absent layers are 0
     return full
 
@@ -325,7 +333,12 @@ def layout_logprobs(
     maps, recorder = {}, None
     b, s = batch.tokens.shape
     nonfinite = torch.tensor([0, b * s])  # count, first flat index b*s+pos (b*s: none)
-    packing = pack_batch(batch, layout.tp) if packed else None
+    # Under CP each packed sequence is padded to a multiple of 2*CP*TP, as Megatron's thd CP batch.
+    packing = pack_batch(batch, layout.tp * (2 * layout.cp if layout.cp > 1 else 1)) if packed else None
+    cp_group, cp_size, cp_rank = cp_state()
+    cu = packing.cu_seqlens if packed else None
+    length = packing.tokens.shape[1] if packed else s
+    columns = local_columns(length, cp_size, cp_rank, cu) if cp_size > 1 else None
     if computes:
         model = build_gpt_stage(spec, layout, dtype, profile, dispatcher)
         load_weights(model, spec, layout, weights or SeededWeights(spec, seed))
@@ -336,7 +349,7 @@ def layout_logprobs(
         try:
             with torch.no_grad(), _engine_scoring(profile, vanilla, batch, spec):
                 out = _pipeline_forward(model, layout, batch, spec.hidden_size, _stage_dtype(profile, vanilla, dtype),
-                                        packing)
+                                        packing, columns)
         finally:
             for h in handles:
                 h.remove()
@@ -348,12 +361,16 @@ def layout_logprobs(
         if out is not None:
             out = hooks.on_logits(out, layout, parallel_state.get_tensor_model_parallel_rank())
             if parallel_state.get_data_parallel_rank() == 0:
-                nonfinite = _count_nonfinite_logits(out, spec.vocab_size)
+                nonfinite = _count_nonfinite_logits(out, spec.vocab_size, columns, length)
                 if packed:  # first packed column -> flat index in the padded (b, s) layout
                     nonfinite[1] = packing.padded_index(int(nonfinite[1]), s, none=b * s)
-            targets = packing.targets if packed else None
+            targets = packing.targets if packed else (batch.targets if columns is not None else None)
+            if columns is not None:
+                targets = targets[:, columns]
             with _engine_scoring(profile, vanilla, batch, spec):
                 result = _logprobs_from_logits(out, batch, spec.vocab_size, temperature, targets).float().cpu()
+            if columns is not None:  # every CP rank's tokens, back in sequence order
+                result = gather_columns(result, length, cp_group, cp_size, cu)
             if packed:
                 result = packing.unpack(result, batch.tokens.shape)
     # The owner of the answer: last pipeline stage, TP rank 0, DP rank 0.
@@ -367,7 +384,8 @@ def layout_logprobs(
     dist.broadcast(result, src=int(flags.item()))
     routing = None
     if spec.is_moe:
-        routing = _full_routing(maps, layout, spec, packing.tokens.numel() if packed else batch.tokens.numel())
+        rows = None if columns is None else (columns if packed else global_rows(columns, b))
+        routing = _full_routing(maps, layout, spec, packing.tokens.numel() if packed else batch.tokens.numel(), rows)
         if packed:
             routing = packing.unpack_tokens(routing, b, s)
     if diagnostics is not None:
@@ -383,9 +401,10 @@ def layout_logprobs(
     return result, routing
 
 
-def _count_nonfinite_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def _count_nonfinite_logits(logits: torch.Tensor, vocab_size: int, columns=None, length=None) -> torch.Tensor:
     """[count, first b*s+pos] of NaN/inf in this rank's real-vocab logit columns (GPTModel returns
-    [b, s, v/tp]). Padded vocab columns are excluded: they become -inf on purpose."""
+    [b, s, v/tp]). Padded vocab columns are excluded: they become -inf on purpose. Under CP
+    (``columns`` of a row of ``length``) the position is the token's in the whole sequence."""
     from megatron.core import parallel_state
 
     b, s, width = logits.shape
@@ -394,4 +413,7 @@ def _count_nonfinite_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tens
     bad = ~torch.isfinite(real)
     per_token = bad.any(dim=-1).reshape(-1)  # (b*s) in batch-major order
     hits = torch.nonzero(per_token)
-    return torch.tensor([int(bad.sum()), int(hits[0]) if len(hits) else b * s])
+    if columns is None:
+        return torch.tensor([int(bad.sum()), int(hits[0]) if len(hits) else b * s])
+    firsts = [int(h) // s * length + int(columns[int(h) % s]) for h in hits[:, 0]]
+    return torch.tensor([int(bad.sum()), min(firsts) if firsts else b * length])

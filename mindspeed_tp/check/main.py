@@ -45,7 +45,7 @@ from .rollout import make_rollouts
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs")
 DEFAULTS = dict(
-    model=None, hf_checkpoint=None, prompts=None, profile="default", tp=1, pp=1, sp=False, ep=1, etp=1, dispatcher="alltoall", layouts=None, dtype="bf16", seed=1234,
+    model=None, hf_checkpoint=None, prompts=None, profile="default", tp=1, pp=1, sp=False, ep=1, etp=1, cp=1, dispatcher="alltoall", layouts=None, dtype="bf16", seed=1234,
     batch_size=4, seq_length=144, json=None, vanilla=False, compare_vanilla=False, reference=None,
     save_reference=None, dump_logprobs=None, timeout=600.0, rollout=0, temperature=0.0, max_new_tokens=16,
     engine="reference", engine_max_batched_tokens=None,
@@ -79,6 +79,8 @@ def build_parser(prog: str = "mindspeed-tp check") -> argparse.ArgumentParser:
     p.add_argument("--sp", action="store_true", default=None, help="sequence parallel")
     p.add_argument("--ep", type=int, help="expert-parallel size (MoE models)")
     p.add_argument("--etp", type=int, help="expert tensor-parallel size (MoE models; default 1)")
+    p.add_argument("--cp", type=int, help="context-parallel size (each sequence in 2*CP chunks, Megatron's layout; "
+                                          "default 1)")
     p.add_argument("--dispatcher", choices=["alltoall", "allgather"], help="MoE token dispatcher (default alltoall)")
     p.add_argument("--layouts", help="comma-separated layouts to check in one run, e.g. tp2,tp2-sp,tp4-sp-pp2,tp2-sp-ep2-etp2")
     p.add_argument("--dtype", choices=["fp32", "bf16"])
@@ -221,7 +223,8 @@ def plan(ns: argparse.Namespace) -> Plan:
     if ns.layouts:
         layouts = [Layout.parse(x) for x in str(ns.layouts).split(",") if x.strip()]
     else:
-        layouts = [Layout(tp=int(ns.tp), pp=int(ns.pp), sp=bool(ns.sp), ep=int(ns.ep), etp=int(ns.etp))]
+        layouts = [Layout(tp=int(ns.tp), pp=int(ns.pp), sp=bool(ns.sp), ep=int(ns.ep), etp=int(ns.etp),
+                          cp=int(ns.cp))]
     prompts = None
     if ns.prompts:
 
@@ -234,6 +237,9 @@ def plan(ns: argparse.Namespace) -> Plan:
                           f"vllm-cpu-tp2); {profile.name!r} describes {profile.reduction}")
     for layout in layouts:
         validate_layout(layout, spec, profile, int(ns.seq_length))
+        if layout.cp > 1 and ns.bisect:
+            raise ConfigError(f"--bisect with layout {layout.name}: module outputs are compared on one rank; run "
+                              "--bisect at the same layout without cpN")
     if ns.seq_length > spec.max_position_embeddings:
         raise ConfigError(
             f"--seq-length={ns.seq_length} exceeds the model's max_position_embeddings={spec.max_position_embeddings}"
@@ -404,7 +410,10 @@ def run(ns: argparse.Namespace) -> int:
             label = {"consistent": "mindspeed-tp"}.get(key, key)
             progress.step(f"{layout.name} ({label})")
             diag = {"record_modules": ns.bisect}
-            lp, routing = layout_logprobs(spec, layout, dtype, run_profile, int(ns.seed), batch, vanilla, ns.dispatcher,
+            # Vanilla megatron's CP lives in Transformer Engine (its local attention asserts CP = 1):
+            # vanilla runs the same layout without CP, and the report says so.
+            run_layout = layout.without_cp() if vanilla else layout
+            lp, routing = layout_logprobs(spec, run_layout, dtype, run_profile, int(ns.seed), batch, vanilla, ns.dispatcher,
                                           temperature, weights, diagnostics=diag, packed=bool(ns.packed))
             r = compare_logprobs(lp, refs[key], batch.scored)
             r.update(logits_nonfinite=diag["logits_nonfinite"], logits_first_nonfinite=diag["logits_first_nonfinite"])
@@ -419,6 +428,10 @@ def run(ns: argparse.Namespace) -> int:
                 reduction=run_profile.reduction,
                 reference=("vLLM" if ns.engine == "vllm" else "rollout engine") if rollout else "single device (tp1)",
             )
+            if run_layout != layout:
+                r["ran_as"] = run_layout.name
+                r["note"] = (f"vanilla megatron-core runs CP only with Transformer Engine: compared at "
+                             f"{run_layout.name}, without CP")
             if run_profile.rollout_layout:  # the stock engine's TP size this run reproduces
                 r["rollout_tp"] = run_profile.rollout_tp
             if engine_report is not None:

@@ -40,6 +40,8 @@ def format_table(results: List[Dict]) -> str:
             + (_fmt_fraction(r.get("routing_mismatch_fraction", float("nan"))) if moe else "")
             + flag
         )
+        if r.get("note"):
+            lines.append(f"{'':<22}({r['note']})")
     return "\n".join(lines)
 
 

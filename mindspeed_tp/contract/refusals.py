@@ -167,6 +167,9 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "(--micro-batch-size x dp)) to be a multiple of pp={pp}", "megatron-core's interleaved schedule requires it"),
     Refusal("sp_without_tp", LAYOUT, "--sp", "--sp (sequence parallel) needs --tp > 1",
             "sequence parallelism shards over the TP group"),
+    Refusal("cp_seq_indivisible", LAYOUT, "--seq-length / --cp",
+            "--seq-length={seq} is not divisible by 2*cp*{what}={multiple} (layout {layout}): Megatron cuts each "
+            "sequence into 2*CP equal chunks{sp}; change --seq-length or --cp", "the 2*CP chunks must be equal"),
     Refusal("sp_seq_indivisible", LAYOUT, "--seq-length", "--seq-length={seq} is not divisible by --tp={tp} (needed for --sp)",
             "SP slices the sequence evenly over TP"),
     Refusal("ep_indivisible", LAYOUT, "--ep", "--ep={ep} does not divide num_experts={experts} of model {model}; change --ep",
@@ -296,9 +299,28 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "attention_mask of shape {shape}: the patched attention takes Megatron's [b, 1, sq, sk] mask (True hides "
             "a key); a [b, s] padding mask (verl's bshd engine path, use_remove_padding=False) is not supported -- "
             "use packed sequences (use_remove_padding=True)", "a [b, s] mask's meaning differs between callers"),
-    Refusal("context_parallel", ATTENTION, "context_parallel_size",
-            "context parallelism is not supported " + _T + "; set context_parallel_size=1",
-            "keys split over ranks are not covered by the consistent attention"),
+    Refusal("context_parallel_comm_type", MODEL, "cp_comm_type",
+            "cp_comm_type={value!r} is not supported " + _T + ": the consistent attention exchanges keys/values by "
+            "one all-gather over the CP group (Megatron's sequence-split layout); use cp_comm_type p2p (the default) "
+            "or all_gather", "a2a (Ulysses) splits heads, not the sequence, over the CP ranks"),
+    Refusal("context_parallel_hybrid", ATTENTION, "packed_seq_params.local_cp_size (hybrid context parallelism)",
+            "packed_seq_params.local_cp_size={value} (hybrid / dynamic context parallelism) is not supported " + _T
+            + "; use one context_parallel_size for every sequence", "per-sample CP groups are not modelled"),
+    Refusal("context_parallel_group", ATTENTION, "packed_seq_params.cp_group",
+            "packed_seq_params.cp_group has {value} ranks, the model's context_parallel_size is {cp}: they must agree",
+            "the keys are exchanged over the model's CP group"),
+    Refusal("context_parallel_seq_indivisible", ATTENTION, "sequence length / packed sequence padding under CP",
+            "a sequence of {seq} tokens under context_parallel_size={cp}: each sequence must be a multiple of "
+            "2*CP (2*{cp}) tokens (Megatron cuts it into 2*CP chunks); pad each sequence to a multiple of 2*CP (times TP "
+            "with sequence parallelism) as Megatron's CP batch does", "the 2*CP chunks must be equal"),
+    Refusal("context_parallel_mask", ATTENTION, "attention_mask under context parallelism",
+            "attention mask / key of shape {shape} under context parallelism: expected this rank's query rows and the "
+            "whole sequence's keys ([b, 1, {sq}, {sk}], Megatron's get_batch_on_this_cp_rank slicing) or no mask",
+            "a mask must name the keys by their position in the whole sequence"),
+    Refusal("context_parallel_strategy", ATTENTION, "context_parallel_size with this profile",
+            "context parallelism is not supported by the {strategy!r} numerics (an engine profile scores each request "
+            "as the engine's prefill and decode steps); set context_parallel_size=1 or use a canonical_tree / "
+            "rollout-tp profile", "the engine's attention needs whole requests"),
     Refusal("attention_bias", ATTENTION, "attention_bias", "attention_bias is not supported " + _T,
             "an additive bias is not part of the consistent attention"),
     Refusal("multi_latent_attention", ATTENTION, "multi_latent_attention",
@@ -439,6 +461,11 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "(through param.data) by a path mindspeed-tp does not hook; call mindspeed_tp.invalidate_weight_caches() "
             "after writing weights that way (found by MINDSPEED_TP_CHECK_WEIGHT_CACHES=1)",
             "a stale re-laid or prepacked weight would compute with the old values, silently"),
+    Refusal("bitwise_context_parallel", TRAINING, "context_parallel_size with bitwise_training",
+            "bitwise_training with context_parallel_size > 1 is not supported yet: the weight-gradient and per-token "
+            "sums over a CP-split sequence, and the key/value gradients summed over the CP ranks, are not folded in "
+            "the canonical order; use context_parallel_size=1 (the forward and the default mode support CP)",
+            "the backward's sums over the sequence would depend on the CP size"),
     Refusal("bitwise_training_backend", TRAINING, "backend / the machine's device",
             "bitwise_training is verified on the torch kernel backend (CPU) only; this profile runs the {backend} "
             "backend on this {device} machine, where the backward (attention's batched GEMMs, the embedding's "

@@ -104,6 +104,25 @@ def _wrapped_torch_norm_new(original):
     return __new__
 
 
+def _pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group=None):
+    """megatron's get_pos_emb_on_this_cp_rank (chunks r and 2*CP-1-r of the angle table) with its
+    index on the CPU."""
+    if cp_group is None:
+        from megatron.core import parallel_state
+
+        cp_group = parallel_state.get_context_parallel_group()
+    size, rank = cp_group.size(), cp_group.rank()
+    index = torch.tensor([rank, 2 * size - rank - 1], device=pos_emb.device)
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * size, -1, *pos_emb.shape[(seq_dim + 1):])
+    pos_emb = pos_emb.index_select(seq_dim, index)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[(seq_dim + 2):])
+
+
+_shims.add(Patch(target="megatron.core.models.common.embeddings.rope_utils:get_pos_emb_on_this_cp_rank",
+                 replacement=_pos_emb_on_this_cp_rank, optional=True,
+                 reason="context parallelism: the chunk index is built with pin_memory=True and moved to CUDA"))
+
+
 @_shims.register("megatron.core.transformer.moe.moe_utils:maybe_move_tensor_to_cpu",
                  "only CUDA tensors become host lists/arrays; gloo's all_to_all needs plain split sizes")
 def _maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):

@@ -2,7 +2,8 @@
 
 ``dispatch`` picks the backend module (``backends/torch.py``, the CPU reference; ``backends/npu.py``)
 per call from the profile's ``backend`` and the tensor's device; ``collectives`` moves data between
-ranks and folds cross-rank sums in canonical order."""
+ranks and folds cross-rank sums in canonical order; ``context_parallel`` holds Megatron's CP chunk
+layout and the key/value exchange of the consistent attention."""
 from .attention import consistent_attention, decode_attention, packed_attention
 from .linear import folded_leaf_partials, invariant_linear, invariant_matmul, leaf_partials
 from .logprob import mask_padded_vocab, vocab_parallel_logprob

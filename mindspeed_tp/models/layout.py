@@ -12,7 +12,7 @@ from ..errors import ConfigError
 from ..contract.profile import Profile
 from .spec import ModelSpec
 
-_TOKEN = re.compile(r"^(tp|pp|ep|etp|dp|vpp)(\d+)$|^sp$")
+_TOKEN = re.compile(r"^(tp|pp|ep|etp|cp|dp|vpp)(\d+)$|^sp$")
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,8 @@ class Layout:
     sp: bool = False
     ep: int = 1
     etp: int = 1
+    # Context parallelism: each sequence cut into 2*cp chunks, rank r holding chunks r and 2*cp-1-r.
+    cp: int = 1
     # Training check only (``mindspeed-tp train-check``): data-parallel replicas and virtual
     # pipeline chunks per stage. The scoring checker runs one replica per layout and no VPP.
     dp: int = 1
@@ -29,8 +31,8 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        """Processes a training layout runs on: tp * pp * dp (EP and ETP live inside it)."""
-        return self.tp * self.pp * self.dp
+        """Processes a training layout runs on: tp * cp * pp * dp (EP and ETP live inside it)."""
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def model_parallel_size(self) -> int:
@@ -38,8 +40,8 @@ class Layout:
 
     @property
     def required_world_size(self) -> int:
-        """Megatron needs tp*pp and etp*ep*pp to divide the world size."""
-        a, b = self.tp * self.pp, self.etp * self.ep * self.pp
+        """Megatron needs tp*cp*pp and etp*ep*pp to divide the world size."""
+        a, b = self.tp * self.cp * self.pp, self.etp * self.ep * self.pp
         return a * b // math.gcd(a, b)
 
     @property
@@ -51,6 +53,8 @@ class Layout:
             parts.append(f"ep{self.ep}")
         if self.etp > 1:
             parts.append(f"etp{self.etp}")
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
         if self.pp > 1:
             parts.append(f"pp{self.pp}")
         if self.vpp > 1:
@@ -61,14 +65,14 @@ class Layout:
 
     @classmethod
     def parse(cls, text: str) -> "Layout":
-        """Parse 'tp2-sp-pp2' style names (also 'tp2-pp2-vpp2', 'tp1-ep2-dp2')."""
-        sizes = {"tp": 1, "pp": 1, "ep": 1, "etp": 1, "dp": 1, "vpp": 1}
+        """Parse 'tp2-sp-pp2' style names (also 'tp2-pp2-vpp2', 'tp1-ep2-dp2', 'tp2-sp-cp2', 'cp2-dp2')."""
+        sizes = {"tp": 1, "pp": 1, "ep": 1, "etp": 1, "cp": 1, "dp": 1, "vpp": 1}
         sp = False
         for token in text.strip().lower().split("-"):
             m = _TOKEN.match(token)
             if not m:
                 raise ConfigError(
-                    f"--layouts entry {text!r}: cannot read {token!r} (expected tpN, ppN, epN, etpN, dpN, vppN or sp)"
+                    f"--layouts entry {text!r}: cannot read {token!r} (expected tpN, ppN, epN, etpN, cpN, dpN, vppN or sp)"
                 )
             if token == "sp":
                 sp = True
@@ -76,8 +80,16 @@ class Layout:
                 sizes[m.group(1)] = int(m.group(2))
         return cls(sp=sp, **sizes)
 
+    def without_cp(self) -> "Layout":
+        """The same layout at CP = 1 (vanilla megatron's local attention cannot run CP)."""
+        from dataclasses import replace
+
+        return replace(self, cp=1)
+
     def to_dict(self):
         out = {"tp": self.tp, "pp": self.pp, "sp": self.sp, "ep": self.ep, "etp": self.etp}
+        if self.cp > 1:
+            out["cp"] = self.cp
         if self.dp > 1 or self.vpp > 1:
             out.update(dp=self.dp, vpp=self.vpp)
         out["name"] = self.name
@@ -89,7 +101,7 @@ def validate_layout(layout: Layout, spec: ModelSpec, profile: Profile, seq_lengt
 
     training: the layout is for ``mindspeed-tp train-check`` (dpN and vppN allowed)."""
     for flag, value in (("--tp", layout.tp), ("--pp", layout.pp), ("--ep", layout.ep), ("--etp", layout.etp),
-                        ("dpN", layout.dp), ("vppN", layout.vpp)):
+                        ("--cp", layout.cp), ("dpN", layout.dp), ("vppN", layout.vpp)):
         if value < 1:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
     if not training and (layout.dp > 1 or layout.vpp > 1):
@@ -100,9 +112,9 @@ def validate_layout(layout: Layout, spec: ModelSpec, profile: Profile, seq_lengt
         if spec.num_layers % (layout.pp * layout.vpp):
             raise refuse("vpp_layers_indivisible", model=spec.name, layers=spec.num_layers,
                          stages=layout.pp * layout.vpp)
-    if training and spec.is_moe and (layout.tp * layout.dp) % (layout.ep * layout.etp):
+    if training and spec.is_moe and (layout.tp * layout.cp * layout.dp) % (layout.ep * layout.etp):
         raise refuse("experts_outside_stage", layout=layout.name, experts=layout.ep * layout.etp,
-                     ranks=layout.tp * layout.dp)
+                     ranks=layout.tp * layout.cp * layout.dp)
     profile.check_tp(layout.tp, setting="--tp (tensor_model_parallel_size)")
     if layout.sp and layout.tp == 1:
         raise refuse("sp_without_tp")
@@ -135,3 +147,9 @@ def validate_layout(layout: Layout, spec: ModelSpec, profile: Profile, seq_lengt
         raise refuse("ep_without_moe", model=spec.name)
     if layout.sp and seq_length % layout.tp:
         raise refuse("sp_seq_indivisible", seq=seq_length, tp=layout.tp)
+    if layout.cp > 1:
+        multiple = 2 * layout.cp * (layout.tp if layout.sp else 1)
+        if seq_length % multiple:
+            raise refuse("cp_seq_indivisible", seq=seq_length, what="tp" if layout.sp else "1", multiple=multiple,
+                         layout=layout.name, sp=" and sequence parallelism splits each rank's part over TP"
+                         if layout.sp else "")

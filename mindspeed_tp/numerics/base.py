@@ -64,6 +64,34 @@ class Numerics:
         """Packed (thd): query [t, np, hn], key/value [t, ng, hn], ``bounds`` the cu_seqlens -> [t, np*hn]."""
         raise NotImplementedError
 
+    # Context parallelism: True when the strategy's attention needs whole sequences of queries (an
+    # engine that scores a request as its prefill and decode steps): the CP adapter then gathers the
+    # queries too and keeps this rank's rows of the output.
+    cp_whole_queries = False
+
+    def cp_rope(self, t: torch.Tensor, freqs: torch.Tensor, config, interleaved: bool,
+                positions: torch.Tensor) -> torch.Tensor:
+        """Context parallelism, padded (bshd): RoPE of this rank's chunks; ``freqs`` are already their
+        angles (Megatron's RotaryEmbedding slices them per CP rank), ``positions`` their absolute
+        positions."""
+        return self.rope(t, freqs, config, interleaved, None)
+
+    def cp_attention(self, module, query, key_full, value_full, attention_mask, mask_name: str, causal: bool,
+                     q_positions: torch.Tensor) -> torch.Tensor:
+        """Context parallelism: this rank's queries [sq_local, b, np, hn] at absolute ``q_positions``
+        over the whole sequence's keys/values [S, b, ng, hn] -> [sq_local, b, np*hn]."""
+        from ..contract.refusals import refuse
+
+        raise refuse("context_parallel_strategy", strategy=self.name)
+
+    def cp_packed_attention(self, module, query, key_full, value_full, bounds, causal: bool, cp_size: int,
+                            cp_rank: int) -> torch.Tensor:
+        """Context parallelism, packed (thd): this rank's rows [t_local, np, hn] over the whole packed
+        row's keys/values [T, ng, hn] (``bounds`` its cu_seqlens) -> [t_local, np*hn]."""
+        from ..contract.refusals import refuse
+
+        raise refuse("context_parallel_strategy", strategy=self.name)
+
     def residual_add(self, original: Callable, x_with_bias, residual, prob: float, training: bool):
         """Megatron's bias-dropout-add (``original``)."""
         return original(x_with_bias, residual, prob, training)

@@ -11,6 +11,7 @@ from ..contract.refusals import refuse
 from ..kernels import (apply_rope, consistent_attention, dispatch, folded_leaf_partials, invariant_linear,
                        packed_attention, vocab_parallel_logprob)
 from ..kernels.collectives import fold_across_ranks, group_size
+from ..kernels.context_parallel import cp_attention, packed_cp_attention
 from ..kernels.norm import affine_norm
 from .base import Numerics
 from .moe_layer import canonical_moe
@@ -121,6 +122,27 @@ class CanonicalTree(Numerics):
         context = packed_attention(query, key, value, bounds, scale=compat.attention_scale(module), causal=causal,
                                    block_size=prof.attention_block_size, row_multiple=prof.gemm_row_multiple,
                                    split_size=prof.attention_split_size)
+        return context.reshape(context.shape[0], -1)
+
+    def cp_attention(self, module, query, key_full, value_full, attention_mask, mask_name, causal, q_positions):
+        """The same kernel per query at its absolute position over the whole sequence's keys
+        (``kernels.context_parallel``): the one-device bits."""
+        prof = self.profile
+        if attention_mask is not None and not dispatch.backend_attribute(query, "EXPLICIT_MASKS", True):
+            attention_mask = mask_for_maskless_kernel(mask_name, attention_mask, dispatch.backend_name(query))
+        sq, b, np_, hn = query.shape
+        context = cp_attention(
+            query.permute(1, 2, 0, 3), key_full.permute(1, 2, 0, 3), value_full.permute(1, 2, 0, 3),
+            compat.attention_scale(module), causal, q_positions, attention_mask, prof.attention_block_size,
+            prof.gemm_row_multiple, prof.attention_split_size,
+        )
+        return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+
+    def cp_packed_attention(self, module, query, key_full, value_full, bounds, causal, cp_size, cp_rank):
+        prof = self.profile
+        context = packed_cp_attention(query, key_full, value_full, bounds, cp_size, cp_rank,
+                                      compat.attention_scale(module), causal, prof.attention_block_size,
+                                      prof.gemm_row_multiple, prof.attention_split_size)
         return context.reshape(context.shape[0], -1)
 
     # ------------------------------------------------------------------ MoE and logprobs

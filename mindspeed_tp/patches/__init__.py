@@ -1,6 +1,7 @@
 """The megatron-core adapters: each patch checks megatron's arguments and calls the active numerics
 strategy (``numerics.ACTIVE``, set by enable()). ``registry()`` builds the patch set once: every
-adapter module's targets, then each strategy's own entries; enable()/disable() apply and revert it."""
+adapter module's targets, then each strategy's own entries; enable()/disable() apply and revert it.
+``context_parallel`` (registered by ``attention``) is the attention's context-parallel path."""
 from typing import Optional
 
 from .. import numerics

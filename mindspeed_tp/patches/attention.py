@@ -7,6 +7,7 @@ from ..contract import refusals
 from ..contract.refusals import refuse
 from ..numerics import ACTIVE
 from ..patching import PatchRegistry
+from . import context_parallel
 
 _CAUSAL_TYPES = ("causal", "padding_causal", "causal_bottom_right")
 
@@ -18,11 +19,12 @@ def _check_attention_config(module) -> None:
         raise refuse("attention_dropout")
 
 
-def packed_boundaries(packed_seq_params, total: int):
+def packed_boundaries(packed_seq_params, total: int, cp_size: int = 1):
     """cu_seqlens of a packed (thd) batch as a list of ints, after refusing what the consistent
     attention does not model. Sequences may carry padding at their end (verl pads each to a multiple
     of the TP size) as long as the padded and unpadded boundaries agree: a causal pad token is seen
-    by no real token of its sequence."""
+    by no real token of its sequence. Under CP (``cp_size`` > 1) the boundaries are the whole packed
+    row's (``total`` * cp_size tokens), each sequence divisible by 2·CP, as Megatron's thd CP batch."""
     p = packed_seq_params
     fmt = getattr(p, "qkv_format", None)
     if fmt != "thd":
@@ -35,14 +37,21 @@ def packed_boundaries(packed_seq_params, total: int):
         if other is not None and not torch.equal(other.to(cu.device, cu.dtype), cu):
             raise refuse("packed_boundaries_differ", name=name)
     local_cp = getattr(p, "local_cp_size", None)
+    if local_cp is not None and local_cp > 1:
+        raise refuse("context_parallel_hybrid", value=local_cp)
     cp_group = getattr(p, "cp_group", None)
-    if (local_cp is not None and local_cp > 1) or (cp_group is not None and cp_group.size() > 1):
-        raise refuse("context_parallel")
+    if cp_group is not None and cp_group.size() != cp_size:
+        raise refuse("context_parallel_group", value=cp_group.size(), cp=cp_size)
     if getattr(p, "pad_between_seqs", None):
         raise refuse("packed_pad_between_seqs")
     bounds = [int(x) for x in cu.tolist()]
+    total *= cp_size
     if bounds[0] != 0 or bounds[-1] != total or any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
         raise refuse("packed_bad_boundaries", bounds=bounds, total=total)
+    if cp_size > 1:
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            if (b - a) % (2 * cp_size):
+                raise refuse("context_parallel_seq_indivisible", seq=b - a, cp=cp_size)
     return bounds
 
 
@@ -68,7 +77,10 @@ def attention_forward(
     mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
     mask_name = getattr(mask_type, "name", str(mask_type))
     causal = mask_name in _CAUSAL_TYPES
+    group = context_parallel.cp_group()
     if packed_seq_params is None:
+        if group is not None:
+            return context_parallel.attention(self, query, key, value, attention_mask, mask_name, causal, group)
         return numerics.attention(self, query, key, value, attention_mask, mask_name, causal)
     if attention_mask is not None:
         raise refuse("packed_explicit_mask")
@@ -76,25 +88,32 @@ def attention_forward(
         if query.shape[1] != 1:
             raise refuse("packed_batch", shape=tuple(query.shape))
         query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
-    bounds = packed_boundaries(packed_seq_params, query.shape[0])
+    bounds = packed_boundaries(packed_seq_params, query.shape[0], group.size() if group is not None else 1)
+    if group is not None:
+        return context_parallel.packed_attention(self, query, key, value, bounds, causal, group)
     return numerics.packed_attention(self, query, key, value, bounds, causal)
 
 
 def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None,
                          mla_rotary_interleaved=False):
     """RoPE by the active strategy (fp32 from Megatron's angle table, one cast, by default); packed
-    (thd, ``cu_seqlens``): each sequence from its own position 0, as Megatron's thd RoPE."""
+    (thd, ``cu_seqlens``): each sequence from its own position 0, as Megatron's thd RoPE. Under CP:
+    padded, Megatron's RotaryEmbedding already gave this rank's angles; packed, each sequence's
+    chunk positions (``context_parallel.packed_rope``)."""
     if getattr(config, "multi_latent_attention", False) or mla_rotary_interleaved:
         raise refuse("multi_latent_attention")
     if mscale != 1.0:
         raise refuse("rope_mscale")
-    if cp_group is not None and cp_group.size() > 1:
-        raise refuse("context_parallel")
     interleaved = bool(getattr(config, "rotary_interleaved", False))
+    if cp_group is not None and cp_group.size() > 1:
+        if cu_seqlens is not None:
+            return context_parallel.packed_rope(t, freqs, config, interleaved, cu_seqlens, cp_group)
+        return context_parallel.padded_rope(t, freqs, config, interleaved, cp_group)
     return ACTIVE.strategy.rope(t, freqs, config, interleaved, cu_seqlens)
 
 
 def register(reg: PatchRegistry) -> None:
+    context_parallel.register(reg)
     reg.register(
         "megatron.core.transformer.dot_product_attention:DotProductAttention.forward",
         "core attention through one consistent kernel: fixed KV blocks aligned to absolute positions, "

@@ -34,6 +34,7 @@ from .snapshots import (OPTIMIZER_STATE_KEYS, ShardComparison, optimizer_states,
                         state_values)
 from ...contract.profile import Profile
 from ..batch import ScoringBatch, make_batch
+from ..context_parallel import cp_state, gather_columns, local_columns
 from ..harness import _setup_parallel_state, run_device
 
 RECOMPUTE = {
@@ -76,28 +77,40 @@ def micro_batch_rows(settings: TrainSettings, dp: int, dp_rank: int) -> List[tor
 
 class _LossRecorder:
     """The loss function handed to megatron's schedule: keeps each micro-batch's per-token losses
-    (by global row) and returns what the schedule expects for per-token loss scaling."""
+    (by global row) and returns what the schedule expects for per-token loss scaling. Under CP a
+    rank holds its two chunks of each sequence: the per-token losses are gathered back into sequence
+    order (moved, not summed) to be recorded; the returned sum and token count are this rank's, which
+    megatron's schedule and finalize_model_grads reduce over the DP x CP group."""
 
-    def __init__(self):
+    def __init__(self, seq_length: int):
         self.rows: Dict[int, torch.Tensor] = {}
+        self.seq_length = seq_length
 
     def loss_func(self, rows: torch.Tensor, loss_mask: torch.Tensor, output_tensor: torch.Tensor):
         losses = output_tensor.float()  # (b, s): GPTModel.forward(labels=...) returns per-token losses
+        group, size, _ = cp_state()
+        full = gather_columns(losses.detach().cpu(), self.seq_length, group, size)
         for i, row in enumerate(rows.tolist()):
-            self.rows[row] = losses[i].detach().cpu()
+            self.rows[row] = full[i]
         total = (losses * loss_mask).sum()
         num_tokens = loss_mask.sum().to(torch.int)
         return total, num_tokens, {"lm loss": torch.stack([total.detach(), num_tokens.float()])}
 
 
 def _data(batch: ScoringBatch, rows_per_micro: List[torch.Tensor]):
+    """Each micro-batch; under CP this rank's two chunks of every sequence (Megatron's
+    get_batch_on_this_cp_rank: the mask keeps the chunks' query rows over every key)."""
     device = run_device()
     s = batch.tokens.shape[1]
     mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=device), diagonal=1).view(1, 1, s, s)
+    _, size, rank = cp_state()
+    cols = local_columns(s, size, rank)
+    mask = mask[:, :, cols.to(device)]
     for rows in rows_per_micro:
-        yield dict(rows=rows, tokens=batch.tokens[rows].to(device), labels=batch.targets[rows].to(device),
-                   loss_mask=batch.scored[rows].float().to(device),
-                   position_ids=torch.arange(s, device=device).unsqueeze(0).expand(len(rows), s),
+        yield dict(rows=rows, tokens=batch.tokens[rows][:, cols].to(device),
+                   labels=batch.targets[rows][:, cols].to(device),
+                   loss_mask=batch.scored[rows][:, cols].float().to(device),
+                   position_ids=cols.to(device).unsqueeze(0).expand(len(rows), cols.numel()),
                    attention_mask=mask)
 
 
@@ -117,14 +130,15 @@ def global_loss(losses: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
 
 def gather_rows(rows: Dict[int, torch.Tensor], batch: ScoringBatch) -> torch.Tensor:
     """(G, s) per-token values (a loss function's, by global row) on every rank: the rows move from
-    the rank that computed them (last pipeline stage, TP rank 0, its DP rank) by an all-gather;
+    the rank that computed them (last pipeline stage, TP and CP rank 0, its DP rank) by an all-gather;
     nothing is summed."""
     from megatron.core import parallel_state as ps
 
     g, s = batch.tokens.shape
     mine = torch.zeros(g, s)
     owned = torch.zeros(g, dtype=torch.int64)
-    if ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0:
+    if ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0 \
+            and ps.get_context_parallel_rank() == 0:  # CP ranks hold the same gathered rows
         for row, values in rows.items():
             mine[row], owned[row] = values, 1
     everyone = gather_along_rank(mine, dist.group.WORLD)          # (W, G, s)
@@ -243,7 +257,7 @@ def train_layout(spec: ModelSpec, layout: Layout, dtype: torch.dtype, profile: P
         for m in wrapped:
             m.zero_grad_buffer()
         optimizer.zero_grad()
-        recorder = _LossRecorder()
+        recorder = _LossRecorder(settings.seq_length)
         iterators = [_data(batch, rows) for _ in wrapped]
         forward_backward(
             forward_step_func=partial(_forward_step, recorder),

@@ -1,7 +1,7 @@
 """The training check: K optimizer steps in each layout vs the same steps on one device.
 
 ``mindspeed-tp train-check`` launches one torchrun world per world size the layouts need
-(tp*pp*dp processes each): first the one-device run (world 1, saved as the reference), then every
+(tp*cp*pp*dp processes each): first the one-device run (world 1, saved as the reference), then every
 other world, which loads it. Every world trains from the same seeded weights on the same global
 batch (fixed micro-batch size, so each layout sees the same sequences). Exit codes as ``check``:
 0 step-1 loss and in-step logprobs bitwise equal to one device in every layout, 1 not, 2 bad input
@@ -38,7 +38,8 @@ def build_parser(prog: str = "mindspeed-tp train-check") -> argparse.ArgumentPar
     p.add_argument("--model", help="bundled model name (default tiny-dense) or a model config YAML path")
     p.add_argument("--profile", help="numerics profile: bundled name or YAML path (default: default)")
     p.add_argument("--layouts", help="comma-separated training layouts, e.g. tp2-sp-pp2,tp2-pp2-vpp2,tp1-dp2,"
-                                     "tp2-sp-dp2,tp2-sp-ep2 (tpN ppN vppN dpN epN etpN sp; default tp2-sp)")
+                                     "tp2-sp-dp2,tp2-sp-ep2,tp2-sp-cp2,cp2-dp2 (tpN ppN vppN dpN epN etpN cpN sp; default "
+                                     "tp2-sp)")
     p.add_argument("--dtype", choices=["fp32", "bf16"])
     p.add_argument("--seed", type=int, help="seed of the weights and of the global batch")
     p.add_argument("--steps", type=int, help="optimizer steps per layout (default 3)")
@@ -144,6 +145,8 @@ def plan(ns: argparse.Namespace) -> Plan:
                          micro=settings.micro_batch_size, dp=layout.dp, layout=layout.name)
         if layout.vpp > 1 and (settings.global_batch_size // (settings.micro_batch_size * layout.dp)) % layout.pp:
             raise refuse("interleaved_microbatches", layout=layout.name, pp=layout.pp)
+        if layout.cp > 1 and profile.bitwise_training:
+            raise refuse("bitwise_context_parallel")
     if settings.seq_length > spec.max_position_embeddings:
         raise ConfigError(f"--seq-length={settings.seq_length} exceeds max_position_embeddings="
                           f"{spec.max_position_embeddings}")
@@ -193,7 +196,7 @@ def run(ns: argparse.Namespace) -> int:
     mine = parse_layouts(ns.launch_layouts) if ns.launch_layouts is not None else pl.layouts
     wrong = [l.name for l in mine if l.world_size != world]
     if wrong:
-        raise ConfigError(f"layout(s) {wrong} need tp*pp*dp processes, this world has {world}; run them with "
+        raise ConfigError(f"layout(s) {wrong} need tp*cp*pp*dp processes, this world has {world}; run them with "
                           f"mindspeed-tp train-check (one world per size) or launch that many processes")
     verify_same_on_all_ranks({"model config": pl.spec.to_dict(), "profile": pl.profile.to_dict(),
                               "settings": pl.settings.to_dict(), "dtype": ns.dtype, "layouts": [l.name for l in mine],

@@ -88,13 +88,17 @@ def residual_add(x_with_bias, residual: torch.Tensor, prob: float, training: boo
     return kernels.fused_add_residual(x, residual)
 
 
-def rope(t: torch.Tensor, config, interleaved: bool) -> torch.Tensor:
-    """RoPE on [s, b, heads, dim] at absolute positions 0..s-1 (the scored sequences start at 0)."""
+def rope(t: torch.Tensor, config, interleaved: bool, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """RoPE on [s, b, heads, dim] at absolute positions 0..s-1 (the scored sequences start at 0), or at
+    ``positions`` (s,) (a context-parallel rank's chunks)."""
     base, max_positions = rope_of(config)
     s, b, h, d = t.shape
     x = t.reshape(s * b, h, d)
-    positions = torch.arange(s, device=t.device).repeat_interleave(b)
-    out = kernels.rotary(x, positions, base, max(max_positions, s), neox=not interleaved)
+    if positions is None:
+        positions = torch.arange(s, device=t.device)
+    longest = int(positions.max()) + 1 if positions.numel() else s
+    positions = positions.to(t.device).repeat_interleave(b)
+    out = kernels.rotary(x, positions, base, max(max_positions, longest), neox=not interleaved)
     return out.reshape(s, b, h, d)
 
 

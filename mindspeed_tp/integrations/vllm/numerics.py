@@ -57,6 +57,14 @@ class VllmEngine(RolloutLayout):
     def packed_attention(self, module, query, key, value, bounds, causal):
         raise refuse("packed_sequences_engine")
 
+    # Context parallelism: the engine's paged attention scores whole requests (prefill, then decode
+    # steps), so every CP rank runs it on the whole sequence and keeps its own chunks' rows.
+    cp_whole_queries = True
+
+    def cp_rope(self, t, freqs, config, interleaved, positions):
+        """The engine's rotary kernel at this rank's chunk positions."""
+        return forward.rope(t, config, interleaved, positions)
+
     def residual_add(self, original, x_with_bias, residual, prob, training):
         """The residual as the engine's fused-add RMSNorm carries it (fp32, unrounded)."""
         return forward.residual_add(x_with_bias, residual, prob, training)
