@@ -80,13 +80,14 @@ def measure(spec, layout, dtype, profile, batch):
     return out
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny-dense")
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--json")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    owns_group = not dist.is_initialized()  # a caller's process group (tests/workers/bench_smoke.py) stays
     init_distributed()
     install_cpu_shims()
     comm_counter.counter.apply()
@@ -111,7 +112,8 @@ def main():
         if args.json:
             write_json_atomic(args.json, {"model": spec.name, "seq": args.seq, "dtype": args.dtype, "rows": rows})
     dist.barrier()
-    dist.destroy_process_group()
+    if owns_group:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

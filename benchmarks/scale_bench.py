@@ -146,7 +146,7 @@ def measure_mode(case: Case, mode: str, repeats: int) -> Dict:
     from mindspeed_tp.check.harness import (_logprobs_from_logits, _pipeline_forward, _setup_parallel_state,
                                             _teardown_parallel_state)
     from mindspeed_tp.check.train.loop import (TrainSettings, _data, _forward_step, _LossRecorder,
-                                               _model_parallel_chunks, _optimizer, _wire_config, micro_batch_rows,
+                                               model_parallel_chunks, make_optimizer, wire_config, micro_batch_rows,
                                                train_batch)
     from mindspeed_tp.contract.profile import load_profile
     from mindspeed_tp.models.layout import Layout
@@ -161,9 +161,9 @@ def measure_mode(case: Case, mode: str, repeats: int) -> Dict:
     gc.collect()
     base = _rss_mb()
     _reset_peak()
-    chunks, wrapped, ddp_config = _model_parallel_chunks(spec, layout, dtype, profile, settings)
-    optimizer = _optimizer(wrapped, dtype, settings)
-    _wire_config(chunks[0].config, wrapped, ddp_config, optimizer)
+    chunks, wrapped, ddp_config = model_parallel_chunks(spec, layout, dtype, profile, settings)
+    optimizer = make_optimizer(wrapped, dtype, settings)
+    wire_config(chunks[0].config, wrapped, ddp_config, optimizer)
     batch = train_batch(spec, settings)
     rows = micro_batch_rows(settings, layout.dp, ps.get_data_parallel_rank())
     model = chunks[0]
@@ -202,7 +202,7 @@ def measure_mode(case: Case, mode: str, repeats: int) -> Dict:
             m.zero_grad_buffer()
         optimizer.zero_grad()
         pipeline_parallel.get_forward_backward_func()(
-            forward_step_func=partial(_forward_step, _LossRecorder()), data_iterator=_data(batch, rows),
+            forward_step_func=partial(_forward_step, _LossRecorder(settings.seq_length)), data_iterator=_data(batch, rows),
             model=wrapped[0], num_microbatches=len(rows), seq_length=settings.seq_length, micro_batch_size=1,
             decoder_seq_length=settings.seq_length, forward_only=False)
         optimizer.step()

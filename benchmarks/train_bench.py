@@ -75,7 +75,7 @@ def worker(ns) -> None:
         optimizer.zero_grad()
         start = time.perf_counter()
         get_forward_backward_func()(
-            forward_step_func=partial(_forward_step, _LossRecorder()), data_iterator=_data(batch, rows),
+            forward_step_func=partial(_forward_step, _LossRecorder(settings.seq_length)), data_iterator=_data(batch, rows),
             model=wrapped[0], num_microbatches=len(rows), seq_length=settings.seq_length, micro_batch_size=1,
             decoder_seq_length=settings.seq_length, forward_only=False)
         optimizer.step()

@@ -3,7 +3,7 @@ changed helper breaks the suite instead of the benchmark (issue #28: consistency
 failed at import and nothing noticed). Speed is never asserted: the smoke runs check that each
 script runs end to end and writes what it documents.
 
-Launches are shared: the torchrun benchmarks (consistency_cost, logprob_forward, module_shares,
+Launches are shared: the torchrun benchmarks (consistency_cost, context_parallel_cost, logprob_forward, module_shares,
 gpu_bench's CPU-runnable model part and its GEMM part under Triton's interpreter) run one after
 another in one 2-rank launch (tests/workers/bench_smoke.py); train_bench and scale_bench are
 launchers themselves and run as users run them, with --smoke.
@@ -27,6 +27,7 @@ sys.path.insert(0, BENCH)
 COVERED = {
     "comm_counter.py": "imported by consistency_cost and scale_bench",
     "consistency_cost.py": "test_torchrun_benchmarks_run_in_one_launch",
+    "context_parallel_cost.py": "test_torchrun_benchmarks_run_in_one_launch",
     "logprob_forward.py": "test_torchrun_benchmarks_run_in_one_launch",
     "module_shares.py": "test_torchrun_benchmarks_run_in_one_launch",
     "gpu_bench.py": "test_torchrun_benchmarks_run_in_one_launch, test_gpu_bench_without_cuda_says_how_to_dry_run",
@@ -51,10 +52,13 @@ def test_torchrun_benchmarks_run_in_one_launch(tmp_path):
     proc = run_torchrun("bench_smoke.py", 2, str(tmp_path), timeout=600, env={"TRITON_INTERPRET": "1"})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
-    for step in ("consistency_cost", "logprob_forward", "module_shares", "gpu_bench model", "gpu_bench gemm"):
+    for step in ("consistency_cost", "context_parallel_cost", "logprob_forward", "module_shares", "gpu_bench model",
+                 "gpu_bench gemm"):
         assert f"BENCH-SMOKE {step} done" in proc.stdout, out[-6000:]
     assert "ratio consistent/vanilla:" in proc.stdout  # logprob_forward
     assert "module shares of the logprob forward" in proc.stdout
+    cp_rows = json.loads((tmp_path / "cp_cost.json").read_text())["rows"]
+    assert [r["layout"] for r in cp_rows][1].startswith("tp1-cp2") and cp_rows[1]["forward_bytes"] > 0
     cost = json.loads((tmp_path / "consistency_cost.json").read_text())
     (case,) = cost["cases"]
     assert (case["model"], case["layout"]) == ("tiny-dense", "tp2-sp")
