@@ -69,6 +69,10 @@ class Numerics:
     # queries too and keeps this rank's rows of the output.
     cp_whole_queries = False
 
+    def check_context_parallel(self) -> None:
+        """At a CP model's construction and each CP attention call: what this strategy's CP does not
+        cover is refused here."""
+
     def cp_rope(self, t: torch.Tensor, freqs: torch.Tensor, config, interleaved: bool,
                 positions: torch.Tensor) -> torch.Tensor:
         """Context parallelism, padded (bshd): RoPE of this rank's chunks; ``freqs`` are already their

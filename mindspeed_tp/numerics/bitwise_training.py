@@ -60,6 +60,11 @@ class BitwiseTraining(CanonicalTree):
     def register_patches(cls, reg: PatchRegistry) -> None:
         register(reg)
 
+    def check_context_parallel(self) -> None:
+        """CP splits each sequence over ranks: the token trees of the weight gradients, dK/dV's order
+        over query blocks and the DP x CP gradient sum are not canonical there yet."""
+        raise refuse("bitwise_context_parallel")
+
     def check_ready(self) -> None:
         """Only where it was verified: the torch backend, the one CPUs run."""
         device = machine_device_type()

@@ -27,10 +27,8 @@ def cp_group():
 
 
 def check_modes() -> None:
-    """What the CP exchange does not cover yet, refused by name."""
-    prof = ACTIVE.strategy.profile
-    if prof.bitwise_training:
-        raise refuse("bitwise_context_parallel")
+    """What the active strategy's CP does not cover yet, refused by name (the strategy decides)."""
+    ACTIVE.strategy.check_context_parallel()
 
 
 def attention_init(original):
