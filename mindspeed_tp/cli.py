@@ -159,22 +159,34 @@ def _launch_world(module: str, nproc: int, args: List[str], tmp: str, name: str)
     return (3 if missing or 3 in codes else 0), messages
 
 
-def _train_check(argv: List[str]) -> int:
-    from .check.train import report
-    from .check.train.main import build_parser, plan, resolve_args, worlds
-
+def _plan_or_exit(command: str, argv: List[str], main_module, launcher_flags: str, launcher_only):
+    """(ns, plan) of a launching command (train-check, rl-check), or its exit code: 0 after --help,
+    2 for bad settings or for the flags only its launcher passes to the worlds (``launcher_only(ns)``)."""
     if "-h" in argv or "--help" in argv:
-        build_parser().print_help()
+        main_module.build_parser().print_help()
         return 0
     try:
-        ns = resolve_args(argv)
-        pl = plan(ns)
-        if ns.reference or ns.save_reference or ns.results or ns.launch_layouts:
-            raise ConfigError("--reference / --save-reference are for a torchrun launch of python -m "
-                              "mindspeed_tp.check.train; mindspeed-tp train-check runs the one-device reference itself")
+        ns = main_module.resolve_args(argv)
+        pl = main_module.plan(ns)
+        if launcher_only(ns):
+            raise ConfigError(f"{launcher_flags} are for the launcher's torchrun worlds; run mindspeed-tp {command} "
+                              "without them")
     except ConfigError as exc:
-        print(f"mindspeed-tp train-check: error: {exc}", file=sys.stderr)
+        print(f"mindspeed-tp {command}: error: {exc}", file=sys.stderr)
         return 2
+    return ns, pl
+
+
+def _train_check(argv: List[str]) -> int:
+    from .check.train import main as train_main, report
+    from .check.train.main import worlds
+
+    planned = _plan_or_exit("train-check", argv, train_main, "--reference / --save-reference (the one-device "
+                            "reference is run by train-check itself)",
+                            lambda ns: ns.reference or ns.save_reference or ns.results or ns.launch_layouts)
+    if isinstance(planned, int):
+        return planned
+    ns, pl = planned
     with tempfile.TemporaryDirectory(prefix="mindspeed-tp-train-") as tmp:
         reference = os.path.join(tmp, "reference.safetensors")
         parts, summary = [], {}
@@ -194,21 +206,13 @@ def _train_check(argv: List[str]) -> int:
 
 
 def _rl_check(argv: List[str]) -> int:
-    from .check.rl import report
-    from .check.rl.main import build_parser, plan, resolve_args
+    from .check.rl import main as rl_main, report
 
-    if "-h" in argv or "--help" in argv:
-        build_parser().print_help()
-        return 0
-    try:
-        ns = resolve_args(argv)
-        pl = plan(ns)
-        if ns.results or ns.launch_layout or ns.load_state or ns.state_out:
-            raise ConfigError("--results / --launch-layout / --load-state / --state-out are the launcher's; "
-                              "run mindspeed-tp rl-check without them")
-    except ConfigError as exc:
-        print(f"mindspeed-tp rl-check: error: {exc}", file=sys.stderr)
-        return 2
+    planned = _plan_or_exit("rl-check", argv, rl_main, "--results / --launch-layout / --load-state / --state-out",
+                            lambda ns: ns.results or ns.launch_layout or ns.load_state or ns.state_out)
+    if isinstance(planned, int):
+        return planned
+    ns, pl = planned
     with tempfile.TemporaryDirectory(prefix="mindspeed-tp-rl-") as tmp:
         parts, handover = [], None
         for i, (layout, first, last) in enumerate(pl.segments):  # resharded: A's world, then B's

@@ -134,6 +134,14 @@ def build_parser(prog: str = "mindspeed-tp check") -> argparse.ArgumentParser:
     return p
 
 
+def override(merged: dict, args: argparse.Namespace) -> dict:
+    """``merged`` (defaults, a config) with every flag given on the command line (not None) over it."""
+    for key, value in vars(args).items():
+        if value is not None and key in merged:
+            merged[key] = value
+    return merged
+
+
 def resolve_args(argv: Optional[List[str]]) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     merged = dict(DEFAULTS)
@@ -151,9 +159,7 @@ def resolve_args(argv: Optional[List[str]]) -> argparse.Namespace:
         if isinstance(data.get("layouts"), list):
             data["layouts"] = ",".join(data["layouts"])
         merged.update(data)
-    for key, value in vars(args).items():
-        if value is not None and key in merged:
-            merged[key] = value
+    override(merged, args)
     merged["status_file"] = args.status_file
     ns = argparse.Namespace(**merged)
     for name in ("batch_size", "seq_length", "max_new_tokens"):

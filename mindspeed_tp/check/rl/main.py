@@ -19,7 +19,7 @@ from ...contract.refusals import refuse
 from ...errors import ConfigError
 from ...models.layout import Layout, validate_layout
 from ...models.spec import ModelSpec, load_model_spec
-from ..main import _Parser, run_main, verify_same_on_all_ranks
+from ..main import _Parser, override, run_main, verify_same_on_all_ranks
 from .loop import RLSettings
 
 DEFAULTS = dict(
@@ -84,10 +84,7 @@ def build_parser(prog: str = "mindspeed-tp rl-check") -> argparse.ArgumentParser
 
 def resolve_args(argv: Optional[List[str]]) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
-    merged = dict(DEFAULTS)
-    for key, value in vars(args).items():
-        if value is not None and key in merged:
-            merged[key] = value
+    merged = override(dict(DEFAULTS), args)
     for key in ("launch_layout", "first_iteration", "last_iteration", "load_state", "state_out", "results",
                 "status_file"):
         merged[key] = getattr(args, key)

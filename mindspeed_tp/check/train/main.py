@@ -21,7 +21,7 @@ from .state_file import newest_checkpoint
 from ...models.layout import Layout, validate_layout
 from ...models.spec import ModelSpec, load_model_spec
 from ...contract.profile import Profile, load_profile
-from ..main import _Parser, _digest, run_main, verify_same_on_all_ranks
+from ..main import _Parser, _digest, override, run_main, verify_same_on_all_ranks
 from .loop import RECOMPUTE, TrainSettings
 
 DEFAULTS = dict(
@@ -82,10 +82,7 @@ def build_parser(prog: str = "mindspeed-tp train-check") -> argparse.ArgumentPar
 
 def resolve_args(argv: Optional[List[str]]) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
-    merged = dict(DEFAULTS)
-    for key, value in vars(args).items():
-        if value is not None and key in merged:
-            merged[key] = value
+    merged = override(dict(DEFAULTS), args)
     merged["status_file"] = args.status_file
     ns = argparse.Namespace(**merged)
     for name in ("steps", "micro_batch_size", "global_batch_size", "seq_length"):
