@@ -89,9 +89,9 @@ def test_vanilla_and_canonical_differ_from_vllm(name, tmp_path_factory):
 
 
 def test_chunked_prefill_of_a_long_prompt_is_matched(tmp_path_factory):
-    """An 1100-token prompt with a 1024-token engine budget: prefilled in two chunks."""
+    """An 1100-token prompt with a 1024-token engine budget: prefilled in two chunks; at CP=2 too."""
     _, res = engine_run("dense-bf16-e1", tmp_path_factory)
-    assert set(res["sets"]["long"]) == {"tp1", "tp2-sp", "tp2-sp-pp2"}
+    assert set(res["sets"]["long"]) == {"tp1", "tp2-sp", "tp2-sp-pp2", "tp2-sp-cp2"}
     for layout, row in res["sets"]["long"].items():
         assert row["ours"]["bitwise"] == 1.0 and row["ours"]["tokens"] == 8, (layout, row)
 
