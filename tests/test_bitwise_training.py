@@ -417,6 +417,25 @@ def _step(holder, grads):
     return holder.main_grad.clone()
 
 
+def test_two_groups_of_one_micro_batch_each_fold_in_main_grad_without_a_buffer():
+    """Two micro-batches in two groups: the tree is one addition of their gradients, accumulated
+    straight in main_grad (no fp32 group buffer: the bitwise step's memory at DP=1) with the bits the
+    group path gives, (0 + m_a) + (0 + m_b), -0.0 included."""
+    from mindspeed_tp.modes.bitwise_training import accumulation
+
+    m0 = torch.tensor([-0.0, 1e-8, 3.0, -0.0])
+    m1 = torch.tensor([-0.0, 1.0, -3.0, 2.0])
+    holder = _holder()
+    got = _step(holder, [m0, m1])
+    assert not getattr(holder, accumulation.BUFFERS_ATTR, None)
+    expected = (torch.zeros(4) + m0) + (torch.zeros(4) + m1)
+    assert bits_equal(got.view(torch.int32), expected.view(torch.int32))
+    assert got[0].item() == 0.0 and not torch.signbit(got[0])
+    four = _holder()
+    _step(four, [m0, m1, m0, m1])  # two micro-batches per group: the second group's chain needs its buffer
+    assert getattr(four, accumulation.BUFFERS_ATTR)
+
+
 def test_a_step_aborted_after_some_micro_batches_leaves_nothing_for_the_next():
     from mindspeed_tp.modes.bitwise_training import accumulation
 

@@ -14,6 +14,9 @@ many micro-batches each rank holds. The canonical order here:
 
 A rank holding several groups accumulates its last one (in bit-reversed order) in ``main_grad`` and
 each other one in an fp32 buffer of its own (G/DP - 1 buffers, kept across steps; none at DP = G).
+A rank holding exactly two groups of one micro-batch each needs no buffer: their tree is one addition
+of the two micro-batch gradients, which ``main_grad``'s own chain ``(0 + m_a) + m_b`` computes bit
+for bit (addition commutes; ``0 +`` turns -0.0 into +0.0 on both paths).
 The backward hook (``route_microbatch``) runs before Megatron's own hook: a micro-batch of another
 group is added to that group's buffer and Megatron's hook is told it was added already
 (``grad_added_to_main_grad``). ``fold_groups`` runs when a bucket group starts its gradient sync
@@ -69,6 +72,7 @@ def set_schedule(num_microbatches: int, dp: int, dp_rank: int, groups: int) -> N
     _plan["rank_groups"] = sorted({_group(k) for k in range(num_microbatches)},
                                   key=lambda g: _bit_reversed(g, groups))
     _plan["home"] = _plan["rank_groups"][-1]
+    _plan["direct"] = num_microbatches == 2 and len(_plan["rank_groups"]) == 2
 
 
 def _group(k: int) -> int:
@@ -90,7 +94,7 @@ def route_microbatch(holder, grad: torch.Tensor) -> bool:
     k = _counts.get(holder, 0)
     _counts[holder] = k + 1
     g = _group(k)
-    if g == _plan["home"]:
+    if g == _plan["home"] or _plan["direct"]:
         return False
     buffers = getattr(holder, BUFFERS_ATTR, None)
     if buffers is None:
@@ -123,7 +127,7 @@ def _fold(holder) -> None:
         raise RuntimeError(f"bitwise_training: a parameter received {seen} micro-batch gradients, the schedule "
                            f"ran {_plan.get('local')}; every parameter must be used by every micro-batch")
     buffers = getattr(holder, BUFFERS_ATTR, None)
-    if not seen or not buffers:
+    if not seen or not buffers or _plan["direct"]:
         return
     leaves = [holder.main_grad if g == _plan["home"] else buffers[g] for g in _plan["rank_groups"]]
     if len(leaves) == 2:
