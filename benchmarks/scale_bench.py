@@ -329,7 +329,45 @@ def exact_norm(shapes: ComponentShapes, repeats: int) -> Dict:
     return _row(f"exact grad norm ({shapes.norm_elements / 1e6:.0f}M fp32 elements) vs vector_norm", ours_s, ref_s)
 
 
-def attention(shapes: ComponentShapes, tokens: int, repeats: int) -> Dict:
+def _megatron_local_attention(heads: int, groups: int, head_dim: int, scale: float) -> Callable:
+    """Vanilla megatron-core's core attention under ``--transformer-impl local`` (what the cases'
+    vanilla mode runs): DotProductAttention -- the (s, s) scores materialised, the masked softmax, a
+    bmm -- built in a world of one process with the CPU shims. Takes and returns [b, h, s, d]."""
+    import socket
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from mindspeed_tp.devices.cpu_shims import install_cpu_shims
+
+    if not dist.is_initialized():
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        ps.initialize_model_parallel()
+    install_cpu_shims()
+    model_parallel_cuda_manual_seed(0)  # the attention-dropout RNG region megatron's forward enters
+    config = TransformerConfig(num_layers=1, hidden_size=heads * head_dim, num_attention_heads=heads,
+                               num_query_groups=groups, kv_channels=head_dim, attention_dropout=0.0)
+    module = DotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                 attention_type="self", softmax_scale=scale)
+
+    def run(q, k, v):
+        sbhd = [t.permute(2, 0, 1, 3) for t in (q, k, v)]
+        out = module(*sbhd, attention_mask=None, attn_mask_type=AttnMaskType.causal)  # [s, b, h*d]
+        return out.view(q.shape[2], q.shape[0], heads, head_dim).permute(1, 2, 0, 3)
+
+    return run
+
+
+def attention(shapes: ComponentShapes, tokens: int, repeats: int) -> List[Dict]:
+    """Ours against vanilla megatron-core's attention (the target's reference) and against torch's
+    fused CPU attention (what the consistent path gives up)."""
     import torch
     import torch.nn.functional as F
 
@@ -349,15 +387,17 @@ def attention(shapes: ComponentShapes, tokens: int, repeats: int) -> Dict:
             torch.autograd.backward(fn(qq, kk, vv), dout)
         return call
 
-    def vanilla(qq, kk, vv):  # KV groups expanded, as megatron's attention does before the product
+    def fused(qq, kk, vv):  # KV groups expanded, as megatron's attention does before the product
         rep = hq // hkv
         return F.scaled_dot_product_attention(qq, kk.repeat_interleave(rep, 1), vv.repeat_interleave(rep, 1),
                                               is_causal=True, scale=scale)
 
     ours_s = _median_time(run(lambda qq, kk, vv: consistent_attention(qq, kk, vv, scale, causal=True)), repeats)
-    ref_s = _median_time(run(vanilla), repeats)
-    return _row(f"attention fwd+bwd {tokens} tokens ({hq} heads, {hkv} KV groups, d={d}) vs torch SDPA",
-                ours_s, ref_s)
+    megatron_s = _median_time(run(_megatron_local_attention(hq, hkv, d, scale)), repeats)
+    fused_s = _median_time(run(fused), repeats)
+    what = f"attention fwd+bwd {tokens} tokens ({hq} heads, {hkv} KV groups, d={d})"
+    return [_row(f"{what} vs megatron-core's local DotProductAttention", ours_s, megatron_s),
+            _row(f"{what} vs torch SDPA (fused)", ours_s, fused_s)]
 
 
 def run_components(shapes: ComponentShapes, repeats: int) -> List[Dict]:
@@ -367,7 +407,7 @@ def run_components(shapes: ComponentShapes, repeats: int) -> List[Dict]:
     torch.set_num_threads(COMPONENT_THREADS)
     try:
         rows = [lm_head_input_grad(shapes, repeats), exact_norm(shapes, repeats)]
-        rows += [attention(shapes, t, repeats) for t in shapes.attention_tokens]
+        rows += [row for t in shapes.attention_tokens for row in attention(shapes, t, repeats)]
     finally:
         torch.set_num_threads(threads)
     for r in rows:

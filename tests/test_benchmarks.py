@@ -109,7 +109,8 @@ def test_scale_bench_smoke_writes_the_documented_report(tmp_path):
             assert ratios[key] == case["modes"][mode][key] / case["modes"]["vanilla"][key]
     assert all(case["modes"][m]["step_bytes"] > 0 and case["modes"][m]["step_s"] > 0 for m in case["modes"])
     names = [c["name"] for c in data["components"]]
-    assert [n.split(" ")[0] for n in names] == ["LM-head", "exact", "attention"], names
+    assert [n.split(" ")[0] for n in names] == ["LM-head", "exact", "attention", "attention"], names
+    assert "megatron-core's local DotProductAttention" in names[2] and "SDPA" in names[3], names
     for c in data["components"]:
         assert set(c) == {"name", "ours_s", "reference_s", "ratio"}
         assert math.isclose(c["ratio"], c["ours_s"] / c["reference_s"])
