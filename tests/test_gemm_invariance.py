@@ -63,6 +63,34 @@ def test_a_column_does_not_depend_on_the_shard_that_holds_it(dtype, k, n):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("k,n", [(256, 128), (1040, 400)])
+def test_gradient_gemms_of_a_shard_are_the_full_gemms_columns(dtype, k, n):
+    """Bitwise training's gradient GEMMs pass transposed views whose strides follow the shard width:
+    dW of a rank's input columns (a row-parallel fc2 holding K/TP of x) and dx of a rank's weight
+    columns are the full GEMM's columns. (On a CPU without AVX-512-BF16, torch's bf16 GEMM
+    accumulated a transposed operand in another order: TP=4 fc2 gradients differed.)"""
+    from mindspeed_tp.kernels.linear import invariant_input_grad, invariant_weight_grad
+
+    tokens = 96
+    x = _randn(tokens, k, seed=k + 7, dtype=dtype)
+    dy = _randn(tokens, n, seed=n + 7, dtype=dtype)
+    weight = _randn(n, k, seed=k + n, dtype=dtype, scale=k ** -0.5)
+    with _Threads(1):
+        dw = invariant_weight_grad(dy, x, dtype, 16)
+        dx = invariant_input_grad(dy, weight, dtype, 16)
+        bad = []
+        for tp in (2, 4, 8):
+            width = k // tp
+            for rank in range(tp):
+                cols = slice(rank * width, (rank + 1) * width)
+                if not _same(invariant_weight_grad(dy, x[:, cols].contiguous(), dtype, 16), dw[:, cols]):
+                    bad.append(("dW", tp, rank))
+                if not _same(invariant_input_grad(dy, weight[:, cols].contiguous(), dtype, 16), dx[:, cols]):
+                    bad.append(("dx", tp, rank))
+    assert bad == [], f"K={k} N={n} {dtype}: shards differ from the full gradient GEMM: {bad} on {host_cpu()}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 @pytest.mark.parametrize("k,n", SHAPES[::2])
 def test_a_row_does_not_depend_on_how_many_rows_were_computed_with_it(dtype, k, n):
     x = _randn(300, k, seed=k + 1, dtype=dtype)

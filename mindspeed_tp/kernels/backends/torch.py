@@ -52,14 +52,18 @@ def linear(x2d: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype, row_
     # CPU bf16: oneDNN's bf16 GEMM accumulates in fp32 and rounds once, 2-2.5x faster than an fp32 GEMM
     # of upcast inputs (5x with native AVX-512-BF16 / AMX); row- and shard-invariant at fixed shapes.
     native_bf16 = x2d.dtype == weight.dtype == out_dtype == torch.bfloat16 and x2d.device.type == "cpu"
-    a = _pad_rows(x2d if native_bf16 else x2d.float(), row_multiple)
+    # Row-major operands in every call: the library's path (and K order) can follow the operands'
+    # strides, and a weight gradient passes transposed views whose strides follow the shard width
+    # (torch's own bf16 GEMM on a CPU without AVX-512-BF16 accumulates a transposed operand in
+    # another order). No copy where the operand is row-major already (a forward's x and weight).
+    a = _pad_rows(x2d if native_bf16 else x2d.float(), row_multiple).contiguous()
     w = weight if native_bf16 else weight.float()
     tiles = []
     for start in range(0, n, COLUMN_TILE):
         tile = w[start:start + COLUMN_TILE]
         if tile.shape[0] < COLUMN_TILE:
             tile = torch.cat([tile, tile.new_zeros(COLUMN_TILE - tile.shape[0], tile.shape[1])])
-        tiles.append(torch.matmul(a, tile.t()))
+        tiles.append(torch.matmul(a, tile.contiguous().t()))
     if not tiles:
         return x2d.new_zeros(rows, 0, dtype=out_dtype)
     out = tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=1)
