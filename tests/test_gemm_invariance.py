@@ -66,8 +66,9 @@ def test_a_column_does_not_depend_on_the_shard_that_holds_it(dtype, k, n):
 @pytest.mark.parametrize("k,n", [(256, 128), (1040, 400)])
 def test_gradient_gemms_of_a_shard_are_the_full_gemms_columns(dtype, k, n):
     """Bitwise training's gradient GEMMs pass transposed views whose strides follow the shard width:
-    dW of a rank's input columns (a row-parallel fc2 holding K/TP of x) and dx of a rank's weight
-    columns are the full GEMM's columns. (On a CPU without AVX-512-BF16, torch's bf16 GEMM
+    dW of a rank's input columns (a row-parallel fc2 holding K/TP of x), dW of a rank's output rows (a
+    column-parallel layer; N/TP rows, padded to 16 at N=400, TP=8) and dx of a rank's weight columns
+    are the full GEMM's. (On a CPU without AVX-512-BF16, torch's bf16 GEMM
     accumulated a transposed operand in another order: TP=4 fc2 gradients differed.)"""
     from mindspeed_tp.kernels.linear import invariant_input_grad, invariant_weight_grad
 
@@ -87,6 +88,9 @@ def test_gradient_gemms_of_a_shard_are_the_full_gemms_columns(dtype, k, n):
                     bad.append(("dW", tp, rank))
                 if not _same(invariant_input_grad(dy, weight[:, cols].contiguous(), dtype, 16), dx[:, cols]):
                     bad.append(("dx", tp, rank))
+                out = slice(rank * (n // tp), (rank + 1) * (n // tp))  # a column-parallel rank's dW rows
+                if not _same(invariant_weight_grad(dy[:, out].contiguous(), x, dtype, 16), dw[out]):
+                    bad.append(("dW rows", tp, rank))
     assert bad == [], f"K={k} N={n} {dtype}: shards differ from the full gradient GEMM: {bad} on {host_cpu()}"
 
 

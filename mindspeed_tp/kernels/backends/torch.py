@@ -29,6 +29,10 @@ def _pad_rows(x2d: torch.Tensor, multiple: int) -> torch.Tensor:
     padded = -(-rows // multiple) * multiple
     if padded == rows:
         return x2d
+    if x2d.dim() == 2 and x2d.stride(0) == 1 and x2d.shape[1] > 1:
+        # A transposed (column-major) matrix stays column-major: the layout the library sees is the
+        # caller's (a weight gradient's dy^T), whether or not its row count needed padding.
+        return torch.cat([x2d.t(), x2d.new_zeros(x2d.shape[1], padded - rows)], dim=1).t()
     pad = x2d.new_zeros(*x2d.shape[:-2], padded - rows, x2d.shape[-1])
     return torch.cat([x2d, pad], dim=-2)
 
@@ -52,11 +56,12 @@ def linear(x2d: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype, row_
     # CPU bf16: oneDNN's bf16 GEMM accumulates in fp32 and rounds once, 2-2.5x faster than an fp32 GEMM
     # of upcast inputs (5x with native AVX-512-BF16 / AMX); row- and shard-invariant at fixed shapes.
     native_bf16 = x2d.dtype == weight.dtype == out_dtype == torch.bfloat16 and x2d.device.type == "cpu"
-    # Row-major operands in every call: the library's path (and K order) can follow the operands'
-    # strides, and a weight gradient passes transposed views whose strides follow the shard width
-    # (torch's own bf16 GEMM on a CPU without AVX-512-BF16 accumulates a transposed operand in
-    # another order). No copy where the operand is row-major already (a forward's x and weight).
-    a = _pad_rows(x2d if native_bf16 else x2d.float(), row_multiple).contiguous()
+    # One operand layout per call site, whatever the shard: the library's path (and K order) can
+    # follow the operands' strides (torch's own bf16 GEMM on a CPU without AVX-512-BF16 accumulates a
+    # transposed operand in another order). ``a`` keeps the caller's layout (row-major x, or a weight
+    # gradient's column-major dy^T, padded or not: no copy of dy); every tile is row-major (a weight
+    # gradient's x^T tiles are strided views, the zero-padded last tile a copy).
+    a = _pad_rows(x2d if native_bf16 else x2d.float(), row_multiple)
     w = weight if native_bf16 else weight.float()
     tiles = []
     for start in range(0, n, COLUMN_TILE):
