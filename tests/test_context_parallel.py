@@ -4,8 +4,9 @@ order, and the consistent attention of each rank's chunks -- logprobs bitwise eq
 In-process: the layout against megatron-core's own get_batch_on_this_cp_rank, the exchange's
 permutation, and the attention of every rank's query chunks over the gathered keys against the
 one-device attention (bits, fp32 and bf16, padded and packed). Launched: one checker run per
-(model, dtype, padded|packed) over several CP layouts, and one train-check run (default mode: the
-step-1 loss and in-step logprobs bitwise; bitwise training with CP is refused by name)."""
+(model, dtype, padded|packed) over several CP layouts, one train-check run (default mode: the
+step-1 loss and in-step logprobs bitwise) and one with bitwise training (every step's loss, gradients,
+parameters and optimizer state bitwise; packed CP batches refused by name there)."""
 import json
 
 import pytest
@@ -129,12 +130,16 @@ def test_layout_names_and_worlds():
     assert Layout.parse("tp2-sp-cp2").without_cp().name == "tp2-sp"
 
 
-def test_bitwise_training_with_cp_is_refused_by_name():
-    from mindspeed_tp import ConfigError
+def test_bitwise_training_with_cp_is_planned_and_packed_cp_is_refused_by_name():
+    from mindspeed_tp import ConfigError, load_profile
     from mindspeed_tp.check.train.main import plan, resolve_args
+    from mindspeed_tp.numerics.bitwise_training import BitwiseTraining
 
-    with pytest.raises(ConfigError, match="bitwise_training with context_parallel_size > 1"):
-        plan(resolve_args(["--bitwise-training", "--layouts", "tp2-sp-cp2"]))
+    assert [l.cp for l in plan(resolve_args(["--bitwise-training", "--layouts", "tp2-sp-cp2"])).layouts] == [2]
+    strategy = BitwiseTraining(load_profile("default"))
+    strategy.check_context_parallel(packed=False)  # padded (bshd): covered
+    with pytest.raises(ConfigError, match="bitwise_training with context_parallel_size > 1 on packed"):
+        strategy.check_context_parallel(packed=True)
 
 
 # (model, dtype, packed) -> layouts of one checker launch (world 4)
@@ -200,3 +205,49 @@ def test_train_check_step_one_loss_bitwise_at_cp(tmp_path):
     for r in rows:
         first = r["steps"][0]
         assert first["loss_bitwise_equal"] and first["logprobs_bitwise_equal"], r["layout"]
+
+
+# Bitwise training at CP: one launch, the weight-gradient and token sums on the whole micro-batch
+# gathered over CP, attention's dK/dV over the whole sequence's queries, the DP x CP sync over DP only.
+BITWISE_CP = ["tp2-sp-cp2", "tp1-cp2-dp2", "tp1-cp2-pp2"]
+BITWISE_VERDICTS = ("loss_bitwise_equal", "grads_bitwise_equal", "params_bitwise_equal",
+                    "optimizer_state_bitwise_equal", "grad_norm_bitwise_equal")
+
+
+@pytest.fixture(scope="module")
+def bitwise_cp(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cp-bitwise") / "train.json"
+    proc = run_cli("train-check", "--model", "tiny-dense", "--bitwise-training", "--layouts", ",".join(BITWISE_CP),
+                   "--steps", "3", "--global-batch-size", "4", "--micro-batch-size", "1", "--seq-length", "32",
+                   "--distributed-optimizer", "--overlap", "--compare-vanilla", "--json", str(out))
+    assert proc.returncode == 0, explain(proc)
+    return json.loads(out.read_text())
+
+
+def test_bitwise_training_at_cp_every_step_bitwise(bitwise_cp):
+    assert bitwise_cp["bitwise_training"] is True and bitwise_cp["all_bitwise_equal"] is True
+    ours = {r["layout"]["name"]: r for r in bitwise_cp["results"] if not r["vanilla"]}
+    assert sorted(ours) == sorted(BITWISE_CP)
+    for name, row in ours.items():
+        assert [s["step"] for s in row["steps"]] == [1, 2, 3]
+        assert row["steps"][0]["logprobs_bitwise_equal"], name
+        for s in row["steps"]:
+            bad = [k for k in BITWISE_VERDICTS if not s[k]]
+            assert not bad, (name, s["step"], bad, s["grads_differ"][:3], s["optimizer_state_differ"][:3])
+            assert s["grads_differ"] == [] and s["params_differ"] == [] and s["optimizer_state_differ"] == []
+            assert s["grad_max_abs_diff"] == 0.0 and s["param_max_abs_diff"] == 0.0
+            assert s["optimizer_state_max_abs_diff"] == 0.0
+    losses = bitwise_cp["reference"]["consistent"]["loss"]
+    assert losses[2] < losses[0]  # it trains
+
+
+def test_vanilla_is_not_bitwise_where_cp_splits_the_sums(bitwise_cp):
+    """Vanilla cannot run CP without Transformer Engine: it trains the same world with the CP ranks as
+    DP ranks (the report says so), and its gradients differ from one device's there."""
+    vanilla = {r["layout"]["name"]: r for r in bitwise_cp["results"] if r["vanilla"]}
+    assert sorted(vanilla) == sorted(BITWISE_CP)
+    assert {r["ran_as"] for r in vanilla.values()} == {"tp2-sp-dp2", "tp1-dp4", "tp1-pp2-dp2"}
+    assert all("Transformer Engine" in r["note"] for r in vanilla.values())
+    for name, row in vanilla.items():
+        assert any(s["grads_differ"] for s in row["steps"]), name
+        assert not all(s[k] for s in row["steps"] for k in BITWISE_VERDICTS), name

@@ -461,11 +461,11 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "(through param.data) by a path mindspeed-tp does not hook; call mindspeed_tp.invalidate_weight_caches() "
             "after writing weights that way (found by MINDSPEED_TP_CHECK_WEIGHT_CACHES=1)",
             "a stale re-laid or prepacked weight would compute with the old values, silently"),
-    Refusal("bitwise_context_parallel", TRAINING, "context_parallel_size with bitwise_training",
-            "bitwise_training with context_parallel_size > 1 is not supported yet: the weight-gradient and per-token "
-            "sums over a CP-split sequence, and the key/value gradients summed over the CP ranks, are not folded in "
-            "the canonical order; use context_parallel_size=1 (the forward and the default mode support CP)",
-            "the backward's sums over the sequence would depend on the CP size"),
+    Refusal("bitwise_context_parallel", TRAINING, "context_parallel_size with bitwise_training, packed (thd) batches",
+            "bitwise_training with context_parallel_size > 1 on packed (thd) sequences is not supported yet: a rank's "
+            "tokens of each packed sequence are not put back in their global order for the backward's sums; use "
+            "padded (bshd) batches, context_parallel_size=1, or the default mode (which supports packed CP)",
+            "the backward's sums over a packed sequence would depend on the CP size"),
     Refusal("bitwise_training_backend", TRAINING, "backend / the machine's device",
             "bitwise_training is verified on the torch kernel backend (CPU) only; this profile runs the {backend} "
             "backend on this {device} machine, where the backward (attention's batched GEMMs, the embedding's "

@@ -17,7 +17,9 @@ layer's attention (``benchmarks/context_parallel_cost.py`` measures it).
 
 Backward of the exchange: the gradient of a gathered key/value is summed over the CP ranks'
 query contributions by the collective (an all-reduce, then each rank keeps its own chunks): the
-default mode's "as megatron sums them". Bitwise training does not cover CP (refused by name).
+default mode's "as megatron sums them". Bitwise training gathers by moving data in both directions
+instead (``modes/bitwise_training/context_parallel.py``: attention on the whole sequence's queries,
+so no key gradient is summed over ranks).
 """
 from __future__ import annotations
 

@@ -86,6 +86,13 @@ class Layout:
 
         return replace(self, cp=1)
 
+    def cp_as_dp(self) -> "Layout":
+        """The same world at CP = 1, the CP ranks as DP ranks (vanilla training, whose local attention
+        cannot run CP, on the same processes)."""
+        from dataclasses import replace
+
+        return replace(self, cp=1, dp=self.dp * self.cp)
+
     def to_dict(self):
         out = {"tp": self.tp, "pp": self.pp, "sp": self.sp, "ep": self.ep, "etp": self.etp}
         if self.cp > 1:

@@ -69,9 +69,16 @@ class Numerics:
     # queries too and keeps this rank's rows of the output.
     cp_whole_queries = False
 
-    def check_context_parallel(self) -> None:
-        """At a CP model's construction and each CP attention call: what this strategy's CP does not
-        cover is refused here."""
+    def check_context_parallel(self, packed: bool = False) -> None:
+        """At a CP model's construction and each CP attention call (``packed``: a thd batch): what
+        this strategy's CP does not cover is refused here."""
+
+    def cp_gather(self, x: torch.Tensor, total: int, group) -> torch.Tensor:
+        """CP, padded: this rank's rows [s_local, ...] -> the whole sequence's [total, ...] in order;
+        backward: the row gradients summed over the CP ranks by the collective."""
+        from ..kernels.context_parallel import gather_sequence
+
+        return gather_sequence(x, [0, total], group)
 
     def cp_rope(self, t: torch.Tensor, freqs: torch.Tensor, config, interleaved: bool,
                 positions: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,11 @@ strategy is active, then:
   any that is not a per-token layer's (a category a future line adds included) is refused;
 - finalize's word-embedding all-reduce: on one stage with tied embeddings, adds the LM head's
   gradient kept apart (``accumulation.add_tied_heads``);
-- ``get_grad_norm_fp32``: the exact sum of squares (``grad_norm``).
+- ``get_grad_norm_fp32``: the exact sum of squares (``grad_norm``);
+- under context parallelism (``modes/bitwise_training/context_parallel.py``): the backward's sums
+  over the sequence on the whole micro-batch gathered over CP, attention on the whole sequence's
+  queries, the embedding's gradient from the whole micro-batch (``VocabParallelEmbedding.forward``),
+  and the DP x CP gradient sync folding the DP ranks' values only.
 """
 import math
 import sys
@@ -29,10 +33,10 @@ from ..contract.refusals import refuse
 from ..devices import machine_device_type
 from ..kernels import dispatch
 from ..kernels.collectives import group_size
-from ..kernels.linear import InvariantBackward
 from ..kernels.norm import normalized
 from ..models.marks import PER_TOKEN_PARAM_ATTR
 from ..modes.bitwise_training import accumulation, column_parallel, token_sums
+from ..modes.bitwise_training import context_parallel as cp_training
 from ..modes.bitwise_training.grad_norm import grad_norm
 from ..patching import PatchRegistry
 from . import ACTIVE
@@ -54,16 +58,33 @@ class BitwiseTraining(CanonicalTree):
 
     def __init__(self, profile):
         super().__init__(profile)
-        self.backward = InvariantBackward(self.row_multiple)
+        self.backward = cp_training.WholeSequenceBackward(self.row_multiple)
 
     @classmethod
     def register_patches(cls, reg: PatchRegistry) -> None:
         register(reg)
 
-    def check_context_parallel(self) -> None:
-        """CP splits each sequence over ranks: the token trees of the weight gradients, dK/dV's order
-        over query blocks and the DP x CP gradient sum are not canonical there yet."""
-        raise refuse("bitwise_context_parallel")
+    def check_context_parallel(self, packed: bool = False) -> None:
+        """Padded (bshd) CP batches are covered; packed (thd) ones not yet: a rank's tokens of each
+        packed sequence are not mapped back to their global rows."""
+        if packed:
+            raise refuse("bitwise_context_parallel")
+
+    def cp_gather(self, x, total, group):
+        """The whole sequence on every CP rank; backward: this rank's rows of a gradient computed
+        whole on every rank (nothing summed)."""
+        return cp_training.whole_sequence(x, group)
+
+    def cp_attention(self, module, query, key_full, value_full, attention_mask, mask_name, causal, q_positions):
+        """The one-device attention on the whole sequence's queries (and mask rows), gathered by moving
+        data, then this rank's rows: its backward gets the whole output gradient by an all-gather, so
+        dK/dV are folded over the query tiles in the one-device order on every CP rank."""
+        group = cp_training.cp_group()
+        query_full = cp_training.whole_sequence(query, group)
+        if attention_mask is not None and attention_mask.shape[-2] == query.shape[0]:
+            attention_mask = cp_training.gather_rows(attention_mask, group, dim=-2)
+        out = self.attention(module, query_full, key_full, value_full, attention_mask, mask_name, causal)
+        return cp_training.this_ranks_rows(out, group)
 
     def check_ready(self) -> None:
         """Only where it was verified: the torch backend, the one CPUs run."""
@@ -168,6 +189,15 @@ def start_grad_sync(original):
     def wrapped(self, *args, **kwargs):
         if active():
             accumulation.fold_groups(self.params)
+            if cp_training.cp_group() is not None:  # every CP rank holds its DP replica's whole gradient
+                if self.ddp_config.check_for_nan_in_grad:
+                    raise refuse("bitwise_ddp_setting", setting="check_for_nan_in_grad", value=True,
+                                 why="not run by the DP x CP tree reduction; check the gradient norm (NaN when "
+                                     "any gradient is) instead")
+                force = kwargs.get("force_all_reduce", args[0] if args else False)
+                cp_training.reduce_over_dp_cp(self, self.ddp_config.use_distributed_optimizer and not force,
+                                              accumulation.dp_tree_order())
+                return None
             if _dp_size(self) > 2:  # two ranks: one addition, whoever adds; more: the tree by moving data
                 if self.ddp_config.check_for_nan_in_grad:
                     raise refuse("bitwise_ddp_setting", setting="check_for_nan_in_grad", value=True,
@@ -193,10 +223,9 @@ def forward_backward_func(original):
                 from megatron.core import parallel_state as ps
 
                 accumulation.reset()
-                accumulation.set_schedule(int(kw["num_microbatches"]),
-                                          ps.get_data_parallel_world_size(with_context_parallel=True),
-                                          ps.get_data_parallel_rank(with_context_parallel=True),
-                                          ACTIVE.strategy.profile.microbatch_groups)
+                # DP without CP: the CP ranks of a DP replica each hold its whole micro-batch gradients
+                accumulation.set_schedule(int(kw["num_microbatches"]), ps.get_data_parallel_world_size(),
+                                          ps.get_data_parallel_rank(), ACTIVE.strategy.profile.microbatch_groups)
             return schedule(*a, **kw)
 
         return forward_backward
@@ -300,5 +329,8 @@ def register(reg: PatchRegistry) -> None:
     reg.register(f"{FINALIZE}:_allreduce_word_embedding_grads", why + "tied embeddings on one stage: the LM head's "
                  "gradient, accumulated apart and DP-reduced, added once to the embedding's (as between a pipeline's "
                  "first and last stage)", wraps=True)(word_embedding_allreduce)
+    reg.register("megatron.core.tensor_parallel.layers:VocabParallelEmbedding.forward", why + "under context "
+                 "parallelism the embedding's gradient from the whole micro-batch's ids and output gradients "
+                 "(gathered in sequence order)", wraps=True)(cp_training.embedding_forward)
     reg.register("megatron.core.optimizer.clip_grads:get_grad_norm_fp32", why + "the clipping norm from an exact, "
                  "order-independent sum of squares", wraps=True)(clip_norm)

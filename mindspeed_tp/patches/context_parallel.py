@@ -26,9 +26,9 @@ def cp_group():
     return group if group is not None and group.size() > 1 else None
 
 
-def check_modes() -> None:
+def check_modes(packed: bool = False) -> None:
     """What the active strategy's CP does not cover yet, refused by name (the strategy decides)."""
-    ACTIVE.strategy.check_context_parallel()
+    ACTIVE.strategy.check_context_parallel(packed)
 
 
 def attention_init(original):
@@ -70,16 +70,16 @@ def attention(module, query, key, value, attention_mask, mask_name: str, causal:
     total = sq_local * size
     if key.shape[0] != sq_local:
         raise refuse("context_parallel_mask", shape=tuple(key.shape), sq=sq_local, sk=total)
-    key_full = cp.gather_sequence(key, [0, total], group)
-    value_full = cp.gather_sequence(value, [0, total], group)
+    strategy = ACTIVE.strategy
+    key_full = strategy.cp_gather(key, total, group)
+    value_full = strategy.cp_gather(value, total, group)
     positions = cp.local_positions(total, size, rank, device=query.device)
     mask = _local_mask(attention_mask, sq_local, total)
-    strategy = ACTIVE.strategy
     if strategy.cp_whole_queries:  # the strategy scores whole sequences: keep this rank's rows
         if mask_name != "causal":
             raise refuse("context_parallel_mask", shape=tuple(attention_mask.shape) if attention_mask is not None
                          else None, sq=sq_local, sk=total)
-        query_full = cp.gather_sequence(query, [0, total], group)
+        query_full = strategy.cp_gather(query, total, group)
         out = strategy.attention(module, query_full, key_full, value_full, None, mask_name, causal)
         return out.index_select(0, positions)
     return strategy.cp_attention(module, query, key_full, value_full, mask, mask_name, causal, positions)
@@ -88,7 +88,7 @@ def attention(module, query, key, value, attention_mask, mask_name: str, causal:
 def packed_attention(module, query, key, value, bounds, causal: bool, group):
     """Packed (thd): query/key/value [t_local, heads, hn] -> [t_local, np*hn]; bounds: the whole
     packed row's cu_seqlens (Megatron's convention under CP)."""
-    check_modes()
+    check_modes(packed=True)
     key_full = cp.gather_sequence(key, bounds, group)
     value_full = cp.gather_sequence(value, bounds, group)
     return ACTIVE.strategy.cp_packed_attention(module, query, key_full, value_full, bounds, causal,

@@ -9,5 +9,8 @@ gradients, parameters and optimizer state after each step (docs/CONTRACT.md, sec
 - ``token_sums``: weight gradients of per-token layers (norms, QK-norms) as a tree over fixed token
   leaves, SP slices being subtrees;
 - ``accumulation``: micro-batch groups (chains) folded by a tree, the DP levels by moving data;
-- ``grad_norm``: the clipping norm from an exact, order-independent sum of squares.
+- ``grad_norm``: the clipping norm from an exact, order-independent sum of squares;
+- ``context_parallel``: under CP every sum over the sequence (weight GEMMs, token trees, the
+  embedding, attention's dK/dV) on the whole micro-batch gathered in sequence order, and the DP x CP
+  gradient sync over DP only (the CP copies are equal).
 """

@@ -34,6 +34,7 @@ from ...contract.tree import tree_fold
 from ...errors import ConfigError
 from ...kernels.collectives import _all_gather_rows, _all_to_all_rows
 from ...models.marks import TIED_HEAD_ATTR
+from .context_parallel import cp_group, reduce_replicated
 
 # Set per forward_backward call by the schedule wrapper.
 _plan: Dict[str, int] = {}
@@ -170,7 +171,11 @@ def add_tied_heads(model) -> None:
                 head.main_grad *= bucket.gradient_scaling_factor
             group = getattr(bucket_group, "intra_distributed_optimizer_instance_group", None) or \
                 getattr(bucket_group, "data_parallel_group")
-            if dist.get_world_size(group=group) > 1:
+            if cp_group() is not None:  # the CP copies are equal: the DP ranks' values folded, one copy each
+                head.main_grad.copy_(reduce_replicated(head.main_grad, group, dp_tree_order()))
+                if bucket_group.ddp_config.average_in_collective:
+                    head.main_grad /= dist.get_world_size(group=group)
+            elif dist.get_world_size(group=group) > 1:
                 dist.all_reduce(head.main_grad, group=group)
                 if bucket_group.ddp_config.average_in_collective:
                     head.main_grad /= dist.get_world_size(group=group)
@@ -186,6 +191,12 @@ class _Done:
 
     def wait(self):
         return None
+
+
+def dp_tree_order() -> list:
+    """The DP ranks in the tree's leaf order (bit-reversed: rank r holds the groups = r mod DP)."""
+    dp = _plan["dp"]
+    return sorted(range(dp), key=lambda r: _bit_reversed(r, dp))
 
 
 def reduce_over_dp(bucket_group, sharded: bool) -> None:

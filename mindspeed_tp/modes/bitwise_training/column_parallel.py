@@ -22,6 +22,7 @@ from ...kernels.collectives import _all_gather_rows, fold_across_ranks, group_si
 from ...kernels.linear import _fold_leaves, invariant_weight_grad
 from ...models.marks import OUTPUT_PARTS_ATTR, TIED_HEAD_ATTR
 from . import accumulation
+from .context_parallel import weight_grad_operands
 from .lm_head_grad import lm_head_input_grad
 
 
@@ -67,7 +68,10 @@ class CanonicalColumnLinear(torch.autograd.Function):
         x2d = full.reshape(-1, full.shape[-1])
         dtype = torch.promote_types(x.dtype, weight.dtype)
         dy = grad.reshape(-1, grad.shape[-1]).to(dtype)
-        dw = invariant_weight_grad(dy, x2d.to(dtype), weight.dtype, ctx.row_multiple) if ctx.needs_input_grad[1] else None
+        dw = None
+        if ctx.needs_input_grad[1]:  # under CP: the whole micro-batch's tokens (context_parallel.py)
+            dy_all, x_all = weight_grad_operands(dy, x2d.to(dtype))
+            dw = invariant_weight_grad(dy_all, x_all, weight.dtype, ctx.row_multiple)
         if dw is not None and getattr(weight, TIED_HEAD_ATTR, False):
             accumulation.add_tied_head_grad(weight, dw)  # kept apart from the embedding's (PP=1, tied)
             dw = None

@@ -17,6 +17,7 @@ import torch
 from ...contract.refusals import refuse
 from ...contract.tree import padded_tree_fold, tree_fold
 from ...kernels.collectives import gather_along_rank, group_size
+from .context_parallel import token_values
 
 
 def token_tree_sum(values: torch.Tensor, seq_split: bool, heads: bool, group, c: int) -> torch.Tensor:
@@ -61,8 +62,13 @@ class TokenLeafScale(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad = grad.float()
         dx = grad * weight.float() if ctx.needs_input_grad[0] else None
-        dw = token_tree_sum(grad * x, ctx.seq_split, ctx.heads, ctx.group, ctx.c).to(weight.dtype)
-        db = token_tree_sum(grad, ctx.seq_split, ctx.heads, ctx.group, ctx.c).to(weight.dtype) if ctx.has_bias else None
+        # under CP: the whole sequence's values (moved), the one-device tree (context_parallel.py)
+        values, split = token_values(grad * x, ctx.seq_split, ctx.group)
+        dw = token_tree_sum(values, split, ctx.heads, ctx.group, ctx.c).to(weight.dtype)
+        db = None
+        if ctx.has_bias:
+            values, split = token_values(grad, ctx.seq_split, ctx.group)
+            db = token_tree_sum(values, split, ctx.heads, ctx.group, ctx.c).to(weight.dtype)
         return dx, dw, db, None, None, None, None
 
 

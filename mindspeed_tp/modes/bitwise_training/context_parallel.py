@@ -1,0 +1,262 @@
+"""Bitwise training under context parallelism (CP): every sum over a CP-split sequence in the
+one-device order, by moving data only.
+
+A CP rank holds chunks r and 2·CP-1-r of every sequence (``kernels/context_parallel.py``). Its
+backward needs sums over the whole sequence: a weight gradient is one GEMM over the micro-batch's
+tokens, a norm weight's a token tree, the embedding's a dense backward over the token ids, and
+dK/dV are folded over the query tiles in query order. Each is computed here on the whole
+micro-batch: the operands (activations and output gradients of the rank's tokens) are all-gathered
+over the CP group and put back in sequence order (a permutation: nothing is added), then the one-device
+computation runs on them, so every CP rank holds the one-device micro-batch gradient. Attention
+runs on the whole sequence's queries (``WholeSequence`` in, ``LocalRows`` out): its backward gets
+the whole sequence's output gradient by an all-gather and takes this rank's rows of dQ/dK/dV.
+No collective ever sums a gradient. Cost: the weight-gradient GEMMs, the embedding and the
+attention backward run once per CP rank on the whole micro-batch (CP times the one-rank work), the
+operands travel once per layer.
+
+The CP copies of a gradient are then equal, so the DP x CP gradient sync folds the DP ranks' values
+only, one CP copy each (``reduce_over_dp_cp``), never adding a CP copy.
+
+Padded (bshd) sequences only: a rank's rows are [s_local, b, ...] in Megatron's s-major order, its
+two chunks the two halves. Packed (thd) sequences stay refused (``bitwise_context_parallel``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ...contract.tree import tree_fold
+from ...kernels import context_parallel as cp
+from ...kernels.collectives import _all_gather_rows, _all_to_all_rows, gather_along_rank, group_rank, group_size
+from ...kernels.linear import InvariantBackward
+
+
+def cp_group():
+    """Megatron's context-parallel group, or None at CP = 1 (or before the parallel state exists)."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    group = parallel_state.get_context_parallel_group(check_initialized=False)
+    return group if group is not None and group_size(group) > 1 else None
+
+
+def _chunk_order(size: int) -> list:
+    """Index (rank * 2 + j) of every chunk 0..2·CP-1 in the ranks' concatenated chunks."""
+    where = {}
+    for r in range(size):
+        for j, c in enumerate(cp.chunk_ids(size, r)):
+            where[c] = r * 2 + j
+    return [where[c] for c in range(2 * size)]
+
+
+def gather_rows(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    """This rank's tokens along ``dim`` (its two chunks, s-major: the two halves) -> the whole
+    sequence in order, on every rank. Data moved, nothing added. Not differentiable."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    if x.dtype == torch.bool:  # a mask: moved as bytes
+        return gather_rows(x.to(torch.uint8), group, dim).bool()
+    x = x.movedim(dim, 0)
+    n = x.shape[0]
+    if n % 2:
+        raise ValueError(f"a CP rank holds two equal chunks; got {n} rows")
+    parts = _all_gather_rows(x.reshape(n, -1), group).view(2 * size, n // 2, -1)
+    full = parts[_chunk_order(size)].reshape(size * n, *x.shape[1:])
+    return full.movedim(0, dim)
+
+
+def local_rows(full: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    """The whole sequence along ``dim`` -> this rank's two chunks, in its local order."""
+    size = group_size(group)
+    if size == 1:
+        return full
+    n = full.shape[dim]
+    c = n // (2 * size)
+    a, b = cp.chunk_ids(size, group_rank(group))
+    return torch.cat([full.narrow(dim, a * c, c), full.narrow(dim, b * c, c)], dim=dim)
+
+
+class WholeSequence(torch.autograd.Function):
+    """Local rows -> the whole sequence (all-gather, sequence order). Backward: the gradient of the
+    whole sequence is the same on every CP rank (computed from gathered operands), so this rank's
+    rows of it are kept; nothing is summed."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return gather_rows(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return local_rows(grad, ctx.group, ctx.dim).contiguous(), None, None
+
+
+class LocalRows(torch.autograd.Function):
+    """The whole sequence -> this rank's rows. Backward: the ranks' row gradients all-gathered into
+    the whole sequence's (moved), so what comes before runs its backward on the whole sequence."""
+
+    @staticmethod
+    def forward(ctx, full, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return local_rows(full, group, dim).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return gather_rows(grad.contiguous(), ctx.group, ctx.dim), None, None
+
+
+def whole_sequence(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    return WholeSequence.apply(x, group, dim)
+
+
+def this_ranks_rows(full: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    return LocalRows.apply(full, group, dim)
+
+
+def weight_grad_operands(dy: torch.Tensor, x: torch.Tensor):
+    """A weight gradient's operands (T_local, N) and (T_local, K), rows s-major -> the whole
+    micro-batch's, so the invariant GEMM adds the one-device tokens in the one-device order."""
+    group = cp_group()
+    if group is None:
+        return dy, x
+    return gather_rows(dy, group), gather_rows(x, group)
+
+
+def token_values(values: torch.Tensor, seq_split: bool, tp_group) -> tuple:
+    """A norm's per-token values [s, b, ...] (this rank's tokens; seq_split: an SP slice of them) ->
+    (the whole sequence's values, False): the canonical token tree then runs on the whole sequence,
+    the same leaves and additions as on one device. Unchanged at CP = 1."""
+    group = cp_group()
+    if group is None:
+        return values, seq_split
+    if seq_split and group_size(tp_group) > 1:
+        values = _all_gather_rows(values.contiguous(), tp_group)  # the SP slices in rank order: moved
+    return gather_rows(values.contiguous(), group), False
+
+
+class _EmbeddingLookup(torch.autograd.Function):
+    """``F.embedding(ids, weight)`` for this rank's tokens; backward: the ids and the output gradient
+    of the whole micro-batch (all-gathered in sequence order along dim 1) through the same dense
+    embedding backward as on one device."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, group):
+        ctx.group = group
+        ctx.save_for_backward(ids, weight)
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ids, weight = ctx.saved_tensors
+        full_ids = gather_rows(ids.contiguous(), ctx.group, dim=1)
+        full_grad = gather_rows(grad.contiguous(), ctx.group, dim=1)
+        with torch.enable_grad():
+            w = weight.detach().requires_grad_(True)
+            (dw,) = torch.autograd.grad(F.embedding(full_ids, w), [w], full_grad)
+        return None, dw, None
+
+
+def embedding_forward(original):
+    """VocabParallelEmbedding.forward: under CP the weight's gradient from the whole micro-batch."""
+
+    def forward(self, input_):
+        from ...numerics.bitwise_training import active
+
+        group = cp_group() if active() else None
+        if group is None:
+            return original(self, input_)
+        # An instance attribute shadows the registered parameter for this call only: the module's own
+        # masking and TP reduction run around the lookup.
+        object.__setattr__(self, "weight", _CPWeight(self.weight, group))
+        try:
+            return original(self, input_)
+        finally:
+            object.__delattr__(self, "weight")
+
+    return forward
+
+
+class _CPWeight:
+    """Stands in for the embedding weight during one forward: ``weight[ids]`` (megatron's
+    deterministic mode) and ``F.embedding(ids, weight)`` both reach ``_EmbeddingLookup``."""
+
+    def __init__(self, weight, group):
+        self.weight, self.group = weight, group
+
+    def __getitem__(self, ids):
+        return _EmbeddingLookup.apply(ids, self.weight, self.group)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.embedding:
+            ids = args[0] if args else kwargs["input"]
+            return _EmbeddingLookup.apply(ids, self.weight, self.group)
+        raise TypeError(f"bitwise_training under CP: the embedding weight used by {func}, not by its lookup")
+
+
+def _dp_cp_coordinates(group):
+    """(dp rank, cp rank) of every member of the DP x CP ``group``, in group-rank order."""
+    from megatron.core import parallel_state as ps
+
+    mine = torch.tensor([ps.get_data_parallel_rank(), ps.get_context_parallel_rank()], dtype=torch.int64)
+    return gather_along_rank(mine, group).tolist()
+
+
+def reduce_over_dp_cp(bucket_group, sharded: bool, dp_order) -> None:
+    """The DP x CP gradient sync when every CP rank holds its DP replica's whole gradient: each
+    bucket cut into one slice per member, slice i moved to member i (all-to-all), where the CP-rank-0
+    copy of every DP rank's slice is folded in the tree's DP order (``dp_order``: the DP ranks in
+    the tree's leaf order; one DP rank: the copy itself, nothing added); then gathered back
+    (all-reduce) or kept as the member's shard (distributed optimizer). Replaces megatron's
+    reduction over the DP x CP group, which would add the CP copies."""
+    from .accumulation import _Done
+
+    group = bucket_group.intra_distributed_optimizer_instance_group \
+        if bucket_group.ddp_config.use_distributed_optimizer else bucket_group.data_parallel_group
+    world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
+    coords = _dp_cp_coordinates(group)
+    source = {d: i for i, (d, c) in enumerate(coords) if c == 0}
+    picks = [source[d] for d in dp_order]
+    average = bucket_group.ddp_config.average_in_collective
+    for bucket in bucket_group.buckets:
+        data = bucket.grad_data
+        if bucket.gradient_scaling_factor != 1.0:
+            data *= bucket.gradient_scaling_factor
+        n = data.numel()
+        per = -(-n // world)
+        flat = data if per * world == n else torch.cat([data, data.new_zeros(per * world - n)])
+        received = _all_to_all_rows(flat.view(world, per), group)  # (world, 1, per): slot i from member i
+        leaves = received[picks, 0]
+        mine = leaves[0].clone() if len(picks) == 1 else tree_fold(leaves, dim=0)
+        if average:
+            mine /= world
+        if sharded:
+            data.view(world, per)[rank].copy_(mine)
+        else:
+            data.copy_(_all_gather_rows(mine.view(1, per), group).view(-1)[:n])
+    if bucket_group.ddp_config.overlap_grad_reduce:
+        bucket_group.grad_reduce_handle = _Done()
+
+
+def reduce_replicated(tensor: torch.Tensor, group, dp_order) -> Optional[torch.Tensor]:
+    """A gradient held whole by every member of the DP x CP ``group`` (CP copies equal) -> the fold
+    of the DP ranks' values in ``dp_order`` (one CP copy each), on every member: moved, then folded."""
+    coords = _dp_cp_coordinates(group)
+    source = {d: i for i, (d, c) in enumerate(coords) if c == 0}
+    everyone = gather_along_rank(tensor.contiguous(), group)
+    leaves = everyone[[source[d] for d in dp_order]]
+    return leaves[0].clone() if len(dp_order) == 1 else tree_fold(leaves, dim=0)
+
+
+class WholeSequenceBackward(InvariantBackward):
+    """Bitwise training's backward policy (the invariant GEMMs), the weight gradient's operands
+    gathered over CP first: the one-device GEMM over the whole micro-batch on every CP rank."""
+
+    def weight_grad(self, dy, x, out_dtype):
+        dy, x = weight_grad_operands(dy, x)
+        return super().weight_grad(dy, x, out_dtype)
