@@ -11,16 +11,19 @@ ordered by (source group position, token, slot), i.e. the order of the rows of t
 all-gathered over the group; a token's k outputs land in slot order for the fp32 slot-order
 combine (``kernels/moe.py``).
 
-The split sizes follow from the routing of the whole group (all-gathered once per layer, k
-integers per token): one small host read per layer, as megatron's alltoall dispatcher does, and no
-per-expert host syncs.
+The split sizes are the slot counts per (rank, local expert), exchanged once per layer (W x
+experts-per-rank integers, as megatron's alltoall dispatcher exchanges its tokens per expert): one
+small host read per layer, no per-expert host syncs, and no per-row metadata on the wire (a
+rank's rows go out sorted by (destination, local expert, token, slot), so the receiver reorders
+them from the counts alone).
 """
 from dataclasses import dataclass
 from typing import List
 
 import torch
+import torch.distributed as dist
 
-from .collectives import all_to_all_split
+from .collectives import all_to_all_split, group_size
 
 
 @dataclass
@@ -48,53 +51,80 @@ def _inverse(perm: torch.Tensor) -> torch.Tensor:
     return inv
 
 
-def plan(idx: torch.Tensor, idx_all: torch.Tensor, ep_of_position: torch.Tensor, position: int,
-         num_experts: int, num_local: int) -> DispatchPlan:
-    """idx (T, k): this rank's routing; idx_all (W, T, k): every group position's, in position
-    order; ep_of_position (W,): the EP rank of each position; position: this rank's."""
-    world, tokens, k = idx_all.shape
+def _block_transpose(counts: List[List[int]], device) -> torch.Tensor:
+    """Rows laid out in blocks (a, b) of counts[a][b] rows, a-major -> the row order b-major
+    (blocks (b, a), each block's rows kept in order)."""
+    flat = [c for row in counts for c in row]
+    starts, total = [], 0
+    for c in flat:
+        starts.append(total)
+        total += c
+    rows_a, rows_b = len(counts), len(counts[0]) if counts else 0
+    order = [a * rows_b + b for b in range(rows_b) for a in range(rows_a)]
+    sizes = torch.tensor([flat[i] for i in order], dtype=torch.long, device=device)
+    begin = torch.tensor([starts[i] for i in order], dtype=torch.long, device=device)
+    out_begin = torch.cumsum(sizes, 0) - sizes
+    first = torch.repeat_interleave(begin - out_begin, sizes, output_size=total)
+    return first + torch.arange(total, device=device)
+
+
+def plan(idx: torch.Tensor, ep_of_position: torch.Tensor, position: int, num_experts: int, num_local: int,
+         group) -> DispatchPlan:
+    """idx (T, k): this rank's routing; ep_of_position (W,): the EP rank of each group position;
+    position: this rank's. Exchanges the slot counts per (rank, local expert) with the group."""
+    tokens, k = idx.shape
     nk = tokens * k
+    world = ep_of_position.numel()
     num_ep = num_experts // num_local
-    flat_all = idx_all.reshape(world, nk)
-    ep_all = torch.div(flat_all, num_local, rounding_mode="floor")
-    per_ep = torch.zeros(world, num_ep, dtype=torch.long, device=idx.device)
-    per_ep.scatter_add_(1, ep_all, torch.ones_like(ep_all))
-    per_expert = torch.bincount(flat_all.reshape(-1), minlength=num_experts)
+    device = idx.device
+    hist = torch.bincount(idx.reshape(-1), minlength=num_experts)  # this rank's slots per expert
+    # Rows this rank sends to each position, per local expert there; the same from every position.
+    to_each = hist.view(num_ep, num_local)[ep_of_position.long()]  # (W, num_local)
+    from_each = exchange_counts(to_each, group)
     # The one host read of the layer: the group's layout and slot counts.
-    host = torch.cat([ep_of_position.reshape(-1).long(), per_ep.reshape(-1), per_expert.long()]).tolist()
+    host = torch.cat([ep_of_position.reshape(-1).long(), to_each.reshape(-1), from_each.reshape(-1)]).tolist()
     ep_h = host[:world]
-    counts = [host[world + s * num_ep: world + (s + 1) * num_ep] for s in range(world)]
-    hist = host[world + world * num_ep:]
+    send_blocks = [host[world + p * num_local: world + (p + 1) * num_local] for p in range(world)]
+    base = world + world * num_local
+    recv_blocks = [host[base + s * num_local: base + (s + 1) * num_local] for s in range(world)]
     positions = [[p for p in range(world) if ep_h[p] == e] for e in range(num_ep)]
     if len({len(p) for p in positions}) != 1 or not positions[0]:
         raise ValueError(f"every EP rank must appear equally often in the expert group, got EP ranks {ep_h}")
     owner = [p[0] for p in positions]
     mine = ep_h[position]
 
-    send = [counts[position][ep_h[p]] for p in range(world)]
-    recv = [counts[s][mine] for s in range(world)]
-    expert_counts = hist[mine * num_local:(mine + 1) * num_local]
+    send = [sum(b) for b in send_blocks]
+    recv = [sum(b) for b in recv_blocks]
+    expert_counts = [sum(recv_blocks[s][j] for s in range(world)) for j in range(num_local)]
     back_send = recv if owner[mine] == position else [0] * world
     back_recv = [send[p] if owner[ep_h[p]] == p else 0 for p in range(world)]
 
-    device = idx.device
-    my_ep = torch.div(idx.reshape(nk), num_local, rounding_mode="floor")
-    # Each slot goes to every position holding its EP rank (copy c to the c-th such position);
-    # stable by destination: within one destination, (token, slot) order.
+    flat = idx.reshape(nk)
+    my_ep = torch.div(flat, num_local, rounding_mode="floor")
+    local = flat % num_local
+    # Each slot goes to every position holding its EP rank (copy c to the c-th such position),
+    # ordered by (destination, local expert, token, slot).
     table = torch.tensor(positions, dtype=torch.long, device=device)  # (num_ep, expert-TP)
-    order = _stable_order(table[my_ep].t().reshape(-1))
-    send_tokens = torch.div(order % nk, k, rounding_mode="floor")
-    # Received rows: by source position, then (token, slot). Expert order: (local expert, source
-    # position, token, slot) -- the dense path's order over the all-gathered rows.
-    selected = (ep_all == mine).reshape(-1)
-    local = torch.where(selected, flat_all.reshape(-1) % num_local, torch.full_like(flat_all.reshape(-1), num_local))
-    by_expert = _stable_order(local)[:sum(recv)]
-    expert_rows = (torch.cumsum(selected.long(), 0) - 1)[by_expert]
-    # Returned rows: by owner position, then (token, slot).
+    keys = (table[my_ep] * num_local + local.unsqueeze(1)).t().reshape(-1)
+    send_tokens = torch.div(_stable_order(keys) % nk, k, rounding_mode="floor")
+    # Received rows: blocks (source position, local expert), each in (token, slot) order. Expert
+    # order: (local expert, source position, token, slot) -- the dense path's order over the
+    # all-gathered rows.
+    expert_rows = _block_transpose(recv_blocks, device)
+    # Returned rows: by owner position, then (local expert, token, slot).
     owners = torch.tensor(owner, dtype=torch.long, device=device)
-    restore = _inverse(_stable_order(owners[my_ep]))
+    restore = _inverse(_stable_order(owners[my_ep] * num_local + local))
     return DispatchPlan(send_tokens, send, recv, expert_rows, expert_counts, _inverse(expert_rows), back_send,
                         back_recv, restore)
+
+
+def exchange_counts(to_each: torch.Tensor, group) -> torch.Tensor:
+    """(W, n) counts, row p for position p -> (W, n), row s from position s."""
+    if group_size(group) == 1:
+        return to_each
+    out = torch.empty_like(to_each)
+    dist.all_to_all_single(out, to_each.contiguous(), group=group)
+    return out
 
 
 def dispatch(h: torch.Tensor, p: DispatchPlan, group) -> List[torch.Tensor]:

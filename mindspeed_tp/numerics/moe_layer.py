@@ -112,10 +112,8 @@ def canonical_moe(numerics, layer, hidden_states, padding_mask, publish_routing)
     n_local, k = idx.shape
     experts = layer.experts.local_experts
     num_local = len(experts)
-    # Every group position's routing and EP rank, in one small all-gather.
-    gathered = gather_along_rank(torch.cat([idx.reshape(-1), idx.new_tensor([ep_rank])]), tp_ep)
-    idx_all, ep_of_position = gathered[:, :-1].reshape(-1, n_local, k), gathered[:, -1]
-    plan = moe_dispatch.plan(idx, idx_all, ep_of_position, group_rank(tp_ep), num_experts, num_local)
+    ep_of_position = gather_along_rank(idx.new_tensor([ep_rank]), tp_ep).reshape(-1)
+    plan = moe_dispatch.plan(idx, ep_of_position, group_rank(tp_ep), num_experts, num_local, tp_ep)
     inputs = moe_dispatch.dispatch(h, plan, tp_ep)
     # Also an expert no token chose runs (on zero rows), as megatron's experts do: its weights get
     # a (zero) gradient, so DDP's per-bucket gradient-ready count completes (overlap_grad_reduce).

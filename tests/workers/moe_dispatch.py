@@ -66,8 +66,7 @@ def dense(h, idx, ep_of_position, num_local):
 def selected(h, idx, ep_of_position, num_local):
     me = ep_of_position[RANK]
     h = h.clone().requires_grad_(True)
-    idx_all = gather_along_rank(idx, GROUP)
-    plan = moe_dispatch.plan(idx, idx_all, torch.tensor(ep_of_position), RANK, NUM_EXPERTS, num_local)
+    plan = moe_dispatch.plan(idx, torch.tensor(ep_of_position), RANK, NUM_EXPERTS, num_local, GROUP)
     SENT["elements"] = 0
     inputs = moe_dispatch.dispatch(h, plan, GROUP)
     dispatched = SENT["elements"]
