@@ -111,6 +111,36 @@ def all_to_all_rows(x: torch.Tensor, group) -> torch.Tensor:
     return _AllToAllRows.apply(x, group)
 
 
+class _AllToAllSplit(torch.autograd.Function):
+    """All-to-all of rows with split sizes (Python ints): the first sum(send) rows of x go out,
+    send[i] of them to rank i; recv[i] rows come from rank i, in rank order. Backward: the same
+    exchange reversed; rows of x that were not sent get a zero gradient (they stay in the graph, so
+    a rank that sends nothing still runs the backward of what produced them)."""
+
+    @staticmethod
+    def forward(ctx, x, send, recv, group):
+        ctx.group, ctx.send, ctx.recv, ctx.rows = group, send, recv, x.shape[0]
+        n = sum(send)
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        dist.all_to_all_single(out, x[:n].contiguous(), recv, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        back = grad.new_zeros((ctx.rows, *grad.shape[1:]))
+        dist.all_to_all_single(back[:sum(ctx.send)], grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
+        return back, None, None, None
+
+
+def all_to_all_split(x: torch.Tensor, send, recv, group) -> torch.Tensor:
+    """Differentiable all-to-all of rows with split sizes: rows [sum(send[:i]), sum(send[:i+1]))
+    of x go to rank i; the result holds recv[i] rows from rank i, in rank order. Rows of x past
+    sum(send) are not sent (zero gradient)."""
+    if group_size(group) == 1:
+        return x[:sum(send)]
+    return _AllToAllSplit.apply(x, list(send), list(recv), group)
+
+
 class _GatherLastDimSumGrad(torch.autograd.Function):
     """All-gather along the last dim for a computation that differs per rank (each rank uses the
     full tensor with its own weights): backward sums the ranks' gradients and keeps this rank's
@@ -229,6 +259,7 @@ def group_rank(group) -> int:
 
 __all__ = [
     "all_to_all_rows",
+    "all_to_all_split",
     "columns_to_rows",
     "gather_last_dim",
     "fold_across_ranks",

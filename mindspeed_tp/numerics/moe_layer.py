@@ -3,19 +3,20 @@
 The layer's own router weights, experts and shared experts are used; what changes is the
 arithmetic and the data movement around them:
 - router logits by the batch-invariant GEMM in fp32, top-k with ties to the lower expert id;
-- tokens (rows) all-gathered over the expert tensor-and-model-parallel group; each rank runs its
-  local experts on the rows routed to them, by the batch-invariant GEMM, the fc2 across expert TP
-  as the strategy reduces it (``expert_down_proj``: the canonical tree, or the engine's partials);
-- expert outputs move back to the token's rank by an all-to-all of rows (owner selected, never
-  summed), and a token's k outputs are summed in fp32 in slot order, cast once, then the shared
-  expert's output is added.
+- each token slot's row goes only to the ranks holding its expert (selected-row all-to-all over
+  the expert tensor-and-model-parallel group, ``kernels/moe_dispatch.py``); each rank runs its
+  local experts on their rows in the order of the all-gathered tokens, by the batch-invariant
+  GEMM, the fc2 across expert TP as the strategy reduces it (``expert_down_proj``: the canonical
+  tree, or the engine's partials);
+- expert outputs move back to the token's rank by the reverse all-to-all (one owner rank per
+  expert, never summed), and a token's k outputs are summed in fp32 in slot order, cast once,
+  then the shared expert's output is added.
 The dispatcher type (allgather or alltoall) therefore no longer changes any value.
 """
 import torch
 
-from .. import compat
-from ..kernels import invariant_linear
-from ..kernels.collectives import all_to_all_rows, gather_along_rank, group_size
+from ..kernels import invariant_linear, moe_dispatch
+from ..kernels.collectives import gather_along_rank, group_rank
 from ..kernels.moe import combine_slots, route
 
 
@@ -27,15 +28,6 @@ def _groups():
         ps.get_expert_tensor_parallel_group(),
         ps.get_expert_model_parallel_rank(),
     )
-
-
-def _owner_table(tp_ep, ep_rank: int, num_ep: int, device) -> torch.Tensor:
-    """For each EP rank, the first rank (position) in the tp_ep group that holds its experts."""
-    ranks = gather_along_rank(torch.tensor([ep_rank], device=device), tp_ep).reshape(-1)
-    owner = torch.full((num_ep,), -1, dtype=torch.long, device=device)
-    for position in reversed(range(ranks.numel())):
-        owner[ranks[position]] = position
-    return owner
 
 
 def _expert_forward(numerics, expert, x: torch.Tensor, etp_group, config) -> torch.Tensor:
@@ -117,29 +109,16 @@ def canonical_moe(numerics, layer, hidden_states, padding_mask, publish_routing)
                 router.local_tokens_per_expert.dtype)
 
     tp_ep, etp_group, ep_rank = _groups()
-    world = group_size(tp_ep)
     n_local, k = idx.shape
-    if world > 1:
-        h_all = compat.gather_from_sequence_parallel_region(h, tp_ep)
-        idx_all = gather_along_rank(idx, tp_ep).reshape(-1, k)
-    else:
-        h_all, idx_all = h, idx
     experts = layer.experts.local_experts
     num_local = len(experts)
-    slots = torch.zeros(h_all.shape[0], k, shape[-1], dtype=dtype, device=h.device)
-    for j, expert in enumerate(experts):
-        rows, slot = torch.nonzero(idx_all == ep_rank * num_local + j, as_tuple=True)
-        # Also an expert no token chose runs (on zero rows), as megatron's experts do: its weights get
-        # a (zero) gradient, so DDP's per-bucket gradient-ready count completes (overlap_grad_reduce).
-        y = _expert_forward(numerics, expert, h_all.index_select(0, rows), etp_group, config)
-        slots = slots.index_put((rows, slot), y)
-    if world > 1:
-        received = all_to_all_rows(slots, tp_ep).reshape(world, n_local, k, shape[-1])
-        owner = _owner_table(tp_ep, ep_rank, num_experts // num_local, h.device)[idx // num_local]
-        tokens = torch.arange(n_local, device=h.device).unsqueeze(1).expand(n_local, k)
-        mine = received[owner, tokens, torch.arange(k, device=h.device).expand(n_local, k)]
-    else:
-        mine = slots
+    ep_of_position = gather_along_rank(idx.new_tensor([ep_rank]), tp_ep).reshape(-1)
+    plan = moe_dispatch.plan(idx, ep_of_position, group_rank(tp_ep), num_experts, num_local, tp_ep)
+    inputs = moe_dispatch.dispatch(h, plan, tp_ep)
+    # Also an expert no token chose runs (on zero rows), as megatron's experts do: its weights get
+    # a (zero) gradient, so DDP's per-bucket gradient-ready count completes (overlap_grad_reduce).
+    outputs = [_expert_forward(numerics, expert, x, etp_group, config) for expert, x in zip(experts, inputs)]
+    mine = moe_dispatch.combine(outputs, plan, tp_ep, n_local, k)
     output = combine_slots(mine, probs).to(dtype).reshape(shape)
     shared = getattr(layer, "shared_experts", None)
     if shared is not None and getattr(layer, "use_shared_expert", True):
