@@ -201,27 +201,38 @@ def dp_tree_order() -> list:
 
 def reduce_over_dp(bucket_group, sharded: bool) -> None:
     """The DP levels of the tree for DP > 2, replacing the bucket group's all-reduce / reduce-scatter:
-    every rank's bucket cut into DP slices, slice i moved to rank i (all-to-all), folded there in the
-    tree's leaf order (ranks in bit-reversed order: rank r holds the groups = r mod DP, a subtree),
-    then gathered back (all-reduce) or kept as the rank's shard (distributed optimizer)."""
-    group = bucket_group.intra_distributed_optimizer_instance_group \
+    the slices of every DP rank folded in the tree's leaf order (ranks in bit-reversed order: rank r
+    holds the groups = r mod DP, a subtree)."""
+    dp = dist.get_world_size(group=_sync_group(bucket_group))
+    fold_bucket_slices(bucket_group, sharded, sorted(range(dp), key=lambda r: _bit_reversed(r, dp)))
+
+
+def _sync_group(bucket_group):
+    return bucket_group.intra_distributed_optimizer_instance_group \
         if bucket_group.ddp_config.use_distributed_optimizer else bucket_group.data_parallel_group
-    dp, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
-    order = sorted(range(dp), key=lambda r: _bit_reversed(r, dp))
+
+
+def fold_bucket_slices(bucket_group, sharded: bool, picks) -> None:
+    """A bucket group's gradient sync by moving data: every member's bucket cut into one slice per
+    member, slice i moved to member i (all-to-all), where the slices of the members ``picks`` are
+    folded by the tree in that order; then gathered back (all-reduce) or kept as the member's shard
+    (distributed optimizer). Averaging divides by the group's size, as megatron's collective does."""
+    group = _sync_group(bucket_group)
+    world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
     average = bucket_group.ddp_config.average_in_collective
     for bucket in bucket_group.buckets:
         data = bucket.grad_data
         if bucket.gradient_scaling_factor != 1.0:
             data *= bucket.gradient_scaling_factor
         n = data.numel()
-        per = -(-n // dp)
-        flat = data if per * dp == n else torch.cat([data, data.new_zeros(per * dp - n)])
-        received = _all_to_all_rows(flat.view(dp, per), group)  # (dp, 1, per): slot i from rank i
-        mine = tree_fold(received[order, 0], dim=0)
+        per = -(-n // world)
+        flat = data if per * world == n else torch.cat([data, data.new_zeros(per * world - n)])
+        received = _all_to_all_rows(flat.view(world, per), group)  # (world, 1, per): slot i from member i
+        mine = tree_fold(received[picks, 0], dim=0)
         if average:
-            mine /= dp
-        if sharded:  # the distributed optimizer pads buckets to a multiple of DP
-            data.view(dp, per)[rank].copy_(mine)
+            mine /= world
+        if sharded:  # the distributed optimizer pads buckets to a multiple of the group's size
+            data.view(world, per)[rank].copy_(mine)
         else:
             data.copy_(_all_gather_rows(mine.view(1, per), group).view(-1)[:n])
     if bucket_group.ddp_config.overlap_grad_reduce:

@@ -25,12 +25,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from ...contract.tree import tree_fold
 from ...kernels import context_parallel as cp
-from ...kernels.collectives import _all_gather_rows, _all_to_all_rows, gather_along_rank, group_rank, group_size
+from ...kernels.collectives import _all_gather_rows, gather_along_rank, group_rank, group_size
 from ...kernels.linear import InvariantBackward
 
 
@@ -208,39 +207,15 @@ def _dp_cp_coordinates(group):
 
 
 def reduce_over_dp_cp(bucket_group, sharded: bool, dp_order) -> None:
-    """The DP x CP gradient sync when every CP rank holds its DP replica's whole gradient: each
-    bucket cut into one slice per member, slice i moved to member i (all-to-all), where the CP-rank-0
-    copy of every DP rank's slice is folded in the tree's DP order (``dp_order``: the DP ranks in
-    the tree's leaf order; one DP rank: the copy itself, nothing added); then gathered back
-    (all-reduce) or kept as the member's shard (distributed optimizer). Replaces megatron's
+    """The DP x CP gradient sync when every CP rank holds its DP replica's whole gradient: the
+    CP-rank-0 copy of every DP rank's slice folded in the tree's DP order (``dp_order``: the DP ranks
+    in the tree's leaf order; one DP rank: the copy itself, nothing added). Replaces megatron's
     reduction over the DP x CP group, which would add the CP copies."""
-    from .accumulation import _Done
+    from .accumulation import _sync_group, fold_bucket_slices
 
-    group = bucket_group.intra_distributed_optimizer_instance_group \
-        if bucket_group.ddp_config.use_distributed_optimizer else bucket_group.data_parallel_group
-    world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
-    coords = _dp_cp_coordinates(group)
+    coords = _dp_cp_coordinates(_sync_group(bucket_group))
     source = {d: i for i, (d, c) in enumerate(coords) if c == 0}
-    picks = [source[d] for d in dp_order]
-    average = bucket_group.ddp_config.average_in_collective
-    for bucket in bucket_group.buckets:
-        data = bucket.grad_data
-        if bucket.gradient_scaling_factor != 1.0:
-            data *= bucket.gradient_scaling_factor
-        n = data.numel()
-        per = -(-n // world)
-        flat = data if per * world == n else torch.cat([data, data.new_zeros(per * world - n)])
-        received = _all_to_all_rows(flat.view(world, per), group)  # (world, 1, per): slot i from member i
-        leaves = received[picks, 0]
-        mine = leaves[0].clone() if len(picks) == 1 else tree_fold(leaves, dim=0)
-        if average:
-            mine /= world
-        if sharded:
-            data.view(world, per)[rank].copy_(mine)
-        else:
-            data.copy_(_all_gather_rows(mine.view(1, per), group).view(-1)[:n])
-    if bucket_group.ddp_config.overlap_grad_reduce:
-        bucket_group.grad_reduce_handle = _Done()
+    fold_bucket_slices(bucket_group, sharded, [source[d] for d in dp_order])
 
 
 def reduce_replicated(tensor: torch.Tensor, group, dp_order) -> Optional[torch.Tensor]:
