@@ -10,10 +10,10 @@ accumulator of E. Integer sums are exact and associative: any chunking, any orde
 library's all-reduce give the same accumulators. The total is formed once, exactly, as a Python
 integer from the (2, bins) accumulators, and rounded once: the correctly rounded fp64 sum of squares.
 
-Everything up to that final read stays on the gradients' device in chunks of 2^20 elements: no host
+Everything up to that final read stays on the gradients' device in chunks of 2^16 elements: no host
 transfer, no host read of a tensor (tested by a case in which any raises). Non-finite elements
 propagate as ``torch.linalg.vector_norm`` does: any NaN (whatever its sign bit) gives NaN, else any
-inf gives inf. The accumulators never wrap: a chunk adds below 2^44 to one, and every 2^12 chunks (and
+inf gives inf. The accumulators never wrap: a chunk adds below 2^40 to one, and every 2^16 chunks (and
 before the all-reduce) they are normalised by a fixed number of exact carries (4 units of bin E are
 one unit of bin E + 1), with no host read to decide it; afterwards each is below 2^24.
 """
@@ -32,10 +32,10 @@ _HEADROOM = 32
 _FINITE = _EXPONENTS + _HEADROOM
 _INF, _NAN = _FINITE, _FINITE + 1  # whether any square was inf, NaN (0 or 1)
 _BINS = _FINITE + 2
-_CHUNK = 1 << 20
-# A chunk adds below 2^20 * 2^24 = 2^44 to an accumulator, so 2^12 chunks add below 2^56; after a
+_CHUNK = 1 << 16
+# A chunk adds below 2^16 * 2^24 = 2^40 to an accumulator, so 2^16 chunks add below 2^56; after a
 # normalisation every accumulator is below 2^24 (see normalise): they stay below 2^57 < 2^63.
-_CHUNKS_PER_NORMALISE = 1 << 12
+_CHUNKS_PER_NORMALISE = 1 << 16
 
 
 def exponent_sums(grads: List[torch.Tensor]) -> torch.Tensor:
@@ -58,16 +58,21 @@ def exponent_sums(grads: List[torch.Tensor]) -> torch.Tensor:
 
 
 def _add_chunk(acc: torch.Tensor, chunk: torch.Tensor) -> None:
+    # Few temporaries, most updated in place, on a chunk that stays in cache: the arithmetic is a
+    # few integer operations per element, so fresh multi-MB temporaries (page faults) would dominate.
     bits = chunk.contiguous().view(torch.int32)
-    exponent = (bits >> 23) & 0xFF
+    exponent = (bits >> 23).bitwise_and_(0xFF)
     fraction = bits & 0x7FFFFF
-    significand = (fraction | ((exponent != 0).int() << 23)).long()
-    square = significand * significand  # exact: below 2^48
-    # Exponent 255 is inf (no fraction) or NaN (any fraction, any sign); their bins count occurrences.
-    special = exponent == 255
-    bins = torch.where(special, _INF + (fraction != 0).int(), exponent.clamp(min=1)).long()
-    halves = torch.stack([torch.where(special, 1, square >> _HALF), torch.where(special, 0, square & _MASK)])
-    acc.index_add_(1, bins, halves)
+    special = exponent == 255  # inf (no fraction) or NaN (any fraction, any sign)
+    acc[0, _NAN] += (special & (fraction != 0)).sum()
+    acc[0, _INF] += (special & (fraction == 0)).sum()
+    fraction.masked_fill_(special, 0)
+    fraction.bitwise_or_((exponent != 0).to(torch.int32) << 23)  # the implicit bit (not subnormals)
+    square = fraction.long()
+    square.mul_(square)  # exact: below 2^48; 0 for inf and NaN (counted above)
+    bins = exponent.clamp_(1, _EXPONENTS - 1).long()  # subnormals: bin 1
+    acc[0].index_add_(0, bins, square >> _HALF)
+    acc[1].index_add_(0, bins, square.bitwise_and_(_MASK))
 
 
 def normalise(acc: torch.Tensor, passes: int = 32) -> None:
