@@ -23,7 +23,7 @@ from typing import List
 import torch
 import torch.distributed as dist
 
-from .collectives import all_to_all_split, group_size
+from .collectives import _all_to_all_rows, all_to_all_split, group_size
 
 
 @dataclass
@@ -80,7 +80,7 @@ def plan(idx: torch.Tensor, ep_of_position: torch.Tensor, position: int, num_exp
     hist = torch.bincount(idx.reshape(-1), minlength=num_experts)  # this rank's slots per expert
     # Rows this rank sends to each position, per local expert there; the same from every position.
     to_each = hist.view(num_ep, num_local)[ep_of_position.long()]  # (W, num_local)
-    from_each = exchange_counts(to_each, group)
+    from_each = to_each if group_size(group) == 1 else _all_to_all_rows(to_each, group).reshape(world, num_local)
     # The one host read of the layer: the group's layout and slot counts.
     host = torch.cat([ep_of_position.reshape(-1).long(), to_each.reshape(-1), from_each.reshape(-1)]).tolist()
     ep_h = host[:world]
@@ -116,15 +116,6 @@ def plan(idx: torch.Tensor, ep_of_position: torch.Tensor, position: int, num_exp
     restore = _inverse(_stable_order(owners[my_ep] * num_local + local))
     return DispatchPlan(send_tokens, send, recv, expert_rows, expert_counts, _inverse(expert_rows), back_send,
                         back_recv, restore)
-
-
-def exchange_counts(to_each: torch.Tensor, group) -> torch.Tensor:
-    """(W, n) counts, row p for position p -> (W, n), row s from position s."""
-    if group_size(group) == 1:
-        return to_each
-    out = torch.empty_like(to_each)
-    dist.all_to_all_single(out, to_each.contiguous(), group=group)
-    return out
 
 
 def dispatch(h: torch.Tensor, p: DispatchPlan, group) -> List[torch.Tensor]:

@@ -43,15 +43,6 @@ def cp_group():
     return group if group is not None and group_size(group) > 1 else None
 
 
-def _chunk_order(size: int) -> list:
-    """Index (rank * 2 + j) of every chunk 0..2·CP-1 in the ranks' concatenated chunks."""
-    where = {}
-    for r in range(size):
-        for j, c in enumerate(cp.chunk_ids(size, r)):
-            where[c] = r * 2 + j
-    return [where[c] for c in range(2 * size)]
-
-
 def gather_rows(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     """This rank's tokens along ``dim`` (its two chunks, s-major: the two halves) -> the whole
     sequence in order, on every rank. Data moved, nothing added. Not differentiable."""
@@ -64,8 +55,8 @@ def gather_rows(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     n = x.shape[0]
     if n % 2:
         raise ValueError(f"a CP rank holds two equal chunks; got {n} rows")
-    parts = _all_gather_rows(x.reshape(n, -1), group).view(2 * size, n // 2, -1)
-    full = parts[_chunk_order(size)].reshape(size * n, *x.shape[1:])
+    order = cp.sequence_order([0, size * n], size).to(x.device)  # the default mode's K/V order
+    full = _all_gather_rows(x.reshape(n, -1), group).index_select(0, order).reshape(size * n, *x.shape[1:])
     return full.movedim(0, dim)
 
 
@@ -74,10 +65,8 @@ def local_rows(full: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     size = group_size(group)
     if size == 1:
         return full
-    n = full.shape[dim]
-    c = n // (2 * size)
-    a, b = cp.chunk_ids(size, group_rank(group))
-    return torch.cat([full.narrow(dim, a * c, c), full.narrow(dim, b * c, c)], dim=dim)
+    rows = cp.local_positions(full.shape[dim], size, group_rank(group), device=full.device)
+    return full.index_select(dim, rows)
 
 
 class WholeSequence(torch.autograd.Function):
