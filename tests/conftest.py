@@ -8,6 +8,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(ROOT, "tests", "workers")
 SUPPORT = os.path.join(ROOT, "tests", "support")
+STARTUP = os.path.join(ROOT, "tests", "startup")  # sitecustomize: megatron-core imported with compiles deferred
 FAULT_ENV = "MINDSPEED_TP_TEST_FAULT"
 
 
@@ -21,7 +22,7 @@ def bits_equal(a, b) -> bool:
 def _env(extra=None):
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, STARTUP, env.get("PYTHONPATH", "")])
     env.pop("MINDSPEED_TP", None)
     env.pop("MINDSPEED_TP_PROFILE", None)
     env.update(extra or {})

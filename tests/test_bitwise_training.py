@@ -2,11 +2,11 @@
 the same global batch, every layout's loss, every gradient, every parameter and the optimizer state
 (Adam's moments and the fp32 main parameters) are ``torch.equal`` to the one-device run after every
 step -- each parameter's full logical tensor, compared shard by shard -- for TP in {1, 2, 4} x SP x
-PP in {1, 2} (1F1B and interleaved) x DP in {1, 2}, bf16 (distributed optimizer, overlapped grad
-reduce and param gather, full recompute) and fp32 (plain optimizer, selective recompute), 3 Adam steps
-with clipping;
-vanilla megatron-core is not. One train-check launch per dtype; the refusals and the exact norm are
-checked in-process."""
+PP in {1, 2} (1F1B and interleaved) x DP in {1, 2} in bf16 (distributed optimizer, overlapped grad
+reduce and param gather, full recompute), and TP 4 with SP, TP x DP and interleaved PP in fp32 (plain
+optimizer, selective recompute: what differs with the dtype is the GEMM kernels and the optimizer,
+not the layouts), 3 Adam steps with clipping; vanilla megatron-core is not (bf16). One train-check
+launch per dtype; the refusals and the exact norm are checked in-process."""
 import json
 import os
 import math
@@ -20,25 +20,37 @@ from conftest import bits_equal, explain, run_cli
 
 LAYOUTS = ["tp2", "tp2-sp", "tp4-sp", "tp1-pp2", "tp1-dp2", "tp2-sp-pp2", "tp2-sp-dp2", "tp2-pp2-vpp2", "tp4-sp-pp2",
            "tp2-sp-pp2-dp2"]
+# dtype: (layouts, flags). fp32 runs one world of 4 (and the one-device run): the fp32 GEMM and the
+# plain optimizer in every kind of split, TP 4, TP x DP and interleaved PP.
 RUNS = {
-    "bf16": ["--distributed-optimizer", "--overlap", "--recompute", "full"],
-    "fp32": ["--recompute", "selective"],
+    "bf16": (LAYOUTS, ["--distributed-optimizer", "--overlap", "--recompute", "full", "--compare-vanilla"]),
+    "fp32": (["tp4-sp", "tp2-sp-dp2", "tp2-pp2-vpp2"], ["--recompute", "selective"]),
 }
 VERDICTS = ("loss_bitwise_equal", "grads_bitwise_equal", "params_bitwise_equal", "optimizer_state_bitwise_equal")
 # Layouts splitting a sum over TP or DP ranks (tp1-pp2 splits none; vanilla may or may not match there).
 SPLIT_SUMS = [n for n in LAYOUTS if n != "tp1-pp2"]
 
 
-@pytest.fixture(scope="module", params=sorted(RUNS))
+_reports = {}
+
+
+def _report(dtype, tmp_path_factory):
+    """The dtype's one train-check launch, shared by every test of the module."""
+    if dtype not in _reports:
+        path = tmp_path_factory.mktemp("bitwise") / "report.json"
+        layouts, flags = RUNS[dtype]
+        proc = run_cli("train-check", "--model", "tiny-dense", "--layouts", ",".join(layouts), "--dtype", dtype,
+                       "--steps", "3", "--global-batch-size", "4", "--micro-batch-size", "1", "--seq-length", "32",
+                       "--bitwise-training", "--json", str(path), *flags, timeout=1500)
+        assert proc.returncode in (0, 1) and path.exists(), explain(proc)
+        with open(path) as f:
+            _reports[dtype] = dtype, proc, json.load(f)
+    return _reports[dtype]
+
+
+@pytest.fixture(params=sorted(RUNS))
 def report(request, tmp_path_factory):
-    dtype = request.param
-    path = tmp_path_factory.mktemp("bitwise") / "report.json"
-    proc = run_cli("train-check", "--model", "tiny-dense", "--layouts", ",".join(LAYOUTS), "--dtype", dtype,
-                   "--steps", "3", "--global-batch-size", "4", "--micro-batch-size", "1", "--seq-length", "32",
-                   "--bitwise-training", "--compare-vanilla", "--json", str(path), *RUNS[dtype], timeout=1500)
-    assert proc.returncode in (0, 1) and path.exists(), explain(proc)
-    with open(path) as f:
-        return dtype, proc, json.load(f)
+    return _report(request.param, tmp_path_factory)
 
 
 def _rows(data, vanilla):
@@ -71,7 +83,7 @@ def test_every_step_bitwise_in_every_layout(report):
     assert proc.returncode == 0, explain(proc)
     assert data["bitwise_training"] is True and data["all_bitwise_equal"] is True
     ours = _rows(data, vanilla=False)
-    assert sorted(ours) == sorted(LAYOUTS)
+    assert sorted(ours) == sorted(RUNS[dtype][0])
     for name, row in ours.items():
         assert row["dtype"] == dtype
         assert [s["step"] for s in row["steps"]] == [1, 2, 3]
@@ -89,8 +101,8 @@ def test_training_moves_the_loss(report):
     assert losses[2] < losses[0]
 
 
-def test_vanilla_differs_wherever_a_sum_is_split(report):
-    _, _, data = report
+def test_vanilla_differs_wherever_a_sum_is_split(tmp_path_factory):
+    _, _, data = _report("bf16", tmp_path_factory)
     vanilla = _rows(data, vanilla=True)
     assert sorted(vanilla) == sorted(LAYOUTS)
     for name in SPLIT_SUMS:
@@ -314,18 +326,6 @@ def test_a_damaged_checkpoint_is_refused_by_name_and_left_alone(tmp_path, damage
     assert {n: open(ckpt / n, "rb").read() for n in os.listdir(ckpt)} == before
 
 
-def test_lm_head_with_a_non_power_of_two_run_of_vocab_leaves(tmp_path):
-    """A real vocabulary leaves each rank a non-power-of-two number of vocab leaves (vocab 1100 padded
-    to 1536: 12, 6 and 3 leaves of 128 rows at TP 1, 2, 4): the LM head's input gradient folds each
-    rank's range as aligned blocks and merges all blocks in tree order -- the same bits."""
-    model = tmp_path / "v1100.yaml"
-    model.write_text("name: tiny-dense-v1100\nnum_layers: 2\nhidden_size: 128\nnum_attention_heads: 8\n"
-                     "num_query_groups: 4\nkv_channels: 32\nffn_hidden_size: 256\nvocab_size: 1100\n"
-                     "padded_vocab_size: 1536\nmax_position_embeddings: 512\nrotary_base: 1000000\n"
-                     "norm_epsilon: 1.0e-6\nqk_layernorm: true\ntie_word_embeddings: false\n")
-    _assert_every_step_bitwise(_bitwise_run(tmp_path, model, ["tp2-sp", "tp4-sp"], "--bitwise-training"))
-
-
 def test_dyadic_blocks_partition_a_range_into_subtrees():
     from mindspeed_tp.contract.tree import dyadic_blocks
 
@@ -351,13 +351,22 @@ def test_four_dp_ranks_fold_the_tree_by_moving_data(tmp_path):
                                             "--distributed-optimizer", global_batch="8"))
 
 
-TIED_LAYOUTS = ["tp2-sp", "tp1-pp2", "tp2-sp-pp2-dp2"]
+TIED_LAYOUTS = ["tp2-sp", "tp4-sp", "tp1-pp2", "tp2-sp-pp2-dp2"]
 
 
-def test_tied_embeddings_every_step_bitwise(tmp_path):
+def test_tied_embeddings_and_a_non_power_of_two_run_of_vocab_leaves_every_step_bitwise(tmp_path):
     """The input embedding and the LM head share one weight: on one stage its two gradients meet in
-    one parameter, across a pipeline on two ranks; both are accumulated apart and added once."""
-    _assert_every_step_bitwise(_bitwise_run(tmp_path, "tiny-dense-tied", TIED_LAYOUTS, "--bitwise-training",
+    one parameter, across a pipeline on two ranks; both are accumulated apart and added once.
+    The vocabulary leaves each rank a non-power-of-two number of vocab leaves, as a real one does
+    (1100 padded to 1536: 12, 6 and 3 leaves of 128 rows at TP 1, 2, 4, ranges starting off a
+    subtree's edge): the LM head's input gradient folds each rank's range as aligned blocks and
+    merges all blocks in tree order -- the same bits."""
+    model = tmp_path / "tied-v1100.yaml"
+    model.write_text("name: tiny-dense-tied-v1100\nnum_layers: 2\nhidden_size: 128\nnum_attention_heads: 8\n"
+                     "num_query_groups: 4\nkv_channels: 32\nffn_hidden_size: 256\nvocab_size: 1100\n"
+                     "padded_vocab_size: 1536\nmax_position_embeddings: 512\nrotary_base: 1000000\n"
+                     "norm_epsilon: 1.0e-6\nqk_layernorm: true\ntie_word_embeddings: true\n")
+    _assert_every_step_bitwise(_bitwise_run(tmp_path, model, TIED_LAYOUTS, "--bitwise-training",
                                             "--distributed-optimizer", steps="3"))
 
 

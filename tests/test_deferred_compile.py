@@ -57,3 +57,21 @@ def test_the_checker_imports_megatron_without_the_compiler_and_runs_its_fused_fu
         "torch.testing.assert_close(out, eager)\n"
         "print('ok')\n", timeout=600)
     assert proc.returncode == 0 and "ok" in proc.stdout, explain(proc)
+
+
+def test_the_autoload_hook_still_enables_the_patches_after_the_deferred_import():
+    """MINDSPEED_TP=1 in a test process (tests/startup defers the compiles at interpreter start):
+    the package's .pth hook still enables the patches right after megatron.core is imported, and
+    torch.compile is the real one again by then."""
+    proc = run_python(
+        "import torch\n"
+        "real = torch.compile\n"
+        "import megatron.core.jit as jit\n"
+        "import megatron.core.tensor_parallel.layers as L\n"
+        "import mindspeed_tp\n"
+        "assert mindspeed_tp.is_enabled()\n"
+        "assert L.RowParallelLinear.forward.__module__ == 'mindspeed_tp.patches.tensor_parallel'\n"
+        "assert torch.compile is real\n"
+        "assert jit.jit_fuser.__qualname__.startswith('deferring'), jit.jit_fuser\n"
+        "print('ok')\n", env={"MINDSPEED_TP": "1"}, timeout=600)
+    assert proc.returncode == 0 and "ok" in proc.stdout, explain(proc)

@@ -14,12 +14,12 @@ import textwrap
 
 import pytest
 
-from conftest import ROOT, explain, run_python, run_torchrun
+from conftest import ROOT, STARTUP, explain, run_python, run_torchrun
 
 pytestmark = pytest.mark.version_lines  # also run on megatron-core 0.12.x (scripts/test.sh)
 
 STANDIN = os.path.join(ROOT, "tests", "fakes", "mindspeed_standin")
-ENV = {"PYTHONPATH": ROOT + os.pathsep + STANDIN}
+ENV = {"PYTHONPATH": os.pathsep.join([ROOT, STARTUP, STANDIN])}
 
 
 def _run(code: str):

@@ -19,7 +19,7 @@ STEP_KEYS = {"step", "loss", "loss_bitwise_equal", "logprobs_bitwise_equal", "gr
              "grad_norm_max_abs_diff", "grad_max_abs_diff", "param_max_abs_diff", "optimizer_state_max_abs_diff",
              "grads_differ", "params_differ", "optimizer_state_differ"}
 RUNS = {
-    "dense": ("tiny-dense", ["tp2-sp-pp2", "tp2-pp2-vpp2", "tp1-dp2", "tp2-sp-dp2"]),
+    "dense": ("tiny-dense", ["tp2-sp-pp2", "tp2-pp2-vpp2", "tp2-sp-dp2"]),  # one world of 4
     "moe": ("tiny-moe", ["tp2-sp-ep2", "tp1-ep2-dp2"]),
 }
 # Layouts whose vanilla forward sums across TP ranks (so its logprobs differ from one device).

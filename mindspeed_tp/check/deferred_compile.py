@@ -74,9 +74,15 @@ _finder = _MegatronCoreFinder()
 
 
 def install() -> None:
-    """Defer megatron-core's compiles in this process, if megatron-core is not imported yet."""
-    if _MODULE not in sys.modules and _finder not in sys.meta_path:
-        sys.meta_path.insert(0, _finder)
+    """Defer megatron-core's compiles in this process, if megatron-core is not imported yet.
+
+    The finder goes right before the path finder, after any post-import hook (the package's .pth
+    autoload, ``MINDSPEED_TP=1``): such a hook wraps this loader, so its callbacks (``enable()``,
+    which patches ``torch.compile`` itself) run after the real ``torch.compile`` is back."""
+    if _MODULE in sys.modules or _finder in sys.meta_path:
+        return
+    path_finders = [i for i, f in enumerate(sys.meta_path) if f is importlib.machinery.PathFinder]
+    sys.meta_path.insert(path_finders[0] if path_finders else len(sys.meta_path), _finder)
 
 
 def uninstall() -> None:
