@@ -262,31 +262,17 @@ def _same_state(path, straight):
     return [k for k in state if not bits_equal(state[k], straight[k])]
 
 
-def test_resharding_mid_run(tmp_path, four_steps_on_one_device):
-    """2 steps at tp2-sp-pp2, saved (full logical tensors), 2 more at tp1-dp2 from that file: the
-    same parameters, main parameters and Adam moments as 4 steps on one device."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    half, resumed = (str(tmp_path / n) for n in ("half.safetensors", "resumed.safetensors"))
-    for args in (["--layouts", "tp2-sp-pp2", "--steps", "2", "--save-state", half],
-                 ["--layouts", "tp1-dp2", "--steps", "2", "--load-state", half, "--save-state", resumed]):
-        proc = run_cli("train-check", *RESHARD, *args)
-        assert proc.returncode == 0, explain(proc)
-    assert _same_state(resumed, four_steps_on_one_device) == []
-    with safe_open(resumed, framework="pt") as f:
-        assert f.metadata()["steps"] == "4"
-    first = load_file(half)
-    assert not bits_equal(first["param/output_layer.weight"],
-                          four_steps_on_one_device["param/output_layer.weight"])  # it trained on
-
-
 def test_a_killed_rank_ends_the_run_and_it_resumes_on_another_layout_with_the_same_bits(tmp_path,
                                                                                          four_steps_on_one_device):
     """4 steps at tp2-sp-pp2 checkpointed after every step; rank 1 is SIGKILLed after step 2: the
     run ends with exit 3 naming it, the checkpoints of steps 1 and 2 are complete; resumed at
-    tp1-dp2 (--steps stays 4), the final state is bitwise the uninterrupted one-device run's."""
+    tp1-dp2 (--steps stays 4), the final state is bitwise the uninterrupted one-device run's.
+    That is also resharding mid-run: the checkpoint is --save-state's layout-free file, which the
+    resume loads (as --load-state does) into another layout."""
     import re
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file
 
     from conftest import FAULT_ENV
 
@@ -303,7 +289,12 @@ def test_a_killed_rank_ends_the_run_and_it_resumes_on_another_layout_with_the_sa
                    "--checkpoint-dir", str(ckpt), "--save-state", resumed)
     assert proc.returncode == 0, explain(proc)
     assert _same_state(resumed, four_steps_on_one_device) == []
+    with safe_open(resumed, framework="pt") as f:
+        assert f.metadata()["steps"] == "4"
     assert sorted(os.listdir(ckpt)) == ["step-000003.safetensors", "step-000004.safetensors"]  # the last two
+    third = load_file(str(ckpt / "step-000003.safetensors"))
+    assert not bits_equal(third["param/output_layer.weight"],
+                          four_steps_on_one_device["param/output_layer.weight"])  # it trained on after step 3
 
 
 @pytest.mark.parametrize("damage", ["truncated", "flipped"])

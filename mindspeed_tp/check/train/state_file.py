@@ -5,7 +5,7 @@ fp32 main copy and Adam's two moments, plus the step count, in one safetensors f
 to rank 0, which writes the file; ``load_state`` gives every rank its shard of each tensor (the
 model parameter, the optimizer's main parameter -- a DP rank's range of it under the distributed
 optimizer -- and Adam's state). A job saved in one layout and resumed in another continues the same
-trajectory under bitwise training (tests/test_bitwise_training.py::test_resharding_mid_run).
+trajectory under bitwise training (tests/test_bitwise_training.py::test_a_killed_rank_ends_the_run_and_it_resumes_on_another_layout_with_the_same_bits).
 Dense models only (expert shards live on other groups).
 
 The file is written atomically (a temporary file in the same directory, fsync, rename) and carries
