@@ -117,7 +117,20 @@ def _exact(tensors):
     return float(sum(Fraction(float(v)) ** 2 for t in tensors for v in t.reshape(-1).tolist()))
 
 
-def test_exact_grad_norm_is_order_independent_and_correctly_rounded():
+@pytest.fixture(params=["host-loop", "torch-ops"])
+def norm_path(request, monkeypatch):
+    """Each exact-norm test on both accumulation paths on the host: the compiled C loop (this machine
+    has a C compiler, as CI does: it must build) and the torch operations devices run."""
+    from mindspeed_tp.kernels import host_square_sums
+
+    if request.param == "host-loop":
+        assert host_square_sums.library() is not None, "the exact norm's C loop did not build"
+    else:
+        monkeypatch.setattr(host_square_sums, "library", lambda: None)
+    return request.param
+
+
+def test_exact_grad_norm_is_order_independent_and_correctly_rounded(norm_path):
     from mindspeed_tp.modes.bitwise_training.grad_norm import exact_sum_of_squares, exponent_sums
 
     gen = torch.Generator().manual_seed(0)
@@ -131,7 +144,7 @@ def test_exact_grad_norm_is_order_independent_and_correctly_rounded():
     assert total == _exact(grads)
 
 
-def test_exact_grad_norm_edge_values():
+def test_exact_grad_norm_edge_values(norm_path):
     from mindspeed_tp.modes.bitwise_training.grad_norm import exact_sum_of_squares, exponent_sums
 
     assert exact_sum_of_squares(exponent_sums([torch.zeros(4)])) == 0.0
@@ -148,7 +161,7 @@ def _negative_nan():
 @pytest.mark.parametrize("values", [
     [1.0, float("inf")], [float("-inf"), 2.0], ["-nan", 1.0], [float("nan"), float("inf")], ["-nan", float("-inf")],
 ])
-def test_exact_grad_norm_propagates_non_finite_values_as_vector_norm_does(values):
+def test_exact_grad_norm_propagates_non_finite_values_as_vector_norm_does(values, norm_path):
     from mindspeed_tp.modes.bitwise_training.grad_norm import grad_norm
 
     assert _negative_nan().view(torch.int32).item() < 0
@@ -176,7 +189,7 @@ def test_exact_grad_norm_accumulators_never_wrap():
     assert gn.exact_sum_of_squares(ranks * (1 << 20)) == expected * (1 << 20)  # their sum: no wrap, exact
 
 
-def test_exact_grad_norm_normalises_while_it_accumulates(monkeypatch):
+def test_exact_grad_norm_normalises_while_it_accumulates(monkeypatch, norm_path):
     """Chunks of 3 elements, a normalisation every 2 chunks: the periodic carries keep the total exact."""
     from mindspeed_tp.modes.bitwise_training import grad_norm as gn
 
@@ -186,6 +199,27 @@ def test_exact_grad_norm_normalises_while_it_accumulates(monkeypatch):
     monkeypatch.setattr(gn, "_CHUNK", 3)
     monkeypatch.setattr(gn, "_CHUNKS_PER_NORMALISE", 2)
     assert gn.exact_sum_of_squares(gn.exponent_sums(grads)) == expected
+
+
+def test_exact_grad_norm_host_loop_and_torch_ops_give_the_same_total(monkeypatch):
+    """Values over the whole fp32 range (subnormals, the largest exponents, both signs), lengths not a
+    multiple of the loop's 4 bin copies and beyond its 2^14-element blocks, fp32 and bf16: the C
+    loop's total is the torch operations' and the exact one, and its accumulators stay in range."""
+    from mindspeed_tp.kernels import host_square_sums
+    from mindspeed_tp.modes.bitwise_training import grad_norm as gn
+
+    gen = torch.Generator().manual_seed(5)
+    bits = torch.randint(0, 0x7F800000, (40_003,), generator=gen, dtype=torch.int32)  # every finite |value|
+    signs = torch.randint(0, 2, bits.shape, generator=gen, dtype=torch.int32) << 31
+    spread = (bits | signs).view(torch.float32)
+    grads = [spread, torch.randn(16_385, generator=gen).bfloat16(), torch.tensor([1e-45, -3e-39, 3.0e38]), spread[:7]]
+    expected = _exact([g.float() for g in grads])
+    host = gn.exponent_sums(grads)
+    assert host_square_sums.library() is not None
+    assert int(host[:, 1:gn._INF].max()) < 1 << 47 and int(host.min()) >= 0
+    monkeypatch.setattr(host_square_sums, "library", lambda: None)
+    ops = gn.exponent_sums(grads)
+    assert gn.exact_sum_of_squares(host) == gn.exact_sum_of_squares(ops) == expected
 
 
 @pytest.mark.parametrize("microbatches,dp,groups", [(1, 1, 2), (3, 2, 2), (2, 4, 2), (4, 2, 1), (6, 1, 2)])

@@ -38,10 +38,15 @@ def _exact(tensors):
 def test_the_exact_norm_accumulates_on_the_gradients_device_without_a_host_transfer(monkeypatch):
     """On the meta device (no data: any host read or copy fails) and on CPU inside a mode that makes
     every host read raise, the accumulation runs to its end, periodic normalisation included; only
-    the final (2, bins) read leaves the device, and the total is the exact one."""
+    the final (2, bins) read leaves the device, and the total is the exact one. The torch operations
+    are what a device runs, so the host's C loop is switched off here."""
+    from mindspeed_tp.kernels import host_square_sums
     from mindspeed_tp.modes.bitwise_training import grad_norm as gn
 
+    monkeypatch.setattr(host_square_sums, "library", lambda: None)
+
     monkeypatch.setattr(gn, "_CHUNK", 64)
+    monkeypatch.setattr(gn, "_DEVICE_CHUNK", 64)
     monkeypatch.setattr(gn, "_CHUNKS_PER_NORMALISE", 3)
     gen = torch.Generator().manual_seed(3)
     grads = [torch.randn(300, generator=gen) * 1e-2, torch.randn(7, 11, generator=gen).bfloat16(),
