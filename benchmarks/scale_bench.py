@@ -3,11 +3,21 @@
     python benchmarks/scale_bench.py --quick --json reports/scale.json
     python benchmarks/scale_bench.py --cases qwen3-8b-2layer-tp2-sp-4k-fp32 --json reports/scale.json
     python benchmarks/scale_bench.py --list
+    python benchmarks/scale_bench.py --cases bench-dense-1024-tp2-sp-64-fp32 --modes vanilla,default,rollout,bitwise
+    python benchmarks/scale_bench.py --cases tiny-dense-tp1-8k-bf16,tiny-dense-tp1-cp2-8k-bf16 --no-components
+
+The project's one cost benchmark: any bundled model at any layout is a case, named
+MODEL-LAYOUT-SEQ-DTYPE (SEQ in tokens, or 1k, 4k, ...), so the tiny models' cost of consistency, the
+training-step cost of bitwise training and context parallelism's memory (a cp2 case next to its cp1
+case) are cases of it, not scripts of their own.
 
 Each case (model, layout, tokens per sequence, dtype) is one torchrun launch of ``layout.world_size``
 ranks that runs every mode -- vanilla megatron-core, mindspeed-tp's default profile, bitwise
 training -- in one process, interleaved against drift (vanilla, default, bitwise, then the reverse
-order for a second round). Per mode: the logprob forward (no grad, the whole batch on every rank,
+order for a second round). At a CP layout vanilla runs the CP ranks as DP ranks (megatron-core's
+local attention refuses CP; train-check does the same). Modes: ``vanilla``, ``default`` (the default profile), ``bitwise``
+(bitwise training) by default; ``rollout`` (the rollout-layout profile rollout-tp1) and
+``bitwise-g1`` (bitwise training with one micro-batch group: DP=1 layouts only) with ``--modes``. Per mode: the logprob forward (no grad, the whole batch on every rank,
 megatron's vocab-parallel cross entropy), the training step as train-check runs it (megatron's DDP,
 distributed optimizer, schedules, Adam with clipping; ``check/train/loop.py``), the peak memory
 (the largest rank's peak RSS above its RSS before the model is built: the kernel's peak counter is
@@ -46,7 +56,8 @@ ROOT = os.path.dirname(HERE)
 # cases measure the same code, whatever copy of mindspeed_tp is installed.
 sys.path[:0] = [HERE, ROOT]
 
-MODES = ("vanilla", "default", "bitwise")
+MODES = ("vanilla", "default", "bitwise")  # a case's modes unless --modes says otherwise
+ALL_MODES = MODES + ("rollout", "bitwise-g1")
 PROGRESS = "scale_bench progress: "  # worker lines the launcher passes through
 LONG_S = 30.0  # a first run this long is timed once (see series())
 COMPONENT_THREADS = 1  # as one torchrun rank (torchrun sets OMP_NUM_THREADS=1): ratios comparable
@@ -77,6 +88,29 @@ def _matrix() -> List[Case]:
 
 
 CASES: Dict[str, Case] = {c.name: c for c in _matrix()}
+
+
+def parse_case(name: str) -> Case:
+    """A case from its name, MODEL-LAYOUT-SEQ-DTYPE (SEQ: tokens, or Nk): a catalogue case, or any
+    bundled model at any layout."""
+    if name in CASES:
+        return CASES[name]
+    from mindspeed_tp.check.builder import DTYPES
+    from mindspeed_tp.models.layout import Layout
+    from mindspeed_tp.models.spec import bundled_models
+
+    *head, seq, dtype = name.split("-")
+    tokens = int(seq[:-1]) * 1024 if seq.endswith("k") and seq[:-1].isdigit() else int(seq) if seq.isdigit() else 0
+    if dtype in DTYPES and tokens > 0:
+        for model in sorted(bundled_models(), key=len, reverse=True):  # tiny-dense-tied before tiny-dense
+            if "-".join(head).startswith(model + "-"):
+                try:
+                    layout = Layout.parse("-".join(head)[len(model) + 1:])
+                except Exception:  # noqa: BLE001 -- not this model's prefix
+                    continue
+                return Case(model, layout.name, tokens, dtype)
+    raise ValueError(f"--cases: {name!r} is neither a catalogue case (--list) nor MODEL-LAYOUT-SEQ-DTYPE with a "
+                     f"bundled model ({', '.join(sorted(bundled_models()))}), e.g. tiny-dense-tp2-sp-64-fp32")
 QUICK = ["qwen3-1.7b-2layer-tp2-sp-1k-fp32"]
 # The full run: every dense case (MoE cases run when named with --cases).
 FULL = [n for n, c in CASES.items() if "a3b" not in c.model]
@@ -131,7 +165,19 @@ def _reset_peak() -> None:
         f.write("5")
 
 
-def measure_mode(case: Case, mode: str, repeats: int) -> Dict:
+def mode_profile(mode: str):
+    """The profile a mode runs (vanilla: the default profile's settings for the model build, disabled)."""
+    from mindspeed_tp.contract.profile import load_profile
+
+    if mode == "rollout":
+        return load_profile("rollout-tp1")
+    default = load_profile("default")
+    if mode.startswith("bitwise"):
+        return default.replace(bitwise_training=True, microbatch_groups=1 if mode == "bitwise-g1" else 2)
+    return default
+
+
+def measure_mode(case: Case, mode: str, repeats: int, quiet: bool = False) -> Dict:
     from functools import partial
 
     import torch
@@ -143,17 +189,19 @@ def measure_mode(case: Case, mode: str, repeats: int) -> Dict:
 
     from mindspeed_tp import disable, enable
     from mindspeed_tp.check.builder import DTYPES
+    from mindspeed_tp.check.context_parallel import cp_state, local_columns
     from mindspeed_tp.check.harness import (_logprobs_from_logits, _pipeline_forward, _setup_parallel_state,
                                             _teardown_parallel_state)
     from mindspeed_tp.check.train.loop import (TrainSettings, _data, _forward_step, _LossRecorder,
                                                model_parallel_chunks, make_optimizer, wire_config, micro_batch_rows,
                                                train_batch)
-    from mindspeed_tp.contract.profile import load_profile
     from mindspeed_tp.models.layout import Layout
     from mindspeed_tp.models.spec import load_model_spec
 
     spec, layout, dtype = load_model_spec(case.model), Layout.parse(case.layout), DTYPES[case.dtype]
-    profile = load_profile("default").replace(bitwise_training=mode == "bitwise")
+    if mode == "vanilla" and layout.cp > 1:
+        layout = layout.cp_as_dp()  # megatron-core's local attention refuses CP (it needs TE): as train-check does
+    profile = mode_profile(mode)
     settings = TrainSettings(steps=repeats + 1, micro_batch_size=1, global_batch_size=case.sequences,
                              seq_length=case.seq_length, distributed_optimizer=True)
     disable() if mode == "vanilla" else enable(profile)
@@ -192,10 +240,15 @@ def measure_mode(case: Case, mode: str, repeats: int) -> Dict:
                 times.append(t)
         return times
 
+    _, cp_size, cp_rank = cp_state()
+    columns = local_columns(case.seq_length, cp_size, cp_rank) if cp_size > 1 else None  # this CP rank's chunks
+
     def forward():
         with torch.no_grad():
-            logits = _pipeline_forward(model, layout, batch, spec.hidden_size, dtype)
-            _logprobs_from_logits(logits, batch, spec.vocab_size)
+            logits = _pipeline_forward(model, layout, batch, spec.hidden_size, dtype, None, columns)
+            if logits is not None:  # the last pipeline stage
+                targets = None if columns is None else batch.targets[:, columns]
+                _logprobs_from_logits(logits, batch, spec.vocab_size, 1.0, targets)
 
     def step():
         for m in wrapped:
@@ -209,7 +262,8 @@ def measure_mode(case: Case, mode: str, repeats: int) -> Dict:
 
     model.eval()
     forward_s = series(forward)
-    _progress(f"{case.name} {mode}: forward {statistics.median(forward_s):.2f} s")
+    if not quiet:
+        _progress(f"{case.name} {mode}: forward {statistics.median(forward_s):.2f} s")
     model.train()
     counted = {}
     comm_counter.reset()
@@ -219,7 +273,7 @@ def measure_mode(case: Case, mode: str, repeats: int) -> Dict:
     out = torch.tensor([statistics.median(forward_s), statistics.median(step_s), peak, step_bytes],
                        dtype=torch.float64)
     dist.all_reduce(out, op=dist.ReduceOp.MAX)  # the slowest rank, the largest rank
-    _progress(f"{case.name} {mode}: step {float(out[1]):.2f} s, peak {float(out[2]):.0f} MB, "
+    quiet or _progress(f"{case.name} {mode}: step {float(out[1]):.2f} s, peak {float(out[2]):.0f} MB, "
               f"{float(out[3]) / 2 ** 20:.1f} MiB sent per step")
     del model, chunks, wrapped, optimizer
     _teardown_parallel_state()
@@ -246,7 +300,14 @@ def worker(ns) -> None:
     init_distributed(3600.0)
     install_cpu_shims()
     comm_counter.counter.apply()
-    case = Case(ns.model, ns.layout, ns.seq_length, ns.dtype, ns.sequences, tuple(ns.modes.split(",")))
+    case = Case(ns.model, ns.layout, ns.seq_length, ns.dtype, ns.sequences, tuple(ns.worker_modes.split(",")))
+    # Each mode once on a tiny model at the case's layout, untimed: what a process allocates once (gloo
+    # buffers, lazily built tables) lands there, not in the first measured mode's peak memory.
+    from mindspeed_tp.models.spec import load_model_spec
+
+    tiny = replace(case, model="tiny-moe" if load_model_spec(case.model).is_moe else "tiny-dense", seq_length=128)
+    for mode in case.modes:
+        measure_mode(tiny, mode, 1, quiet=True)
     runs: Dict[str, List[Dict]] = {m: [] for m in case.modes}
     for r in range(ns.rounds):
         for mode in case.modes if r % 2 == 0 else tuple(reversed(case.modes)):  # against drift
@@ -457,7 +518,7 @@ def run_case(case: Case, rounds: int, repeats: int, timeout: Optional[float]) ->
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                os.path.abspath(__file__), "--worker", "--model", case.model, "--layout", case.layout,
                "--seq-length", str(case.seq_length), "--dtype", case.dtype, "--sequences", str(case.sequences),
-               "--modes", ",".join(case.modes), "--rounds", str(rounds), "--repeats", str(repeats), "--out", out]
+               "--worker-modes", ",".join(case.modes), "--rounds", str(rounds), "--repeats", str(repeats), "--out", out]
         with tempfile.TemporaryFile("w+") as err:
             proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
             lines = []
@@ -477,6 +538,9 @@ def run_case(case: Case, rounds: int, repeats: int, timeout: Optional[float]) ->
               if m != "vanilla" and v}
     row = {"name": case.name, "model": case.model, "layout": case.layout, "seq_length": case.seq_length,
            "dtype": case.dtype, "sequences": case.sequences, "modes": modes, "ratios": ratios}
+    cp_layout = Layout.parse(case.layout)
+    if cp_layout.cp > 1:
+        row["vanilla_layout"] = cp_layout.cp_as_dp().name  # the CP ranks as DP ranks
     if code:  # reported with what was measured (a rank killed for memory on a shared machine, ...)
         missing = [m for m in case.modes if m not in modes]
         row["failed"] = {"exit_code": code, "modes_not_measured": missing, "log_tail": log[-3000:]}
@@ -490,25 +554,28 @@ def print_case(row: Dict) -> None:
         q = row["ratios"].get(mode)
         ratio = "" if q is None else (f"{q['forward_s']:>8.2f}{q['step_s']:>8.2f}{q['peak_mb']:>8.2f}"
                                       f"{q['step_bytes']:>8.2f}")
-        print(f"{row['name']:<40}{mode:<9}{m['forward_s']:>9.2f}{m['step_s']:>9.2f}{m['peak_mb']:>9.0f}"
+        print(f"{row['name']:<40}{mode:<11}{m['forward_s']:>9.2f}{m['step_s']:>9.2f}{m['peak_mb']:>9.0f}"
               f"{m['step_bytes'] / 2**20:>10.1f}{ratio}", flush=True)
     for mode in row.get("failed", {}).get("modes_not_measured", []):
-        print(f"{row['name']:<40}{mode:<9}not measured: the case failed (exit {row['failed']['exit_code']})")
+        print(f"{row['name']:<40}{mode:<11}not measured: the case failed (exit {row['failed']['exit_code']})")
 
 
-HEADER = (f"{'case':<40}{'mode':<9}{'fwd s':>9}{'step s':>9}{'peak MB':>9}{'step MiB':>10}"
+HEADER = (f"{'case':<40}{'mode':<11}{'fwd s':>9}{'step s':>9}{'peak MB':>9}{'step MiB':>10}"
           f"{'fwd x':>8}{'step x':>8}{'mem x':>8}{'bytes x':>8}")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cases", help="comma-separated case names (--list); default: every dense case")
+    p.add_argument("--cases", help="comma-separated case names: the catalogue's (--list) or MODEL-LAYOUT-SEQ-DTYPE "
+                                   "for any bundled model and layout; default: every dense catalogue case")
     p.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)} plus the components")
     p.add_argument("--smoke", action="store_true", help="a tiny model and tiny components (seconds)")
     p.add_argument("--list", action="store_true", help="print the case names and exit")
     p.add_argument("--no-components", action="store_true", help="skip the component rows")
     p.add_argument("--only-modes", help="comma-separated subset of each case's modes (vanilla is always kept: "
                                         "the ratios' reference)")
+    p.add_argument("--modes", dest="case_modes", help=f"comma-separated modes for every case, vanilla kept "
+                                                      f"(of {', '.join(ALL_MODES)}); default: the case's")
     p.add_argument("--rounds", type=int, help="mode orders per case (default 2, --quick/--smoke 1)")
     p.add_argument("--repeats", type=int, help="timed forwards and steps per mode after a warm-up (default 2, "
                                                 "--quick/--smoke 1)")
@@ -517,7 +584,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the report here")
     # the worker's arguments
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    for flag in ("--model", "--layout", "--dtype", "--modes", "--out"):
+    for flag in ("--model", "--layout", "--dtype", "--worker-modes", "--out"):
         p.add_argument(flag, help=argparse.SUPPRESS)
     for flag in ("--seq-length", "--sequences"):
         p.add_argument(flag, type=int, help=argparse.SUPPRESS)
@@ -529,15 +596,17 @@ def main(argv=None) -> int:
         for name, c in CASES.items():
             print(f"{name:<44}{'quick' if name in QUICK else ''}{'' if name in FULL else ' (only with --cases)'}")
         return 0
+    from mindspeed_tp.models.layout import Layout
+
     light = ns.quick or ns.smoke
     rounds, repeats = ns.rounds or (1 if light else 2), ns.repeats or (1 if light else 2)
     if ns.smoke:
         cases = [SMOKE_CASE]
     elif ns.cases:
-        unknown = [n for n in ns.cases.split(",") if n not in CASES]
-        if unknown:
-            p.error(f"--cases: unknown {', '.join(unknown)} (--list prints the names)")
-        cases = [CASES[n] for n in ns.cases.split(",")]
+        try:
+            cases = [parse_case(n) for n in ns.cases.split(",")]
+        except ValueError as exc:
+            p.error(str(exc))
     else:
         cases = [CASES[n] for n in (QUICK if ns.quick else FULL)]
     if ns.only_modes:
@@ -546,11 +615,25 @@ def main(argv=None) -> int:
         if unknown:
             p.error(f"--only-modes: unknown {', '.join(sorted(unknown))} (modes: {', '.join(MODES)})")
         cases = [replace(c, modes=tuple(m for m in c.modes if m in keep)) for c in cases]
+    if ns.case_modes:
+        wanted = ["vanilla"] + [m for m in ns.case_modes.split(",") if m != "vanilla"]
+        unknown = set(wanted) - set(ALL_MODES)
+        if unknown:
+            p.error(f"--modes: unknown {', '.join(sorted(unknown))} (modes: {', '.join(ALL_MODES)})")
+        cases = [replace(c, modes=tuple(wanted)) for c in cases]
+    notes = []
+    for i, c in enumerate(cases):  # one micro-batch group fixes the job to DP=1: said, not run, elsewhere
+        if "bitwise-g1" in c.modes and Layout.parse(c.layout).dp > 1:
+            notes.append(f"bitwise-g1 is for DP=1 layouts only (microbatch_groups: 1): not run at {c.layout}")
+            cases[i] = replace(c, modes=tuple(m for m in c.modes if m != "bitwise-g1"))
     cpu = cpu_description()
     print(f"scale benchmark: {len(cases)} case(s), {rounds} round(s) x {repeats} timed repeat(s) per mode; CPU: {cpu}",
           flush=True)
-    print("modes: vanilla megatron-core, default profile, bitwise training; ratios mode/vanilla; step bytes: "
-          "sent per rank in one training step", flush=True)
+    print("modes: vanilla megatron-core, default profile, rollout-layout profile (rollout-tp1), bitwise training "
+          "(-g1: one micro-batch group); ratios mode/vanilla; step bytes: sent per rank in one training step",
+          flush=True)
+    for note in notes:
+        print(f"note: {note}", flush=True)
     print(HEADER, flush=True)
     rows = []
     for case in cases:
@@ -565,7 +648,7 @@ def main(argv=None) -> int:
         else:
             shapes = component_shapes(cases[0], ns.lm_head_tokens, (2048, 8192))
         components = run_components(shapes, repeats=3)
-    report = {"cases": rows, "components": components, "cpu": cpu, "commit": commit(),
+    report = {"cases": rows, "components": components, "cpu": cpu, "commit": commit(), "notes": notes,
               "settings": {"rounds": rounds, "repeats": repeats, "lm_head_tokens": ns.lm_head_tokens,
                            "component_threads": COMPONENT_THREADS, "quick": ns.quick, "smoke": ns.smoke}}
     if ns.json:

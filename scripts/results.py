@@ -180,55 +180,7 @@ def render_train(report: Dict) -> List[str]:
     return out
 
 
-def render_cost(report: Dict) -> List[str]:
-    out = [f"Ratios to vanilla megatron-core, same layout, same processes (median of repeats); "
-           f"{report.get('dtype')}, world {report.get('world')}; rollout-layout mode: profile "
-           f"{report.get('rollout_profile')}. Activation memory: the tensors a step saves for backward; "
-           "weights: parameters plus the cached re-laid weights.", ""]
-    rows = []
-    for r in report["cases"]:
-        for mode, key in (("canonical tree", "ratios"), ("rollout layout", "rollout_ratios")):
-            q = r[key]
-            rows.append([r["model"], r["layout"], r["seq_length"], mode, _ratio(q.get("forward_s")),
-                         _ratio(q.get("step_s")), _ratio(q.get("forward_bytes")), _ratio(q.get("step_bytes")),
-                         _ratio(q.get("step_saved_bytes")), _ratio(q.get("weight_memory")),
-                         f"{r['vanilla']['forward_s'] * 1e3:.1f}"])
-    out += _table(["model", "layout", "seq", "mode", "forward ×", "step ×", "bytes/forward ×", "bytes/step ×",
-                   "activation memory ×", "weights ×", "vanilla forward ms"], rows, "llrl" + "r" * 7)
-    if report.get("scaling"):
-        rows = [[r["model"], r["layout"], r["seq_length"], _ratio(r["ratios"]["forward_s"]),
-                 _ratio(r["rollout_ratios"]["forward_s"]), f"{r['vanilla']['forward_s'] * 1e3:.1f}"]
-                for r in report["scaling"]]
-        out += ["", "How the forward ratio moves with model size and sequence length:", ""]
-        out += _table(["model", "layout", "seq", "canonical tree forward ×", "rollout layout forward ×",
-                       "vanilla forward ms"], rows, "llrrrr")
-    return out
-
-
-def render_cp_cost(report: Dict) -> List[str]:
-    out = [f"Model `{report['model']}`, one sequence of {report['seq']} tokens, {report['dtype']}, rank 0 of 2 "
-           "(tp1: both ranks hold the whole sequence; tp1-cp2: each its two chunks). Activation memory: the tensors "
-           "a forward+backward step saves for backward (with CP including each layer's gathered keys/values); "
-           "bytes: what the rank sends through collectives (at tp1-cp2: the K/V all-gathers, in backward also their "
-           "gradients' all-reduce). The exchange is an all-gather: kernels/context_parallel.py says why.", ""]
-    rows = [[r["layout"], r["tokens_per_rank"], f"{r['saved_bytes'] / 2**20:.1f}", _ratio(r["saved_ratio"]),
-             f"{r['forward_bytes'] / 2**20:.1f}", f"{r['step_bytes'] / 2**20:.1f}", f"{r['forward_s']:.2f}",
-             f"{r['step_s']:.2f}"] for r in report["rows"]]
-    return out + _table(["layout", "tokens / rank", "activation MiB", "× CP=1", "K/V exchange MiB / forward",
-                         "MiB / step", "forward s", "step s"], rows, "lrrrrrrr")
-
-
-def render_train_bench(report: Dict) -> List[str]:
-    out = [f"Model `{report['model']}`, {report['dtype']}, sequence {report['seq_length']}, global batch "
-           f"{report['global_batch_size']} in micro-batches of 1, {report['steps']} steps (step time: mean of steps "
-           "2..K, slowest rank; memory: the largest rank's peak RSS growth from just before the model is built). "
-           "Modes: `bitwise` is bitwise training with the default two micro-batch groups, `bitwise-g1` with one "
-           "(`microbatch_groups: 1`, DP=1 layouts only).", ""]
-    rows = [[r["layout"], r["mode"], f"{r['step_s']:.2f}", f"{r['peak_mb']:.0f}", _ratio(r["step_x_vanilla"]),
-             _ratio(r["peak_x_vanilla"])] for r in report["rows"]]
-    out += _table(["layout", "mode", "step s", "peak MB", "step time × vanilla", "peak memory × vanilla"], rows,
-                  "llrrrr")
-    return out
+SCALE_MODES = ("vanilla", "default", "rollout", "bitwise", "bitwise-g1")  # scale_bench.ALL_MODES, in table order
 
 
 def render_scale(report: Dict) -> List[str]:
@@ -238,10 +190,18 @@ def render_scale(report: Dict) -> List[str]:
            "first run over 30 s is timed once). Forward: the logprob forward of the whole batch, no grad; step: "
            "megatron's DDP, distributed optimizer, schedules, Adam with clipping; peak: the largest rank's peak RSS "
            "above its RSS before the model is built; bytes: sent per rank through collectives in one step. "
-           "Ratios are mode / vanilla megatron-core.", ""]
+           "Ratios are mode / vanilla megatron-core. Modes: default profile, rollout-layout profile (rollout-tp1), "
+           "bitwise training (-g1: one micro-batch group).", ""]
+    for case in report["cases"]:
+        if case.get("vanilla_layout"):
+            out.append(f"- {case['name']}: vanilla ran at {case['vanilla_layout']} (the CP ranks as DP ranks).")
+    for note in report.get("notes", []):
+        out.append(f"- {note}")
+    if out[-1] != "":
+        out.append("")
     rows = []
     for case in report["cases"]:
-        for mode in sorted(case["modes"], key=("vanilla", "default", "bitwise").index):
+        for mode in sorted(case["modes"], key=SCALE_MODES.index):
             m, q = case["modes"][mode], case["ratios"].get(mode, {})
             rows.append([case["name"], mode, f"{m['forward_s']:.2f}", f"{m['step_s']:.2f}", f"{m['peak_mb']:.0f}",
                          f"{m['step_bytes'] / 2 ** 20:.1f}"]
@@ -352,30 +312,32 @@ REPORTS = [
                   "tp2-sp-pp2-dp2", "--global-batch-size", "4", "--micro-batch-size", "1", "--seq-length", "32",
                   "--distributed-optimizer", "--overlap", "--compare-vanilla", "--json", OUT],
            render_train, cheap=True),
-    Report("consistency-cost-quick", "Cost of consistency, tiny models (`--quick`)",
-           "benchmarks/consistency_cost.py on the tiny models only: time, collective bytes and memory of both modes "
-           "as ratios to vanilla. Tiny models exaggerate fixed overheads; the full run adds a hidden-1024 model.",
-           TORCHRUN + ["--nproc-per-node", "2", "benchmarks/consistency_cost.py", "--quick", "--json", OUT],
-           render_cost, cheap=True),
-    Report("consistency-cost", "Cost of consistency (full)",
-           "benchmarks/consistency_cost.py: the tiny models and a hidden-1024 8-layer model, plus how the forward "
-           "ratio moves with model size and sequence length.",
-           TORCHRUN + ["--nproc-per-node", "2", "benchmarks/consistency_cost.py", "--json", OUT], render_cost,
-           cost="several minutes on 2 cores"),
+    Report("cost-tiny", "Cost of consistency, tiny models",
+           "benchmarks/scale_bench.py on the tiny models: the default profile and the rollout-layout profile "
+           "(rollout-tp1) against vanilla megatron-core, dense at tp2-sp and MoE at tp1-ep2 and tp2-sp-ep2. Tiny "
+           "models exaggerate fixed overheads; the hidden-1024 and the real-dimension rows below are what to plan by.",
+           [PY, "benchmarks/scale_bench.py", "--cases", "tiny-dense-tp2-sp-128-fp32,tiny-moe-tp1-ep2-128-fp32,"
+            "tiny-moe-tp2-sp-ep2-128-fp32", "--modes", "default,rollout", "--no-components", "--json", OUT],
+           render_scale, exit_codes=(0, 1), cheap=True),
     Report("context-parallel", "Context parallelism: CP layouts against one device",
            "tiny-dense, bf16: each sequence in 2*CP chunks (Megatron's layout), keys/values all-gathered over the CP "
            "group; vanilla megatron-core (CP needs Transformer Engine there) is scored at the same layout without CP.",
            CLI + ["check", "--model", "tiny-dense", "--dtype", "bf16", "--layouts", "cp2,cp4,tp2-sp-cp2,tp1-cp2-pp2",
                   "--compare-vanilla", "--json", OUT], render_check, cheap=True),
-    Report("context-parallel-cost", "Context parallelism: activation memory and K/V exchange at 8k tokens",
-           "benchmarks/context_parallel_cost.py: one 8192-token sequence at CP=1 and CP=2.",
-           TORCHRUN + ["--nproc-per-node", "2", "benchmarks/context_parallel_cost.py", "--seq", "8192", "--json", OUT],
-           render_cp_cost, cost="an 8192-token forward and backward per layout: minutes on 2 cores"),
-    Report("train-bench", "Training step time and memory",
-           "benchmarks/train_bench.py: megatron's DDP, distributed optimizer, Adam with clipping; vanilla, "
-           "mindspeed-tp and bitwise training (at DP=1 also with one micro-batch group).",
-           [PY, "benchmarks/train_bench.py", "--dtype", "fp32", "--seq-length", "64", "--json", OUT],
-           render_train_bench, cost="a 155M-parameter model, nine training launches: long on 2 cores"),
+    Report("context-parallel-cost", "Context parallelism: memory and exchange at 8k tokens",
+           "benchmarks/scale_bench.py, one 8192-token sequence per rank pair: tiny-dense at tp1-dp2 (each rank a "
+           "whole sequence) and at tp1-cp2 (each rank two chunks of each sequence; vanilla there runs the CP ranks as "
+           "DP ranks: megatron-core's local attention refuses CP), default profile and bitwise training.",
+           [PY, "benchmarks/scale_bench.py", "--cases", "tiny-dense-tp1-dp2-8k-bf16,tiny-dense-tp1-cp2-8k-bf16",
+            "--modes", "default,bitwise", "--no-components", "--json", OUT],
+           render_scale, exit_codes=(0, 1), cost="8192-token steps in three modes: minutes on 2 cores"),
+    Report("train-bench", "Training step time and memory, hidden 1024",
+           "benchmarks/scale_bench.py on bench-dense-1024 (8 layers, hidden 1024): vanilla, the default profile, "
+           "the rollout-layout profile, bitwise training, and at DP=1 bitwise training with one micro-batch group "
+           "(`bitwise-g1`, `microbatch_groups: 1`).",
+           [PY, "benchmarks/scale_bench.py", "--cases", "bench-dense-1024-tp2-sp-128-fp32,"
+            "bench-dense-1024-tp2-sp-dp2-128-fp32", "--modes", "default,rollout,bitwise,bitwise-g1", "--no-components",
+            "--json", OUT], render_scale, exit_codes=(0, 1), cost="a 155M-parameter model, two launches: minutes on 2 cores"),
     Report("scale-quick", "Costs at scale (`--quick`): Qwen3-1.7B dimensions, real vocabulary",
            "benchmarks/scale_bench.py --quick: qwen3-1.7b-2layer (hidden 2048, vocab 151936, tied) at tp2-sp, fp32, "
            "2 sequences of 1024 tokens; vanilla, the default profile and bitwise training in one run; plus the "

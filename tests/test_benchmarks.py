@@ -3,10 +3,10 @@ changed helper breaks the suite instead of the benchmark (issue #28: consistency
 failed at import and nothing noticed). Speed is never asserted: the smoke runs check that each
 script runs end to end and writes what it documents.
 
-Launches are shared: the torchrun benchmarks (consistency_cost, context_parallel_cost, logprob_forward, module_shares,
-gpu_bench's CPU-runnable model part and its GEMM part under Triton's interpreter) run one after
-another in one 2-rank launch (tests/workers/bench_smoke.py); train_bench and scale_bench are
-launchers themselves and run as users run them, with --smoke.
+Launches are shared: the torchrun scripts (module_shares, gpu_bench's CPU-runnable model part and
+its GEMM part under Triton's interpreter) run one after another in one 2-rank launch
+(tests/workers/bench_smoke.py); scale_bench, the one cost benchmark, is a launcher itself and runs as
+users run it: --smoke, and a named case at a CP layout with the other modes.
 """
 import glob
 import json
@@ -25,14 +25,11 @@ sys.path.insert(0, BENCH)
 
 # Which test below runs each script (a helper module counts when a smoke-run script imports it).
 COVERED = {
-    "comm_counter.py": "imported by consistency_cost and scale_bench",
-    "consistency_cost.py": "test_torchrun_benchmarks_run_in_one_launch",
-    "context_parallel_cost.py": "test_torchrun_benchmarks_run_in_one_launch",
-    "logprob_forward.py": "test_torchrun_benchmarks_run_in_one_launch",
+    "comm_counter.py": "imported by scale_bench",
     "module_shares.py": "test_torchrun_benchmarks_run_in_one_launch",
     "gpu_bench.py": "test_torchrun_benchmarks_run_in_one_launch, test_gpu_bench_without_cuda_says_how_to_dry_run",
-    "train_bench.py": "test_train_bench_smoke",
-    "scale_bench.py": "test_scale_bench_smoke_writes_the_documented_report",
+    "scale_bench.py": "test_scale_bench_smoke_writes_the_documented_report, "
+                      "test_scale_bench_runs_any_bundled_model_at_a_cp_layout_in_every_mode",
 }
 SCALE_KEYS = {"forward_s", "step_s", "peak_mb", "step_bytes"}
 
@@ -52,19 +49,9 @@ def test_torchrun_benchmarks_run_in_one_launch(tmp_path):
     proc = run_torchrun("bench_smoke.py", 2, str(tmp_path), timeout=600, env={"TRITON_INTERPRET": "1"})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
-    for step in ("consistency_cost", "context_parallel_cost", "logprob_forward", "module_shares", "gpu_bench model",
-                 "gpu_bench gemm"):
+    for step in ("module_shares", "gpu_bench model", "gpu_bench gemm"):
         assert f"BENCH-SMOKE {step} done" in proc.stdout, out[-6000:]
-    assert "ratio consistent/vanilla:" in proc.stdout  # logprob_forward
     assert "module shares of the logprob forward" in proc.stdout
-    cp_rows = json.loads((tmp_path / "cp_cost.json").read_text())["rows"]
-    assert [r["layout"] for r in cp_rows][1].startswith("tp1-cp2") and cp_rows[1]["forward_bytes"] > 0
-    cost = json.loads((tmp_path / "consistency_cost.json").read_text())
-    (case,) = cost["cases"]
-    assert (case["model"], case["layout"]) == ("tiny-dense", "tp2-sp")
-    for key in ("ratios", "rollout_ratios"):
-        assert {"forward_s", "step_s", "forward_bytes", "step_bytes", "step_saved_bytes"} <= set(case[key])
-        assert case[key]["forward_s"] > 0
     model = json.loads((tmp_path / "gpu_model.json").read_text())
     assert model["device"] == "cpu" and set(model["ratios"]) == {"forward_s", "step_s"}
     gemm = json.loads((tmp_path / "gpu_gemm.json").read_text())
@@ -82,13 +69,30 @@ def test_gpu_bench_without_cuda_says_how_to_dry_run(monkeypatch):
             gpu_bench.main(argv)
 
 
-def test_train_bench_smoke(tmp_path):
-    report = tmp_path / "train.json"
-    proc = _run("benchmarks/train_bench.py", "--smoke", "--json", str(report))
+def test_scale_bench_runs_any_bundled_model_at_a_cp_layout_in_every_mode(tmp_path):
+    """A case named MODEL-LAYOUT-SEQ-DTYPE outside the catalogue, at a CP layout (vanilla there runs the
+    CP ranks as DP ranks, and the report says so), in every mode: what the retired consistency_cost,
+    train_bench and context_parallel_cost scripts measured is this script's cases now. bitwise-g1 at
+    DP > 1 is not run, and the report says so."""
+    report = tmp_path / "cp.json"
+    proc = _run("benchmarks/scale_bench.py", "--cases", "tiny-dense-tp1-cp2-128-fp32,tiny-dense-tp1-dp2-64-fp32",
+                "--modes", "default,rollout,bitwise,bitwise-g1", "--no-components", "--rounds", "1", "--repeats", "1",
+                "--json", str(report))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     data = json.loads(report.read_text())
-    assert [(r["layout"], r["mode"]) for r in data["rows"]] == [("tp1", "bitwise")]
-    assert data["rows"][0]["step_s"] > 0 and data["rows"][0]["peak_mb"] > 0
+    cp, dp = data["cases"]
+    assert (cp["model"], cp["layout"], cp["seq_length"], cp["dtype"]) == ("tiny-dense", "tp1-cp2", 128, "fp32")
+    assert cp["vanilla_layout"] == "tp1-dp2" and "vanilla_layout" not in dp
+    assert set(cp["modes"]) == {"vanilla", "default", "rollout", "bitwise", "bitwise-g1"}
+    assert set(dp["modes"]) == {"vanilla", "default", "rollout", "bitwise"}
+    assert data["notes"] == ["bitwise-g1 is for DP=1 layouts only (microbatch_groups: 1): not run at tp1-dp2"]
+    for case in (cp, dp):
+        assert all(case["modes"][m]["step_s"] > 0 and case["modes"][m]["step_bytes"] > 0 for m in case["modes"])
+    with pytest.raises(SystemExit) as err:
+        import scale_bench
+
+        scale_bench.main(["--cases", "tiny-dense-tp2-sp-64-fp32", "--modes", "fastest"])
+    assert err.value.code == 2  # argparse's error names the modes
 
 
 def test_scale_bench_smoke_writes_the_documented_report(tmp_path):
@@ -138,4 +142,6 @@ def test_scale_bench_cases_are_the_issues_matrix():
     assert (moe.num_experts, moe.moe_router_topk, moe.moe_ffn_hidden_size) == (128, 8, 768)
     with pytest.raises(SystemExit) as err:
         scale_bench.main(["--cases", "no-such-case"])
-    assert err.value.code == 2  # argparse's error: "--cases: unknown no-such-case (--list prints the names)"
+    assert err.value.code == 2  # argparse's error: neither a catalogue case nor MODEL-LAYOUT-SEQ-DTYPE
+    assert scale_bench.parse_case("tiny-dense-tied-tp2-sp-pp2-4k-bf16") == scale_bench.Case(
+        "tiny-dense-tied", "tp2-sp-pp2", 4096, "bf16")

@@ -13,7 +13,7 @@ the consistent kernel's blocks are fixed by absolute key position and a query ti
 last visible block, so it needs every earlier key block in order; a ring would deliver them out
 of order (chunk 2·CP-1-r's queries need the blocks of every rank) and the block loop would have to
 wait or buffer the same bytes anyway. The cost is the whole sequence's K/V per rank during one
-layer's attention (``benchmarks/context_parallel_cost.py`` measures it).
+layer's attention (``benchmarks/scale_bench.py`` measures it: a cp2 case next to its dp2 case).
 
 Backward of the exchange: the gradient of a gathered key/value is summed over the CP ranks'
 query contributions by the collective (an all-reduce, then each rank keeps its own chunks): the

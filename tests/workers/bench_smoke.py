@@ -13,10 +13,7 @@ import torch.distributed as dist  # noqa: E402
 
 from mindspeed_tp.check.harness import init_distributed  # noqa: E402
 
-import consistency_cost  # noqa: E402
-import context_parallel_cost  # noqa: E402
 import gpu_bench  # noqa: E402
-import logprob_forward  # noqa: E402
 import module_shares  # noqa: E402
 
 
@@ -25,14 +22,8 @@ def main() -> None:
     init_distributed()
     tiny = ["--model", "tiny-dense", "--layout", "tp2-sp", "--dtype", "fp32", "--batch-size", "1",
             "--seq-length", "32", "--repeats", "1"]
-    consistency_cost.main(["--smoke", "--dtype", "fp32", "--json", os.path.join(out, "consistency_cost.json")])
-    print("BENCH-SMOKE consistency_cost done", flush=True)
-    logprob_forward.main(tiny)
-    print("BENCH-SMOKE logprob_forward done", flush=True)
     module_shares.main(tiny)
     print("BENCH-SMOKE module_shares done", flush=True)
-    context_parallel_cost.main(["--seq", "256", "--dtype", "fp32", "--json", os.path.join(out, "cp_cost.json")])
-    print("BENCH-SMOKE context_parallel_cost done", flush=True)
     gpu_bench.main(["model", "--device", "cpu", *tiny, "--json", os.path.join(out, "gpu_model.json")])
     print("BENCH-SMOKE gpu_bench model done", flush=True)
     if dist.get_rank() == 0:
