@@ -71,6 +71,9 @@ class Case:
     dtype: str
     sequences: int = 2
     modes: Tuple[str, ...] = MODES
+    # "sgd" (no momentum: no optimizer state) where Adam's two fp32 moments do not fit this machine's
+    # memory; vanilla and the modes then run the same optimizer, so the ratios stay like for like.
+    optimizer: str = "adam"
 
     @property
     def name(self) -> str:
@@ -81,8 +84,9 @@ class Case:
 def _matrix() -> List[Case]:
     cases = [Case(m, lay, s, d) for d in ("fp32", "bf16") for m in ("qwen3-1.7b-2layer", "qwen3-8b-2layer")
              for lay in ("tp2-sp", "tp2-sp-dp2") for s in (1024, 4096, 8192)]
-    # MoE at scale (issue #24): bitwise training is for dense models only (refused for MoE).
-    moe = [Case("qwen3-30b-a3b-2layer", lay, s, "fp32", modes=("vanilla", "default"))
+    # MoE at scale (issue #24): bitwise training is for dense models only (refused for MoE). 128 experts of
+    # 2 layers with Adam need ~29 GB at tp2-sp-ep2 (fp32): these steps run plain SGD (see Case.optimizer).
+    moe = [Case("qwen3-30b-a3b-2layer", lay, s, "fp32", modes=("vanilla", "default"), optimizer="sgd")
            for lay in ("tp2-sp-ep2", "tp1-ep2") for s in (1024, 4096)]
     return cases + moe
 
@@ -177,6 +181,18 @@ def mode_profile(mode: str):
     return default
 
 
+def _sgd_optimizer(wrapped, dtype, settings):
+    """make_optimizer's settings with plain SGD (no momentum, so no state): clipping kept. Megatron's
+    distributed optimizer is Adam-only, so this one is not distributed (fp32 keeps no extra copy)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    import torch
+
+    config = OptimizerConfig(optimizer="sgd", sgd_momentum=0.0, lr=settings.lr, weight_decay=0.0, clip_grad=1.0,
+                             bf16=dtype == torch.bfloat16, params_dtype=dtype,
+                             use_distributed_optimizer=False)
+    return get_megatron_optimizer(config, wrapped)
+
+
 def measure_mode(case: Case, mode: str, repeats: int, quiet: bool = False) -> Dict:
     from functools import partial
 
@@ -203,14 +219,15 @@ def measure_mode(case: Case, mode: str, repeats: int, quiet: bool = False) -> Di
         layout = layout.cp_as_dp()  # megatron-core's local attention refuses CP (it needs TE): as train-check does
     profile = mode_profile(mode)
     settings = TrainSettings(steps=repeats + 1, micro_batch_size=1, global_batch_size=case.sequences,
-                             seq_length=case.seq_length, distributed_optimizer=True)
+                             seq_length=case.seq_length, distributed_optimizer=case.optimizer == "adam")
     disable() if mode == "vanilla" else enable(profile)
     _setup_parallel_state(layout, settings.seed, training=True)
     gc.collect()
     base = _rss_mb()
     _reset_peak()
     chunks, wrapped, ddp_config = model_parallel_chunks(spec, layout, dtype, profile, settings)
-    optimizer = make_optimizer(wrapped, dtype, settings)
+    optimizer = make_optimizer(wrapped, dtype, settings) if case.optimizer == "adam" else \
+        _sgd_optimizer(wrapped, dtype, settings)
     wire_config(chunks[0].config, wrapped, ddp_config, optimizer)
     batch = train_batch(spec, settings)
     rows = micro_batch_rows(settings, layout.dp, ps.get_data_parallel_rank())
@@ -300,7 +317,8 @@ def worker(ns) -> None:
     init_distributed(3600.0)
     install_cpu_shims()
     comm_counter.counter.apply()
-    case = Case(ns.model, ns.layout, ns.seq_length, ns.dtype, ns.sequences, tuple(ns.worker_modes.split(",")))
+    case = Case(ns.model, ns.layout, ns.seq_length, ns.dtype, ns.sequences, tuple(ns.worker_modes.split(",")),
+                ns.optimizer)
     # Each mode once on a tiny model at the case's layout, untimed: what a process allocates once (gloo
     # buffers, lazily built tables) lands there, not in the first measured mode's peak memory.
     from mindspeed_tp.models.spec import load_model_spec
@@ -517,7 +535,7 @@ def run_case(case: Case, rounds: int, repeats: int, timeout: Optional[float]) ->
         out = os.path.join(tmp, "runs.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                os.path.abspath(__file__), "--worker", "--model", case.model, "--layout", case.layout,
-               "--seq-length", str(case.seq_length), "--dtype", case.dtype, "--sequences", str(case.sequences),
+               "--seq-length", str(case.seq_length), "--dtype", case.dtype, "--sequences", str(case.sequences), "--optimizer", case.optimizer,
                "--worker-modes", ",".join(case.modes), "--rounds", str(rounds), "--repeats", str(repeats), "--out", out]
         with tempfile.TemporaryFile("w+") as err:
             proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
@@ -537,7 +555,8 @@ def run_case(case: Case, rounds: int, repeats: int, timeout: Optional[float]) ->
     ratios = {m: {k: (modes[m][k] / v[k] if v[k] else float("nan")) for k in v} for m in modes
               if m != "vanilla" and v}
     row = {"name": case.name, "model": case.model, "layout": case.layout, "seq_length": case.seq_length,
-           "dtype": case.dtype, "sequences": case.sequences, "modes": modes, "ratios": ratios}
+           "dtype": case.dtype, "sequences": case.sequences, "optimizer": case.optimizer, "modes": modes,
+           "ratios": ratios}
     cp_layout = Layout.parse(case.layout)
     if cp_layout.cp > 1:
         row["vanilla_layout"] = cp_layout.cp_as_dp().name  # the CP ranks as DP ranks
@@ -574,6 +593,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-components", action="store_true", help="skip the component rows")
     p.add_argument("--only-modes", help="comma-separated subset of each case's modes (vanilla is always kept: "
                                         "the ratios' reference)")
+    p.add_argument("--optimizer", choices=("adam", "sgd"), help="the step's optimizer for every case (default: "
+                   "the case's; sgd: no momentum, no state, for cases whose Adam moments do not fit)")
     p.add_argument("--modes", dest="case_modes", help=f"comma-separated modes for every case, vanilla kept "
                                                       f"(of {', '.join(ALL_MODES)}); default: the case's")
     p.add_argument("--rounds", type=int, help="mode orders per case (default 2, --quick/--smoke 1)")
@@ -621,11 +642,15 @@ def main(argv=None) -> int:
         if unknown:
             p.error(f"--modes: unknown {', '.join(sorted(unknown))} (modes: {', '.join(ALL_MODES)})")
         cases = [replace(c, modes=tuple(wanted)) for c in cases]
+    if ns.optimizer:
+        cases = [replace(c, optimizer=ns.optimizer) for c in cases]
     notes = []
     for i, c in enumerate(cases):  # one micro-batch group fixes the job to DP=1: said, not run, elsewhere
         if "bitwise-g1" in c.modes and Layout.parse(c.layout).dp > 1:
             notes.append(f"bitwise-g1 is for DP=1 layouts only (microbatch_groups: 1): not run at {c.layout}")
             cases[i] = replace(c, modes=tuple(m for m in c.modes if m != "bitwise-g1"))
+    notes += [f"{c.name}: the step's optimizer is plain SGD, not distributed (Adam's moments do not fit this machine)"
+              for c in cases if c.optimizer != "adam"]
     cpu = cpu_description()
     print(f"scale benchmark: {len(cases)} case(s), {rounds} round(s) x {repeats} timed repeat(s) per mode; CPU: {cpu}",
           flush=True)

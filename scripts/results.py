@@ -193,6 +193,9 @@ def render_scale(report: Dict) -> List[str]:
            "Ratios are mode / vanilla megatron-core. Modes: default profile, rollout-layout profile (rollout-tp1), "
            "bitwise training (-g1: one micro-batch group).", ""]
     for case in report["cases"]:
+        if case.get("optimizer", "adam") != "adam":
+            out.append(f"- {case['name']}: the step's optimizer is {case['optimizer']} without momentum, not distributed (no optimizer "
+                       "state: Adam's moments do not fit this machine's memory), in every mode.")
         if case.get("vanilla_layout"):
             out.append(f"- {case['name']}: vanilla ran at {case['vanilla_layout']} (the CP ranks as DP ranks).")
     for note in report.get("notes", []):

@@ -73,11 +73,12 @@ def test_scale_bench_runs_any_bundled_model_at_a_cp_layout_in_every_mode(tmp_pat
     """A case named MODEL-LAYOUT-SEQ-DTYPE outside the catalogue, at a CP layout (vanilla there runs the
     CP ranks as DP ranks, and the report says so), in every mode: what the retired consistency_cost,
     train_bench and context_parallel_cost scripts measured is this script's cases now. bitwise-g1 at
-    DP > 1 is not run, and the report says so."""
+    DP > 1 is not run, and the report says so. The step's optimizer is plain SGD, as the MoE
+    catalogue cases run it (--smoke runs Adam)."""
     report = tmp_path / "cp.json"
     proc = _run("benchmarks/scale_bench.py", "--cases", "tiny-dense-tp1-cp2-128-fp32,tiny-dense-tp1-dp2-64-fp32",
                 "--modes", "default,rollout,bitwise,bitwise-g1", "--no-components", "--rounds", "1", "--repeats", "1",
-                "--json", str(report))
+                "--optimizer", "sgd", "--json", str(report))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     data = json.loads(report.read_text())
     cp, dp = data["cases"]
@@ -85,7 +86,8 @@ def test_scale_bench_runs_any_bundled_model_at_a_cp_layout_in_every_mode(tmp_pat
     assert cp["vanilla_layout"] == "tp1-dp2" and "vanilla_layout" not in dp
     assert set(cp["modes"]) == {"vanilla", "default", "rollout", "bitwise", "bitwise-g1"}
     assert set(dp["modes"]) == {"vanilla", "default", "rollout", "bitwise"}
-    assert data["notes"] == ["bitwise-g1 is for DP=1 layouts only (microbatch_groups: 1): not run at tp1-dp2"]
+    assert data["notes"][0] == "bitwise-g1 is for DP=1 layouts only (microbatch_groups: 1): not run at tp1-dp2"
+    assert cp["optimizer"] == dp["optimizer"] == "sgd" and len(data["notes"]) == 3
     for case in (cp, dp):
         assert all(case["modes"][m]["step_s"] > 0 and case["modes"][m]["step_bytes"] > 0 for m in case["modes"])
     with pytest.raises(SystemExit) as err:
