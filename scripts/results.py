@@ -353,6 +353,12 @@ REPORTS = [
            "shared 2-core machine the three-mode run's bitwise step was killed for memory.",
            [PY, "benchmarks/scale_bench.py", "--quick", "--only-modes", "bitwise", "--no-components", "--json", OUT],
            render_scale, exit_codes=(0, 1), cost="real dimensions: ten minutes or more on 2 cores"),
+    Report("scale-moe", "Costs at scale, MoE: Qwen3-30B-A3B dimensions (2 layers, 128 experts)",
+           "benchmarks/scale_bench.py: qwen3-30b-a3b-2layer (128 experts top-8, hidden 2048, expert ffn 768, vocab "
+           "151936) at tp2-sp-ep2, fp32, 2 sequences of 1024 tokens; vanilla and the default profile (bitwise training "
+           "refuses MoE).",
+           [PY, "benchmarks/scale_bench.py", "--cases", "qwen3-30b-a3b-2layer-tp2-sp-ep2-1k-fp32", "--no-components",
+            "--json", OUT], render_scale, exit_codes=(0, 1), cost="real dimensions, 16 GB: tens of minutes on 2 cores"),
     Report("scale", "Costs at scale (full)",
            "benchmarks/scale_bench.py: qwen3-1.7b-2layer and qwen3-8b-2layer at tp2-sp and tp2-sp-dp2, 1k / 4k / 8k "
            "tokens per sequence, fp32 and bf16.",
