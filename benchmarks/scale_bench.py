@@ -87,7 +87,7 @@ def _matrix() -> List[Case]:
     # MoE at scale (issue #24): bitwise training is for dense models only (refused for MoE). 128 experts of
     # 2 layers with Adam need ~29 GB at tp2-sp-ep2 (fp32): these steps run plain SGD (see Case.optimizer).
     moe = [Case("qwen3-30b-a3b-2layer", lay, s, "fp32", modes=("vanilla", "default"), optimizer="sgd")
-           for lay in ("tp2-sp-ep2", "tp1-ep2") for s in (1024, 4096)]
+           for lay in ("tp2-sp-ep2", "tp1-ep2-dp2") for s in (1024, 4096)]
     return cases + moe
 
 
@@ -112,6 +112,8 @@ def parse_case(name: str) -> Case:
                     layout = Layout.parse("-".join(head)[len(model) + 1:])
                 except Exception:  # noqa: BLE001 -- not this model's prefix
                     continue
+                if layout.required_world_size > layout.world_size:  # tp1-ep2: the DP megatron derives, named
+                    layout = replace(layout, dp=layout.required_world_size // (layout.world_size // layout.dp))
                 return Case(model, layout.name, tokens, dtype)
     raise ValueError(f"--cases: {name!r} is neither a catalogue case (--list) nor MODEL-LAYOUT-SEQ-DTYPE with a "
                      f"bundled model ({', '.join(sorted(bundled_models()))}), e.g. tiny-dense-tp2-sp-64-fp32")

@@ -317,9 +317,9 @@ REPORTS = [
            render_train, cheap=True),
     Report("cost-tiny", "Cost of consistency, tiny models",
            "benchmarks/scale_bench.py on the tiny models: the default profile and the rollout-layout profile "
-           "(rollout-tp1) against vanilla megatron-core, dense at tp2-sp and MoE at tp1-ep2 and tp2-sp-ep2. Tiny "
+           "(rollout-tp1) against vanilla megatron-core, dense at tp2-sp and MoE at tp1-ep2-dp2 and tp2-sp-ep2. Tiny "
            "models exaggerate fixed overheads; the hidden-1024 and the real-dimension rows below are what to plan by.",
-           [PY, "benchmarks/scale_bench.py", "--cases", "tiny-dense-tp2-sp-128-fp32,tiny-moe-tp1-ep2-128-fp32,"
+           [PY, "benchmarks/scale_bench.py", "--cases", "tiny-dense-tp2-sp-128-fp32,tiny-moe-tp1-ep2-dp2-128-fp32,"
             "tiny-moe-tp2-sp-ep2-128-fp32", "--modes", "default,rollout", "--no-components", "--json", OUT],
            render_scale, exit_codes=(0, 1), cheap=True),
     Report("context-parallel", "Context parallelism: CP layouts against one device",

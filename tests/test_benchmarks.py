@@ -147,3 +147,4 @@ def test_scale_bench_cases_are_the_issues_matrix():
     assert err.value.code == 2  # argparse's error: neither a catalogue case nor MODEL-LAYOUT-SEQ-DTYPE
     assert scale_bench.parse_case("tiny-dense-tied-tp2-sp-pp2-4k-bf16") == scale_bench.Case(
         "tiny-dense-tied", "tp2-sp-pp2", 4096, "bf16")
+    assert scale_bench.parse_case("tiny-moe-tp1-ep2-64-fp32").layout == "tp1-ep2-dp2"  # the DP megatron derives
