@@ -42,6 +42,7 @@ import argparse
 import gc
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -212,11 +213,14 @@ def measure_mode(case: Case, mode: str, repeats: int, quiet: bool = False) -> Di
                                             _teardown_parallel_state)
     from mindspeed_tp.check.train.loop import (TrainSettings, _data, _forward_step, _LossRecorder,
                                                model_parallel_chunks, make_optimizer, wire_config, micro_batch_rows,
+                                               release_models,
                                                train_batch)
     from mindspeed_tp.models.layout import Layout
     from mindspeed_tp.models.spec import load_model_spec
 
     spec, layout, dtype = load_model_spec(case.model), Layout.parse(case.layout), DTYPES[case.dtype]
+    # RoPE learns nothing per position: a tiny model's 512-position limit stretches to the case's length.
+    spec = replace(spec, max_position_embeddings=max(spec.max_position_embeddings, case.seq_length))
     if mode == "vanilla" and layout.cp > 1:
         layout = layout.cp_as_dp()  # megatron-core's local attention refuses CP (it needs TE): as train-check does
     profile = mode_profile(mode)
@@ -292,8 +296,10 @@ def measure_mode(case: Case, mode: str, repeats: int, quiet: bool = False) -> Di
     out = torch.tensor([statistics.median(forward_s), statistics.median(step_s), peak, step_bytes],
                        dtype=torch.float64)
     dist.all_reduce(out, op=dist.ReduceOp.MAX)  # the slowest rank, the largest rank
-    quiet or _progress(f"{case.name} {mode}: step {float(out[1]):.2f} s, peak {float(out[2]):.0f} MB, "
+    quiet or _progress(f"{case.name} {mode}: step {float(out[1]):.2f} s, RSS before the build {base:.0f} MB, "
+                       f"peak {float(out[2]):.0f} MB above it, "
               f"{float(out[3]) / 2 ** 20:.1f} MiB sent per step")
+    release_models(wrapped, chunks[0].config)
     del model, chunks, wrapped, optimizer
     _teardown_parallel_state()
     disable()
@@ -547,7 +553,11 @@ def run_case(case: Case, rounds: int, repeats: int, timeout: Optional[float]) ->
                     else lines.append(line)
             code = proc.wait(timeout=timeout)
             err.seek(0)
-            log = f"{''.join(lines)[-2000:]}\n{err.read()[-6000:]}"
+            err_text = err.read()
+            log = f"{''.join(lines)[-2000:]}\n{err_text[-6000:]}"
+            # The ranks' exceptions, which a long launcher traceback pushes out of the tail.
+            raised = list(dict.fromkeys(line.strip() for line in err_text.splitlines()
+                                        if re.search(r"\b\w*(Error|Exception)\b: ", line)))[:5]
         runs = {}
         if os.path.exists(out):
             with open(out) as f:
@@ -564,7 +574,8 @@ def run_case(case: Case, rounds: int, repeats: int, timeout: Optional[float]) ->
         row["vanilla_layout"] = cp_layout.cp_as_dp().name  # the CP ranks as DP ranks
     if code:  # reported with what was measured (a rank killed for memory on a shared machine, ...)
         missing = [m for m in case.modes if m not in modes]
-        row["failed"] = {"exit_code": code, "modes_not_measured": missing, "log_tail": log[-3000:]}
+        row["failed"] = {"exit_code": code, "modes_not_measured": missing, "errors": raised,
+                         "log_tail": log[-3000:]}
         print(f"scale_bench: case {case.name} failed (exit {code}; not measured: {', '.join(missing) or '-'}):\n"
               f"{log}", file=sys.stderr, flush=True)
     return row

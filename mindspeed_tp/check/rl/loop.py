@@ -17,7 +17,7 @@ import torch.distributed as dist
 from ... import disable, enable
 from ..harness import _setup_parallel_state, _stage_dtype
 from ..rollout import rollout_prompts
-from ..train.loop import TrainSettings, make_optimizer, model_parallel_chunks, wire_config
+from ..train.loop import TrainSettings, make_optimizer, model_parallel_chunks, release_models, wire_config
 from ..train.state_file import load_state, save_state
 from . import grpo, task
 from .engines import prompts_and_responses, rollout_batch
@@ -115,6 +115,7 @@ def run_arm(spec, layout, dtype, profile, settings: RLSettings, vanilla: bool, e
         engine.sync(full)  # the engine ends on the final weights too
     if save_state_path:
         save_state(save_state_path, spec, layout, profile, chunks, optimizer, last)
+    release_models(wrapped, chunks[0].config)  # the next arm in this process gets the memory back
     return rows
 
 

@@ -195,6 +195,23 @@ def make_optimizer(wrapped, dtype, settings):
     return get_megatron_optimizer(config, wrapped)
 
 
+def release_models(wrapped, config) -> None:
+    """Lets the garbage collector free DDP-wrapped models and their optimizer once unreferenced.
+    The distributed optimizer's shards are views of the parameters, whose autograd nodes (held in
+    C++, out of the collector's sight) reach DDP's gradient hooks and so the DDP; the model config
+    refers to the optimizer (``wire_config``): a cycle never freed -- a model, its buffers and its
+    optimizer state per layout or mode a process runs. Unwiring the config and DDP's kept gradient
+    accumulators breaks it."""
+    for name in WIRED_CONFIG_FIELDS:
+        setattr(config, name, None)
+    for m in wrapped:
+        getattr(m, "grad_accs", []).clear()
+
+
+WIRED_CONFIG_FIELDS = ("grad_scale_func", "finalize_model_grads_func", "no_sync_func", "grad_sync_func",
+                       "param_sync_func")
+
+
 def wire_config(config, wrapped, ddp_config, optimizer) -> None:
     """The hooks a Megatron training script sets on the model config (Megatron-LM's training.py)."""
     from megatron.core.distributed import finalize_model_grads
@@ -293,4 +310,5 @@ def train_layout(spec: ModelSpec, layout: Layout, dtype: torch.dtype, profile: P
         save_state(save_state_path, spec, layout, profile, chunks, optimizer, steps_before + settings.steps)
     out = dict(loss=torch.stack(losses), logprobs=logprobs, grad_norm=torch.stack(grad_norms), scored=batch.scored)
     out.update(recorded)
+    release_models(wrapped, chunks[0].config)
     return out
