@@ -4,7 +4,7 @@
     python benchmarks/scale_bench.py --cases qwen3-8b-2layer-tp2-sp-4k-fp32 --json reports/scale.json
     python benchmarks/scale_bench.py --list
     python benchmarks/scale_bench.py --cases bench-dense-1024-tp2-sp-64-fp32 --modes vanilla,default,rollout,bitwise
-    python benchmarks/scale_bench.py --cases tiny-dense-tp1-8k-bf16,tiny-dense-tp1-cp2-8k-bf16 --no-components
+    python benchmarks/scale_bench.py --cases tiny-dense-tp1-dp2-4k-bf16,tiny-dense-tp1-cp2-4k-bf16 --no-components
 
 The project's one cost benchmark: any bundled model at any layout is a case, named
 MODEL-LAYOUT-SEQ-DTYPE (SEQ in tokens, or 1k, 4k, ...), so the tiny models' cost of consistency, the
@@ -184,18 +184,6 @@ def mode_profile(mode: str):
     return default
 
 
-def _sgd_optimizer(wrapped, dtype, settings):
-    """make_optimizer's settings with plain SGD (no momentum, so no state): clipping kept. Megatron's
-    distributed optimizer is Adam-only, so this one is not distributed (fp32 keeps no extra copy)."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    import torch
-
-    config = OptimizerConfig(optimizer="sgd", sgd_momentum=0.0, lr=settings.lr, weight_decay=0.0, clip_grad=1.0,
-                             bf16=dtype == torch.bfloat16, params_dtype=dtype,
-                             use_distributed_optimizer=False)
-    return get_megatron_optimizer(config, wrapped)
-
-
 def measure_mode(case: Case, mode: str, repeats: int, quiet: bool = False) -> Dict:
     from functools import partial
 
@@ -232,8 +220,7 @@ def measure_mode(case: Case, mode: str, repeats: int, quiet: bool = False) -> Di
     base = _rss_mb()
     _reset_peak()
     chunks, wrapped, ddp_config = model_parallel_chunks(spec, layout, dtype, profile, settings)
-    optimizer = make_optimizer(wrapped, dtype, settings) if case.optimizer == "adam" else \
-        _sgd_optimizer(wrapped, dtype, settings)
+    optimizer = make_optimizer(wrapped, dtype, settings, case.optimizer)  # sgd: not distributed (settings above)
     wire_config(chunks[0].config, wrapped, ddp_config, optimizer)
     batch = train_batch(spec, settings)
     rows = micro_batch_rows(settings, layout.dp, ps.get_data_parallel_rank())
@@ -296,9 +283,10 @@ def measure_mode(case: Case, mode: str, repeats: int, quiet: bool = False) -> Di
     out = torch.tensor([statistics.median(forward_s), statistics.median(step_s), peak, step_bytes],
                        dtype=torch.float64)
     dist.all_reduce(out, op=dist.ReduceOp.MAX)  # the slowest rank, the largest rank
-    quiet or _progress(f"{case.name} {mode}: step {float(out[1]):.2f} s, RSS before the build {base:.0f} MB, "
-                       f"peak {float(out[2]):.0f} MB above it, "
-              f"{float(out[3]) / 2 ** 20:.1f} MiB sent per step")
+    if not quiet:
+        _progress(f"{case.name} {mode}: step {float(out[1]):.2f} s, RSS before the build {base:.0f} MB, "
+                  f"peak {float(out[2]):.0f} MB above it, "
+                  f"{float(out[3]) / 2 ** 20:.1f} MiB sent per step")
     release_models(wrapped, chunks[0].config)
     del model, chunks, wrapped, optimizer
     _teardown_parallel_state()

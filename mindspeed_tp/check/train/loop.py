@@ -184,12 +184,14 @@ def model_parallel_chunks(spec, layout, dtype, profile, settings, **config_overr
 _BUCKET_SIZE = 40000
 
 
-def make_optimizer(wrapped, dtype, settings):
+def make_optimizer(wrapped, dtype, settings, kind: str = "adam"):
+    """Adam (or ``kind="sgd"``: no momentum, so no state -- megatron's distributed optimizer is
+    Adam-only, so settings.distributed_optimizer must be off), clip 1.0."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     config = OptimizerConfig(
-        optimizer="adam", lr=settings.lr, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
-        clip_grad=1.0, bf16=dtype == torch.bfloat16, params_dtype=dtype,
+        optimizer=kind, lr=settings.lr, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
+        sgd_momentum=0.0, clip_grad=1.0, bf16=dtype == torch.bfloat16, params_dtype=dtype,
         use_distributed_optimizer=settings.distributed_optimizer,
     )
     return get_megatron_optimizer(config, wrapped)
