@@ -1,13 +1,16 @@
 """Worker (torchrun, 1 process): a DDP-wrapped model with its distributed optimizer, wired into its
 config as train-check wires it, trained one step, then dropped. With ``release_models`` the DDP and
 the optimizer are collected; without it they stay alive (the cycle through the optimizer's parameter
-views and DDP's gradient hooks, which the collector cannot see). Prints FREED / ALIVE per case."""
+views and DDP's gradient hooks, which the collector cannot see). Dense under mindspeed-tp, and MoE
+under vanilla megatron-core (its token dispatcher keeps the step's routing probabilities, whose graph
+reaches DDP's hooks). Prints ``MODEL released|not released: FREED|ALIVE`` per case."""
 import gc
 import weakref
 from functools import partial
 
 import torch
 
+from mindspeed_tp import disable, enable
 from mindspeed_tp.check.harness import _setup_parallel_state, _teardown_parallel_state, init_distributed
 from mindspeed_tp.check.train.loop import (TrainSettings, _data, _forward_step, _LossRecorder, make_optimizer,
                                            micro_batch_rows, model_parallel_chunks, release_models, train_batch,
@@ -19,10 +22,11 @@ from mindspeed_tp.models.spec import load_model_spec
 from worker_exit import finish_worker
 
 
-def trained_and_dropped(release: bool):
+def trained_and_dropped(model: str, vanilla: bool, release: bool):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    spec, layout, profile = load_model_spec("tiny-dense"), Layout(), load_profile()
+    spec, layout, profile = load_model_spec(model), Layout(), load_profile()
+    disable() if vanilla else enable(profile)
     settings = TrainSettings(steps=1, micro_batch_size=1, global_batch_size=2, seq_length=32,
                              distributed_optimizer=True)
     _setup_parallel_state(layout, settings.seed, training=True)
@@ -40,14 +44,16 @@ def trained_and_dropped(release: bool):
         release_models(wrapped, chunks[0].config)
     del chunks, wrapped, optimizer
     _teardown_parallel_state()
+    disable()
     return refs
 
 
 init_distributed()
 install_cpu_shims()
-for release in (True, False):
-    refs = trained_and_dropped(release)
-    gc.collect()
-    state = "FREED" if all(r() is None for r in refs) else "ALIVE"
-    print(f"{'released' if release else 'not released'}: {state}", flush=True)
+for model, vanilla in (("tiny-dense", False), ("tiny-moe", True)):
+    for release in (True, False):
+        refs = trained_and_dropped(model, vanilla, release)
+        gc.collect()
+        state = "FREED" if all(r() is None for r in refs) else "ALIVE"
+        print(f"{model} {'released' if release else 'not released'}: {state}", flush=True)
 finish_worker()

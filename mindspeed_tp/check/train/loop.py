@@ -203,11 +203,25 @@ def release_models(wrapped, config) -> None:
     C++, out of the collector's sight) reach DDP's gradient hooks and so the DDP; the model config
     refers to the optimizer (``wire_config``): a cycle never freed -- a model, its buffers and its
     optimizer state per layout or mode a process runs. Unwiring the config and DDP's kept gradient
-    accumulators breaks it."""
+    accumulators breaks it. So does a tensor of the last step's graph kept on the model: megatron's
+    MoE token dispatchers keep the routing probabilities (``self.probs``), whose graph reaches the
+    router's weight and so DDP's hooks again."""
     for name in WIRED_CONFIG_FIELDS:
         setattr(config, name, None)
     for m in wrapped:
         getattr(m, "grad_accs", []).clear()
+        for module in m.modules():
+            _drop_graph_tensors(module)
+            for held in list(vars(module).values()):  # helpers kept as plain attributes (a token dispatcher)
+                if not isinstance(held, (torch.nn.Module, torch.Tensor)) and hasattr(held, "__dict__"):
+                    _drop_graph_tensors(held)
+
+
+def _drop_graph_tensors(obj) -> None:
+    """Unset the attributes of ``obj`` that hold a tensor of an autograd graph (not a leaf)."""
+    for name, value in list(vars(obj).items()):
+        if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+            setattr(obj, name, None)
 
 
 WIRED_CONFIG_FIELDS = ("grad_scale_func", "finalize_model_grads_func", "no_sync_func", "grad_sync_func",
