@@ -193,9 +193,6 @@ def render_scale(report: Dict) -> List[str]:
            "Ratios are mode / vanilla megatron-core. Modes: default profile, rollout-layout profile (rollout-tp1), "
            "bitwise training (-g1: one micro-batch group).", ""]
     for case in report["cases"]:
-        if case.get("optimizer", "adam") != "adam":
-            out.append(f"- {case['name']}: the step's optimizer is {case['optimizer']} without momentum, not distributed (no optimizer "
-                       "state: Adam's moments do not fit this machine's memory), in every mode.")
         if case.get("vanilla_layout"):
             out.append(f"- {case['name']}: vanilla ran at {case['vanilla_layout']} (the CP ranks as DP ranks).")
     for note in report.get("notes", []):
@@ -211,7 +208,7 @@ def render_scale(report: Dict) -> List[str]:
                         + [_ratio(q.get(k)) if q else "-" for k in ("forward_s", "step_s", "peak_mb", "step_bytes")])
         failed = case.get("failed")
         for mode in (failed or {}).get("modes_not_measured", []):
-            why = ("a rank was killed by SIGKILL (most likely out of memory: the machine was shared)"
+            why = ("a rank was killed by SIGKILL (most likely out of memory)"
                    if "SIGKILL" in failed.get("log_tail", "") else f"the case failed (exit code {failed['exit_code']}"
                    + (f": {failed['errors'][0][-200:]}" if failed.get("errors") else "") + ")")
             rows.append([case["name"], mode, f"not measured: {why}"] + [""] * 7)
