@@ -1,6 +1,7 @@
 """The installed engine's ops as the vllm-cpu profiles use them (no engine start; .venv-vllm only):
 what the layout-independence rests on (the engine's GEMM is row- and column-invariant), and the
 plain backward of each autograd Function against fp32 torch autograd of the same math."""
+import json
 import math
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 
 from mindspeed_tp.integrations.vllm import host, kernels
 from mindspeed_tp.integrations.vllm.scoring import ScoringPlan
-from conftest import bits_equal
+from conftest import bits_equal, explain, run_torchrun
 
 DTYPES = [torch.bfloat16, torch.float32]
 
@@ -185,3 +186,40 @@ def test_engine_tp2_partials_are_prepacked_once_per_weight_version(monkeypatch):
     got = forward()
     assert len(calls) == 2 and not bits_equal(got, first)
     assert bits_equal(got, fresh_reference())
+
+
+def test_engine_slices_are_split_among_ep_ranks_with_every_token_covered_once():
+    """Every (engine slice, token) is computed by exactly one EP rank, for EP sizes around the engine's TP."""
+    from mindspeed_tp.integrations.vllm.expert_slices import _chunk_rows, assignment
+
+    for world in (1, 2, 3, 4, 8):
+        for tp in (1, 2, 4):
+            work = assignment(world, tp)
+            assert len(work) == world
+            for tokens in (0, 1, 5, 12):
+                covered = [[0] * tokens for _ in range(tp)]
+                for w in work:
+                    for r in w.slices:
+                        for t in range(*_chunk_rows(tokens, w).indices(tokens)):
+                            covered[r][t] += 1
+                assert all(c == 1 for row in covered for c in row), (world, tp, tokens, work)
+            if world <= tp and tp % world == 0:  # a rank's slices are its own experts' worth
+                assert all(len(w.slices) == tp // world for w in work)
+
+
+def test_the_engine_moe_across_two_ep_ranks_is_bitwise_with_only_a_slice_of_every_expert_held():
+    """Two EP ranks, each with half the experts and half the tokens, at engine TP 1, 2 and 4 (more,
+    as many and fewer EP ranks than engine slices), bf16 and fp32: every rank's output has the bits
+    of one process running every slice of every expert; at TP 2 and 4 what a rank prepacks (the
+    expert weights it holds besides its own) is its own experts' size, at TP 1 every expert (an
+    engine partial needs whole experts). Gradients are the plain math (close, not bitwise)."""
+    proc = run_torchrun("vllm_expert_slices.py", 2, timeout=600)
+    assert proc.returncode == 0, explain(proc)
+    results = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
+    assert [(r["dtype"], r["tp"]) for r in results] == [(d, t) for d in ("torch.bfloat16", "torch.float32")
+                                                        for t in (1, 2, 4)]
+    for r in results:
+        assert r["bitwise"] and r["grads_close"], r
+        assert r["held_elements"] == (2 if r["tp"] == 1 else 1) * r["own_elements"], r
+        width = 128 // r["tp"]  # every prepacked slice holds all 8 experts at the engine rank's width
+        assert all(s == [[8, 2 * width, 64], [8, 64, width]] for s in r["slices"]), r

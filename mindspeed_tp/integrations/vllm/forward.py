@@ -132,49 +132,25 @@ def logprob_rows(full_vocab_logits: torch.Tensor) -> torch.Tensor:
 _EXPERTS_ATTR = "_mindspeed_tp_vllm_experts"
 
 
-class _GatherExperts(torch.autograd.Function):
-    """(E_local, ...) on every rank of the expert-parallel group -> (E, ...), experts in global
-    order; backward sums the ranks' gradients (each rank scored its own tokens) and keeps its own."""
-
-    @staticmethod
-    def forward(ctx, local, group):
-        from ...kernels.collectives import _all_gather_rows, group_rank, group_size
-
-        ctx.group, ctx.rank, ctx.n = group, group_rank(group), local.shape[0]
-        return _all_gather_rows(local, group) if group_size(group) > 1 else local
-
-    @staticmethod
-    def backward(ctx, grad):
-        import torch.distributed as dist
-
-        from ...kernels.collectives import group_size
-
-        if group_size(ctx.group) > 1:
-            grad = grad.contiguous()
-            dist.all_reduce(grad, group=ctx.group)
-        return grad[ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n], None
-
-
-def _engine_experts(layer, prof):
-    """Every expert's gate|up and down weights on this rank (the engine holds them all: it has no
-    expert parallelism), and their prepacked engine-rank slices, cached per weight version."""
-    from ...numerics import weight_caches
-    from megatron.core import parallel_state as ps
-
+def _local_experts(layer):
+    """This rank's experts as (E/W, 2I, H) gate|up and (E/W, H, I) down (differentiable stacks)."""
     experts = layer.experts.local_experts
-    w13_local = torch.stack([e.linear_fc1.weight for e in experts])
-    w2_local = torch.stack([e.linear_fc2.weight for e in experts])
-    group = ps.get_expert_model_parallel_group()
-    weights = [w for e in experts for w in (e.linear_fc1.weight, e.linear_fc2.weight)]
+    return (torch.stack([e.linear_fc1.weight for e in experts]), torch.stack([e.linear_fc2.weight for e in experts]),
+            [w for e in experts for w in (e.linear_fc1.weight, e.linear_fc2.weight)])
+
+
+def _prepacked_all_experts(layer, prof, w13, w2, weights):
+    """Without expert parallelism: every engine rank's slice of this rank's (all) experts, prepacked
+    once per weight version (the engine holds them the same way)."""
+    from ...numerics import weight_caches
+
     key = weight_caches.key(weights)
-    w13 = _GatherExperts.apply(w13_local, group)
-    w2 = _GatherExperts.apply(w2_local, group)
     entry = getattr(layer, _EXPERTS_ATTR, None)
     if entry is None or not weight_caches.fresh(entry[0], entry[1], weights, key, "the engine's prepacked expert weights"):
         entry = (key, weight_caches.checksum(weights)) + kernels.prepack_experts(
             w13.detach(), w2.detach(), prof.rollout_tp, layer.config.moe_router_topk)
         setattr(layer, _EXPERTS_ATTR, entry)
-    return w13, w2, entry[2], entry[3]
+    return entry[2], entry[3]
 
 
 def check_moe(layer, prof) -> None:
@@ -201,8 +177,9 @@ def check_moe(layer, prof) -> None:
 
 def moe(layer, hidden_states, prof, publish_routing) -> torch.Tensor:
     """MoELayer as the engine's Qwen3MoeSparseMoeBlock: router logits by the engine's GEMM (model
-    dtype), its top-k router, its fused MoE kernel over every expert for this rank's own tokens
-    (no token moves), per engine rank's intermediate slice, added as its all-reduce does."""
+    dtype), its top-k router, its fused MoE kernel per engine rank's intermediate slice of every
+    expert, the slices' outputs added as its all-reduce does. Under expert parallelism the EP ranks
+    split that work by slice (``expert_slices``); without it this rank runs every slice on its tokens."""
     check_moe(layer, prof)
     shape, dtype = hidden_states.shape, hidden_states.dtype
     h = hidden_states.reshape(-1, shape[-1])
@@ -210,7 +187,18 @@ def moe(layer, hidden_states, prof, publish_routing) -> torch.Tensor:
     topk_w, topk_ids = kernels.route(logits, layer.config.moe_router_topk,
                                      not bool(getattr(layer.config, "moe_router_pre_softmax", False)))
     publish_routing(layer, topk_ids.long())
-    w13, w2, packed, isa = _engine_experts(layer, prof)
+    from megatron.core import parallel_state as ps
+
+    from ...kernels.collectives import group_size
+    from .expert_slices import moe_across_ranks
+
+    w13, w2, weights = _local_experts(layer)
     add_dtype = torch.float32 if prof.rollout_allreduce_dtype == "float32" else dtype
-    out = kernels.fused_moe(h, topk_w, topk_ids, w13, w2, packed, isa, add_dtype)
+    group = ps.get_expert_model_parallel_group()
+    if group_size(group) > 1:  # the work cut by engine slice; no rank gathers every expert
+        out = moe_across_ranks(h, topk_w, topk_ids, w13, w2, prof.rollout_tp, layer.config.moe_router_topk,
+                               add_dtype, group)
+    else:
+        packed, isa = _prepacked_all_experts(layer, prof, w13, w2, weights)
+        out = kernels.fused_moe(h, topk_w, topk_ids, w13, w2, packed, isa, add_dtype)
     return out.reshape(shape)

@@ -308,20 +308,28 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
     return _softmax_topk(router_logits, top_k, renormalize)
 
 
-def prepack_experts(w13: torch.Tensor, w2: torch.Tensor, rollout_tp: int, top_k: int):
-    """Per engine rank r: its (E, 2I/R, H) gate|up and (E, H, I/R) down slices, prepacked by the
-    engine's ``prepack_moe_weight`` for the experts class the engine selects for this layer."""
-    ops = _vllm()["ops"]
+def expert_slice(w13: torch.Tensor, w2: torch.Tensor, r: int, rollout_tp: int):
+    """Engine rank r's slice of experts (E, 2I, H) gate|up and (E, H, I): its (E, 2I/R, H) gate|up
+    rows (the gate's and the up's r-th part) and (E, H, I/R) down columns (differentiable)."""
     inter = w2.shape[-1]
     part = inter // rollout_tp
-    isa = host.moe_experts_isa(w13.dtype, w13.shape[-1], part, w13.shape[0], top_k)
-    packed = []
-    for r in range(rollout_tp):
-        rows = slice(r * part, (r + 1) * part)
-        w13_r = torch.cat([w13[:, rows], w13[:, inter + r * part: inter + (r + 1) * part]], dim=1).contiguous()
-        w2_r = w2[:, :, rows].contiguous()
-        packed.append((ops.cpu_prepack_moe_weight(w13_r, isa), ops.cpu_prepack_moe_weight(w2_r, isa)))
-    return packed, isa
+    rows = slice(r * part, (r + 1) * part)
+    return torch.cat([w13[:, rows], w13[:, inter + r * part: inter + (r + 1) * part]], dim=1), w2[:, :, rows]
+
+
+def prepack_slice(w13_r: torch.Tensor, w2_r: torch.Tensor, top_k: int):
+    """One engine rank's expert slice prepacked by the engine's ``prepack_moe_weight`` for the
+    experts class the engine selects for this layer: ((w13, w2) packed, isa)."""
+    ops = _vllm()["ops"]
+    isa = host.moe_experts_isa(w13_r.dtype, w13_r.shape[-1], w2_r.shape[-1], w13_r.shape[0], top_k)
+    w13_r, w2_r = w13_r.detach().contiguous(), w2_r.detach().contiguous()
+    return (ops.cpu_prepack_moe_weight(w13_r, isa), ops.cpu_prepack_moe_weight(w2_r, isa)), isa
+
+
+def prepack_experts(w13: torch.Tensor, w2: torch.Tensor, rollout_tp: int, top_k: int):
+    """Per engine rank r: its (E, 2I/R, H) gate|up and (E, H, I/R) down slices, prepacked."""
+    packed = [prepack_slice(*expert_slice(w13, w2, r, rollout_tp), top_k) for r in range(rollout_tp)]
+    return [p for p, _ in packed], packed[0][1]
 
 
 def _moe_reference(h, topk_w, topk_ids, w13, w2):

@@ -70,7 +70,7 @@ class VllmEngine(RolloutLayout):
         return forward.residual_add(x_with_bias, residual, prob, training)
 
     def moe(self, layer, hidden_states, padding_mask, publish_routing):
-        """The engine's router and fused MoE kernel over every expert."""
+        """The engine's router and fused MoE kernel per engine slice of every expert (split by slice over EP)."""
         return forward.moe(layer, hidden_states, self.profile, publish_routing)
 
     def log_softmax(self, rows):
