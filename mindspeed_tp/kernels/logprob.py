@@ -78,14 +78,21 @@ class _VocabParallelLogprob(torch.autograd.Function):
         lf = logits.float()
         if temperature != 1.0:
             lf = lf / temperature
-        lf = mask_padded_vocab(lf, true_vocab, vocab_start)
-        lmax = max_across_ranks(lf.amax(-1), group)
-        e = torch.exp(lf - lmax.unsqueeze(-1))
+        # Padded columns (ids >= the true vocab) are left out of the max and get exp = 0 exactly, in
+        # place: no masked copy of the (tokens, V/TP) logits, one fp32 buffer for e (vocab 151936).
+        real = min(v_local, max(0, true_vocab - vocab_start))
+        local_max = lf[..., :real].amax(-1) if real else lf.new_full(lf.shape[:-1], float("-inf"))
+        lmax = max_across_ranks(local_max, group)
+        e = torch.sub(lf, lmax.unsqueeze(-1)).exp_()
+        if real < v_local:
+            e[..., real:] = 0.0
         local = _leaf_sums(e.reshape(*e.shape[:-1], v_local // width, width))  # (..., leaves of this rank)
         total = _fold_vocab_leaves(local, group, -(-true_vocab // width))
         in_range = (target >= vocab_start) & (target < vocab_start + v_local)
         idx = (target - vocab_start).clamp(0, v_local - 1).long()
         picked = torch.where(in_range, lf.gather(-1, idx.unsqueeze(-1)).squeeze(-1), 0.0)
+        if real < v_local:  # a padded id as target: probability 0, as a masked logit gives
+            picked = torch.where(in_range & (target >= true_vocab), float("-inf"), picked)
         target_logit = tree_fold(gather_along_rank(picked, group), dim=0)  # one non-zero term: exact
         logprob = (target_logit - lmax) - torch.log(total)
         ctx.save_for_backward(e, total, in_range, idx)

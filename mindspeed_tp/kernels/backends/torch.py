@@ -63,16 +63,23 @@ def linear(x2d: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype, row_
     # gradient's x^T tiles are strided views, the zero-padded last tile a copy).
     a = _pad_rows(x2d if native_bf16 else x2d.float(), row_multiple)
     w = weight if native_bf16 else weight.float()
-    tiles = []
+    if n == 0:
+        return x2d.new_zeros(rows, 0, dtype=out_dtype)
+    # Each tile's product lands in one preallocated output: at a real vocabulary (an LM head of
+    # 75968 columns per rank) a list of tiles joined by cat would hold the logits twice.
+    out = None
     for start in range(0, n, COLUMN_TILE):
         tile = w[start:start + COLUMN_TILE]
-        if tile.shape[0] < COLUMN_TILE:
-            tile = torch.cat([tile, tile.new_zeros(COLUMN_TILE - tile.shape[0], tile.shape[1])])
-        tiles.append(torch.matmul(a, tile.contiguous().t()))
-    if not tiles:
-        return x2d.new_zeros(rows, 0, dtype=out_dtype)
-    out = tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=1)
-    return out[:rows, :n].to(out_dtype)
+        width = tile.shape[0]
+        if width < COLUMN_TILE:
+            tile = torch.cat([tile, tile.new_zeros(COLUMN_TILE - width, tile.shape[1])])
+        product = torch.matmul(a, tile.contiguous().t())
+        if out is None:
+            if width == n:
+                return product[:rows, :n].to(out_dtype)
+            out = product.new_empty((rows, n))
+        out[:, start:start + width].copy_(product[:rows, :width])
+    return out.to(out_dtype)
 
 
 def grad_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
