@@ -164,7 +164,9 @@ def check_moe(layer, prof) -> None:
         problems.append("expert bias / top-k scaling are not modelled")
     etp = getattr(config, "expert_tensor_parallel_size", 1) or 1
     if etp != 1:
-        problems.append(f"expert_tensor_parallel_size={etp}: use --etp 1 (the engine holds whole experts)")
+        problems.append(f"expert_tensor_parallel_size={etp}: use --etp 1 (the engine path cuts whole experts into "
+                        "the engine's slices and exchanges them over EP; expert-TP shards, and the weight sync's "
+                        "gather of them, are not built)")
     if not getattr(config, "gated_linear_unit", False):
         problems.append("experts must be SwiGLU (gated_linear_unit=True)")
     inter = config.moe_ffn_hidden_size or config.ffn_hidden_size
