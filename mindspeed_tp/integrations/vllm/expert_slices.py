@@ -20,7 +20,7 @@ reverse exchange.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -71,6 +71,43 @@ def _exchange_ids(blocks: Sequence[torch.Tensor], recv_rows: Sequence[int], grou
     return list(out.split(list(recv_rows)))
 
 
+def _rows(by_slice: torch.Tensor, order: List[int], width: int) -> torch.Tensor:
+    """The slices ``order`` of a slice-major tensor as rows of ``width``: a view when they are a
+    run of consecutive slices (EP dividing the engine TP), else a copy."""
+    if order == list(range(order[0], order[0] + len(order))):
+        return by_slice[order[0]:order[0] + len(order)].reshape(-1, width)
+    return by_slice.index_select(0, torch.tensor(order, dtype=torch.long)).reshape(-1, width)
+
+
+def _exchange_slices(w13: torch.Tensor, w2: torch.Tensor, work: List[SliceWork], me: int, rollout_tp: int,
+                     group) -> Dict[int, Tuple[torch.Tensor, torch.Tensor]]:
+    """Every expert's slices this rank computes, {r: ((E, 2I/R, H) gate|up, (E, H, I/R) down)}
+    (differentiable: their gradients go back to the experts' owners). One all-to-all pair per round
+    (the i-th slice of every rank's work); a round's output, in source-rank order, is the slice
+    itself with experts in global order: no reassembly copy."""
+    world = len(work)
+    n_local, hidden, inter = w13.shape[0], w13.shape[-1], w2.shape[-1]
+    part = inter // rollout_tp
+    # Slice-major copies of my experts (one copy each): r -> (E/W, 2*part, H) gate_r|up_r and (E/W, H, part).
+    by_slice13 = w13.reshape(n_local, 2, rollout_tp, part, hidden).permute(2, 0, 1, 3, 4).contiguous()
+    by_slice2 = w2.reshape(n_local, hidden, rollout_tp, part).permute(2, 0, 1, 3).contiguous()
+    rows13, rows2 = n_local * 2 * part, n_local * hidden  # one slice of my experts, as rows of H and part
+    slices = {}
+    for i in range(max(len(w.slices) for w in work)):
+        wanted = [w.slices[i] if i < len(w.slices) else None for w in work]  # each rank's slice this round
+        send = [rows13 if r is not None else 0 for r in wanted]
+        recv = [rows13 if wanted[me] is not None else 0] * world
+        order = [r for r in wanted if r is not None]
+        out13 = all_to_all_split(_rows(by_slice13, order, hidden), send, recv, group)
+        send2 = [rows2 if r is not None else 0 for r in wanted]
+        recv2 = [rows2 if wanted[me] is not None else 0] * world
+        out2 = all_to_all_split(_rows(by_slice2, order, part), send2, recv2, group)
+        if wanted[me] is not None:
+            slices[wanted[me]] = (out13.reshape(world * n_local, 2 * part, hidden),
+                                  out2.reshape(world * n_local, hidden, part))
+    return slices
+
+
 def moe_across_ranks(h: torch.Tensor, topk_w: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
                      w2: torch.Tensor, rollout_tp: int, top_k: int, add_dtype: torch.dtype, group) -> torch.Tensor:
     """The engine's MoE output for this rank's tokens ``h`` (T, H), routed (``topk_w`` fp32,
@@ -79,22 +116,8 @@ def moe_across_ranks(h: torch.Tensor, topk_w: torch.Tensor, topk_ids: torch.Tens
     world, me = group_size(group), group_rank(group)
     work = assignment(world, rollout_tp)
     tokens = gather_along_rank(torch.tensor([h.shape[0]], dtype=torch.long), group).reshape(-1).tolist()
-    n_local = w13.shape[0]
 
-    # Expert slices: mine of each slice rank d computes -> rank d; in arrival order (source rank =
-    # the experts' global order) they are every expert's slice.
-    mine = {r: kernels.expert_slice(w13, w2, r, rollout_tp) for r in range(rollout_tp)}
-    flat13 = [[mine[r][0].reshape(-1, w13.shape[-1]) for r in work[d].slices] for d in range(world)]
-    flat2 = [[mine[r][1].reshape(-1, w2.shape[-1] // rollout_tp) for r in work[d].slices] for d in range(world)]
-    rows13 = n_local * 2 * (w2.shape[-1] // rollout_tp)  # one slice's gate|up rows of one rank's experts
-    rows2 = n_local * w2.shape[1]
-    got13 = _exchange(flat13, [rows13 * len(work[me].slices)] * world, group, h)
-    got2 = _exchange(flat2, [rows2 * len(work[me].slices)] * world, group, h)
-    slices = {}
-    for i, r in enumerate(work[me].slices):
-        w13_r = torch.cat([g[i * rows13:(i + 1) * rows13] for g in got13]).reshape(world * n_local, -1, w13.shape[-1])
-        w2_r = torch.cat([g[i * rows2:(i + 1) * rows2] for g in got2]).reshape(world * n_local, w2.shape[1], -1)
-        slices[r] = (w13_r, w2_r)
+    slices = _exchange_slices(w13, w2, work, me, rollout_tp, group)
 
     # Tokens: my chunk for rank d's work -> rank d, with their routing.
     chunks = [_chunk_rows(h.shape[0], work[d]) for d in range(world)]
