@@ -30,7 +30,7 @@ from conftest import explain, run_torchrun
 # (the fp32 fused-MoE kernel: tests/test_vllm_kernels.py, in-process).
 CONFIGS = [
     ("dense-fp32-e1", "tiny-dense", "fp32", 1, "tp1,tp2-sp,tp2-sp-pp2,tp2-sp-cp2", ["--long-prompt", "--from-hf"], 4),
-    ("moe-bf16-e2", "tiny-moe", "bf16", 2, "tp2-sp-ep2,tp1,tp1-ep2-cp2", ["--sync", "tp2-sp-ep2"], 2),
+    ("moe-bf16-e2", "tiny-moe", "bf16", 2, "tp2-sp-ep2,tp1,tp1-ep2-cp2,tp2-sp-etp2", ["--sync", "tp2-sp-ep2"], 2),
 ]
 
 

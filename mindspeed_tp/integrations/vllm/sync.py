@@ -42,16 +42,14 @@ def stage_full_weights(model, spec: ModelSpec, layout) -> Dict[str, torch.Tensor
     brings the stages together)."""
     from megatron.core import parallel_state as ps
 
-    if spec.is_moe and layout.etp > 1:
-        raise refuse("vllm_sync_source", what="expert tensor parallelism (--etp > 1)", fix="--etp 1")
     tp_group = ps.get_tensor_model_parallel_group()
     ep_rank = ps.get_expert_model_parallel_rank() if spec.is_moe else 0
     full: Dict[str, torch.Tensor] = {}
     experts: List[Tuple[str, torch.Tensor]] = []
     for local_name, param in model.named_parameters():
         name = global_param_name(model, local_name, ep_rank)
-        if ".local_experts." in name:  # whole experts (etp=1): gathered over the EP group below
-            experts.append((local_name, param.detach()))
+        if ".local_experts." in name:  # whole experts from the expert-TP shards, then gathered over EP below
+            experts.append((local_name, _gather_tp(param, shard_rule(name), ps.get_expert_tensor_parallel_group())))
             continue
         full[name] = _gather_tp(param, shard_rule(name), tp_group)
     if experts:
