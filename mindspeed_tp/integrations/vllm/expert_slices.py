@@ -33,8 +33,8 @@ from . import kernels
 
 @dataclass(frozen=True)
 class SliceWork:
-    """What one EP rank computes: engine slices ``slices``, on chunk ``chunk`` of ``chunks`` of every
-    EP rank's tokens."""
+    """What one rank of the expert group computes: engine slices ``slices``, on chunk ``chunk`` of
+    ``chunks`` of every rank's tokens."""
 
     slices: Tuple[int, ...]
     chunk: int = 0
@@ -42,7 +42,7 @@ class SliceWork:
 
 
 def assignment(world: int, rollout_tp: int) -> List[SliceWork]:
-    """Per EP rank (``world`` of them) its work for an engine of ``rollout_tp`` slices. W <= R: rank
+    """Per rank of the expert group (``world`` of them) its work for an engine of ``rollout_tp`` slices. W <= R: rank
     p computes the slices r with r % W == p, on every token; W > R: slice p % R on its share of the
     tokens (the ranks computing one slice cut every rank's tokens into that many chunks)."""
     if world <= rollout_tp:
@@ -55,12 +55,11 @@ def _chunk_rows(tokens: int, work: SliceWork) -> slice:
     return slice(tokens * work.chunk // work.chunks, tokens * (work.chunk + 1) // work.chunks)
 
 
-def _exchange(blocks: Sequence[Sequence[torch.Tensor]], recv_rows: Sequence[int], group, like: torch.Tensor):
-    """Rows ``blocks[d]`` (a list of 2-D tensors, one row width) to each rank d; returns the rows
-    received from each rank, split per source (differentiable)."""
+def _exchange(blocks: Sequence[Sequence[torch.Tensor]], recv_rows: Sequence[int], group):
+    """Rows ``blocks[d]`` (a non-empty list of 2-D tensors, one row width) to each rank d; returns
+    the rows received from each rank, split per source (differentiable)."""
     send = [sum(b.shape[0] for b in to_d) for to_d in blocks]
-    parts = [b for to_d in blocks for b in to_d]
-    rows = torch.cat(parts) if parts else like.new_empty((0, like.shape[-1]))
+    rows = torch.cat([b for to_d in blocks for b in to_d])
     return list(all_to_all_split(rows, send, list(recv_rows), group).split(list(recv_rows)))
 
 
@@ -182,8 +181,8 @@ def moe_across_ranks(h: torch.Tensor, topk_w: torch.Tensor, topk_ids: torch.Tens
     # Tokens: my chunk for rank d's work -> rank d, with their routing.
     chunks = [_chunk_rows(h.shape[0], work[d]) for d in range(world)]
     recv = [len(range(*_chunk_rows(tokens[q], work[me]).indices(tokens[q]))) for q in range(world)]
-    x = torch.cat(_exchange([[h[c]] for c in chunks], recv, group, h))
-    w = torch.cat(_exchange([[topk_w[c]] for c in chunks], recv, group, topk_w))
+    x = torch.cat(_exchange([[h[c]] for c in chunks], recv, group))
+    w = torch.cat(_exchange([[topk_w[c]] for c in chunks], recv, group))
     ids = torch.cat(_exchange_ids([topk_ids[c] for c in chunks], recv, group))
 
     # My slices' partials of those tokens (model dtype), each back to its tokens' rank.
@@ -193,7 +192,7 @@ def moe_across_ranks(h: torch.Tensor, topk_w: torch.Tensor, topk_ids: torch.Tens
         partials[r] = kernels.fused_moe(x, w, ids, slices[r][0], slices[r][1], [packed], isa, add_dtype)
     back = [[partials[r][sum(recv[:q]):sum(recv[:q + 1])] for r in work[me].slices] for q in range(world)]
     mine_rows = [len(range(*chunks[d].indices(h.shape[0]))) for d in range(world)]
-    got = _exchange(back, [n * len(work[d].slices) for d, n in enumerate(mine_rows)], group, h)
+    got = _exchange(back, [n * len(work[d].slices) for d, n in enumerate(mine_rows)], group)
 
     # Each slice's partial of my tokens: its chunks from the ranks computing it, in row order.
     per_slice = {r: [] for r in range(rollout_tp)}
