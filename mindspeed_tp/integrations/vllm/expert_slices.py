@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
 from ...kernels.collectives import all_to_all_split, gather_along_rank, group_rank, group_size
 from . import kernels
@@ -55,21 +54,17 @@ def _chunk_rows(tokens: int, work: SliceWork) -> slice:
     return slice(tokens * work.chunk // work.chunks, tokens * (work.chunk + 1) // work.chunks)
 
 
+def _chunk_len(tokens: int, work: SliceWork) -> int:
+    rows = _chunk_rows(tokens, work)
+    return rows.stop - rows.start
+
+
 def _exchange(blocks: Sequence[Sequence[torch.Tensor]], recv_rows: Sequence[int], group):
     """Rows ``blocks[d]`` (a non-empty list of 2-D tensors, one row width) to each rank d; returns
-    the rows received from each rank, split per source (differentiable)."""
+    the rows received from each rank, split per source (differentiable for float rows)."""
     send = [sum(b.shape[0] for b in to_d) for to_d in blocks]
     rows = torch.cat([b for to_d in blocks for b in to_d])
     return list(all_to_all_split(rows, send, list(recv_rows), group).split(list(recv_rows)))
-
-
-def _exchange_ids(blocks: Sequence[torch.Tensor], recv_rows: Sequence[int], group) -> List[torch.Tensor]:
-    """Integer rows (not differentiable) to each rank d, split per source on arrival."""
-    send = [b.shape[0] for b in blocks]
-    rows = torch.cat(list(blocks)).contiguous()
-    out = rows.new_empty((sum(recv_rows), rows.shape[-1]))
-    dist.all_to_all_single(out, rows, list(recv_rows), send, group=group)
-    return list(out.split(list(recv_rows)))
 
 
 @dataclass(frozen=True)
@@ -180,10 +175,10 @@ def moe_across_ranks(h: torch.Tensor, topk_w: torch.Tensor, topk_ids: torch.Tens
 
     # Tokens: my chunk for rank d's work -> rank d, with their routing.
     chunks = [_chunk_rows(h.shape[0], work[d]) for d in range(world)]
-    recv = [len(range(*_chunk_rows(tokens[q], work[me]).indices(tokens[q]))) for q in range(world)]
+    recv = [_chunk_len(tokens[q], work[me]) for q in range(world)]
     x = torch.cat(_exchange([[h[c]] for c in chunks], recv, group))
     w = torch.cat(_exchange([[topk_w[c]] for c in chunks], recv, group))
-    ids = torch.cat(_exchange_ids([topk_ids[c] for c in chunks], recv, group))
+    ids = torch.cat(_exchange([[topk_ids[c]] for c in chunks], recv, group))
 
     # My slices' partials of those tokens (model dtype), each back to its tokens' rank.
     partials = {}
@@ -191,7 +186,7 @@ def moe_across_ranks(h: torch.Tensor, topk_w: torch.Tensor, topk_ids: torch.Tens
         (packed, isa) = kernels.prepack_slice(*slices[r], top_k)
         partials[r] = kernels.fused_moe(x, w, ids, slices[r][0], slices[r][1], [packed], isa, add_dtype)
     back = [[partials[r][sum(recv[:q]):sum(recv[:q + 1])] for r in work[me].slices] for q in range(world)]
-    mine_rows = [len(range(*chunks[d].indices(h.shape[0]))) for d in range(world)]
+    mine_rows = [_chunk_len(h.shape[0], work[d]) for d in range(world)]
     got = _exchange(back, [n * len(work[d].slices) for d, n in enumerate(mine_rows)], group)
 
     # Each slice's partial of my tokens: its chunks from the ranks computing it, in row order.
@@ -199,8 +194,5 @@ def moe_across_ranks(h: torch.Tensor, topk_w: torch.Tensor, topk_ids: torch.Tens
     for d in range(world):
         for i, r in enumerate(work[d].slices):
             per_slice[r].append((work[d].chunk, got[d][i * mine_rows[d]:(i + 1) * mine_rows[d]]))
-    total = None
-    for r in range(rollout_tp):  # engine-rank order, as the engine's all-reduce adds
-        part = torch.cat([rows for _, rows in sorted(per_slice[r], key=lambda c: c[0])])
-        total = part if total is None else total.to(add_dtype) + part.to(add_dtype)
-    return total.to(h.dtype)
+    parts = [torch.cat([rows for _, rows in sorted(per_slice[r], key=lambda c: c[0])]) for r in range(rollout_tp)]
+    return kernels.add_engine_partials(parts, add_dtype, h.dtype)

@@ -22,7 +22,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ...contract.refusals import refuse
 from ...errors import ConfigError
+from ...kernels.collectives import group_size
 from . import kernels
+from .expert_slices import moe_across_ranks
 from .scoring import current_plan
 
 _ready = {}
@@ -187,9 +189,6 @@ def moe(layer, hidden_states, prof, publish_routing) -> torch.Tensor:
                                      not bool(getattr(layer.config, "moe_router_pre_softmax", False)))
     publish_routing(layer, topk_ids.long())
     from megatron.core import parallel_state as ps
-
-    from ...kernels.collectives import group_size
-    from .expert_slices import moe_across_ranks
 
     w13, w2, weights = _local_experts(layer)
     add_dtype = torch.float32 if prof.rollout_allreduce_dtype == "float32" else dtype

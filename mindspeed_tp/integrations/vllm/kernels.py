@@ -344,19 +344,28 @@ def _moe_reference(h, topk_w, topk_ids, w13, w2):
     return out
 
 
+def add_engine_partials(partials, add_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    """The engine ranks' MoE partials (model dtype, engine-rank order) added as its all-reduce does:
+    rank-sequential ((p0 + p1) + p2) + ... in ``add_dtype``, cast to ``dtype``."""
+    total = None
+    for part in partials:
+        total = part if total is None else total.to(add_dtype) + part.to(add_dtype)
+    return total.to(dtype)
+
+
 class _FusedMoE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, topk_w, topk_ids, w13, w2, packed, isa, add_dtype):
         ops = _vllm()["ops"]
-        total = None
         x = h.detach().contiguous()
-        for w13_r, w2_r in packed:  # rank_sequential: ((p0 + p1) + p2) + ...
+        partials = []
+        for w13_r, w2_r in packed:
             out = torch.empty_like(x)
             ops.cpu_fused_moe(out, x, w13_r, w2_r, None, None, topk_w.detach().contiguous(),
                               topk_ids.contiguous(), "silu", isa, False)
-            total = out if total is None else (total.to(add_dtype) + out.to(add_dtype))
+            partials.append(out)
         ctx.save_for_backward(h, topk_w, topk_ids, w13, w2)
-        return total.to(h.dtype)
+        return add_engine_partials(partials, add_dtype, h.dtype)
 
     @staticmethod
     def backward(ctx, grad):
