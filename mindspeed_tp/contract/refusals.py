@@ -487,10 +487,22 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "bitwise_training: {heads} attention heads (or query groups) are not a power of two per rank; the "
             "QK-norm weight gradient is a tree over heads, a rank's heads a subtree",
             "the tree over heads must split at every TP size"),
-    Refusal("bitwise_moe", TRAINING, "num_moe_experts",
-            "bitwise_training covers dense models only: MoE layers (num_moe_experts) need canonical token orders "
-            "inside each expert and router-gradient trees, not implemented; set bitwise_training: false",
-            "expert and router gradients are not canonical yet"),
+    Refusal("bitwise_moe_context_parallel", TRAINING, "context_parallel_size with MoE layers",
+            "bitwise_training with MoE layers and context_parallel_size > 1 is not supported yet: the rows an expert "
+            "receives from a CP rank's two chunks are not put back in sequence order for its weight gradient; set "
+            "context_parallel_size=1, or bitwise_training: false",
+            "an expert's weight gradient would sum its tokens in an order that depends on the CP size"),
+    Refusal("bitwise_moe_router_loss", TRAINING, "moe_router_load_balancing_type",
+            "bitwise_training: moe_router_load_balancing_type={value!r} is not supported yet (its token counts span "
+            "sequences or DP ranks in a layout-dependent way); use aux_loss or none (the z-loss is supported)",
+            "the loss's gradient scale was only made layout-independent for aux_loss and the z-loss"),
+    Refusal("bitwise_moe_token_split", TRAINING, "expert_model_parallel_size x expert_tensor_parallel_size",
+            "bitwise_training with MoE layers needs each micro-batch's sequence-parallel slices inside one expert "
+            "group (an expert's weight gradient is one sum over the micro-batch's rows, in token order): "
+            "expert_model_parallel_size x expert_tensor_parallel_size ({group}) must be a multiple of "
+            "tensor_model_parallel_size ({tp}); set --etp to the TP size, or a larger --ep",
+            "an expert's gradient from one micro-batch would be split over expert-data-parallel ranks and summed "
+            "in the collective's order"),
     Refusal("bitwise_microbatch_groups", TRAINING, "microbatch_groups / micro-batch count / DP",
             "bitwise_training: {microbatches} micro-batches per DP rank x DP={dp} are not a power of two split "
             "into microbatch_groups={groups} equal groups with DP dividing it; use a power-of-two global batch of "

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from ..errors import ConfigError
 from ..models.spec import ModelSpec
-from ..models.weights import full_weight_shapes, global_param_name, shard_rule, unshard
+from ..models.weights import full_weight_shapes, global_param_name, is_expert_weight, shard_rule, unshard
 from .checkpoint import INDEX, SINGLE
 from .config import hf_config_from_spec
 from .mapping import expected_hf_shapes, megatron_pieces
@@ -40,7 +40,7 @@ def _local_shards(model, spec: ModelSpec, layout):
     tensors, info = {}, {}
     for local_name, param in model.named_parameters():
         name = global_param_name(model, local_name, ep_rank)
-        size, rank = (layout.etp, etp_rank) if ".local_experts." in name else (layout.tp, tp_rank)
+        size, rank = (layout.etp, etp_rank) if is_expert_weight(name) else (layout.tp, tp_rank)
         tensors[name] = param.detach().contiguous()
         info[name] = [shard_rule(name), size, rank]
     return tensors, info

@@ -18,6 +18,14 @@ def _slot_sum(x: torch.Tensor) -> torch.Tensor:
     return total
 
 
+def slot_sum_fp32(slots: torch.Tensor) -> torch.Tensor:
+    """(T, k, H) -> (T, H): a token's k slot rows summed in slot order, in fp32."""
+    total = slots[:, 0].float()
+    for j in range(1, slots.shape[1]):
+        total = total + slots[:, j].float()
+    return total
+
+
 def _softmax(x: torch.Tensor) -> torch.Tensor:
     """Row softmax in fp32 (the backend's ``softmax`` primitive)."""
     return dispatch.kernel("softmax", x)(x)

@@ -39,6 +39,7 @@ class DispatchPlan:
     back_send: List[int]       # output rows returned to each group position
     back_recv: List[int]       # output rows returned by each group position
     restore: torch.Tensor      # (T*k,) returned row of each (token, slot), slot-major within a token
+    recv_blocks: List[List[int]]  # rows received from each group position for each local expert
 
 
 def _stable_order(keys: torch.Tensor) -> torch.Tensor:
@@ -115,7 +116,7 @@ def plan(idx: torch.Tensor, ep_of_position: torch.Tensor, position: int, num_exp
     owners = torch.tensor(owner, dtype=torch.long, device=device)
     restore = _inverse(_stable_order(owners[my_ep] * num_local + local))
     return DispatchPlan(send_tokens, send, recv, expert_rows, expert_counts, _inverse(expert_rows), back_send,
-                        back_recv, restore)
+                        back_recv, restore, recv_blocks)
 
 
 def dispatch(h: torch.Tensor, p: DispatchPlan, group) -> List[torch.Tensor]:

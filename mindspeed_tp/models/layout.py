@@ -80,6 +80,14 @@ class Layout:
                 sizes[m.group(1)] = int(m.group(2))
         return cls(sp=sp, **sizes)
 
+    def with_experts_dp(self) -> "Layout":
+        """The same layout with the fewest DP replicas that hold its expert grid (ep*etp dividing
+        tp*cp*dp): the world megatron-core would need, for a training layout that names no dpN."""
+        from dataclasses import replace
+
+        ranks, experts = self.tp * self.cp, self.ep * self.etp
+        return replace(self, dp=experts // math.gcd(ranks, experts))
+
     def without_cp(self) -> "Layout":
         """The same layout at CP = 1 (vanilla megatron's local attention cannot run CP)."""
         from dataclasses import replace

@@ -3,8 +3,8 @@ at construction (GPTModel, the norm patch) for any strategy that needs them:
 
 - ``OUTPUT_PARTS_ATTR``: a gated MLP's fc1 holds [gate_r; up_r] on each rank (2 parts);
 - ``TIED_HEAD_ATTR``: the word embedding whose weight the LM head shares on this stage (PP=1);
-- ``PER_TOKEN_PARAM_ATTR``: a parameter of a per-token layer (RMSNorm / LayerNorm, QK-norm), whose
-  gradient is a sum over tokens (bitwise training folds it across TP in the backward);
+- ``PER_TOKEN_PARAM_ATTR``: a parameter of a per-token layer (RMSNorm / LayerNorm, QK-norm) or a MoE
+  router, whose gradient is a sum over tokens (bitwise training folds it across TP in the backward);
 - ``TRUE_VOCAB_ATTR``: the true (unpadded) vocabulary of a GPTModel whose builder knows it (mbridge
   pads to ``make_vocab_size_divisible_by``), and of the logits its forward returns, so a logprob
   computed outside the model's loss (verl) excludes the padded columns.
@@ -31,6 +31,13 @@ def mark_tied_head(model) -> None:
 def mark_per_token_params(module) -> None:
     for p in module.parameters():
         setattr(p, PER_TOKEN_PARAM_ATTR, True)
+
+
+def mark_routers(model) -> None:
+    """A MoE router's weight (replicated over TP; its gradient a sum over the micro-batch's tokens)."""
+    for name, module in model.named_modules():
+        if name.endswith("mlp.router"):
+            mark_per_token_params(module)
 
 
 def mark_true_vocab(model, vocab_size: int) -> None:

@@ -127,6 +127,11 @@ class SeededWeights:
         return seeded_weights_digest(self.spec, profile, self.seed)
 
 
+def is_expert_weight(name: str) -> bool:
+    """A routed expert's weight (global name): split over expert TP, held by one EP rank."""
+    return ".local_experts." in name
+
+
 def param_shards(model, spec: ModelSpec, layout):
     """(global name, parameter, shard rule, shard group size, rank in it) for every parameter of this
     stage: expert weights are split over expert-TP, the rest over TP."""
@@ -137,7 +142,7 @@ def param_shards(model, spec: ModelSpec, layout):
     etp_rank = ps.get_expert_tensor_parallel_rank() if spec.is_moe else 0
     for local_name, param in model.named_parameters():
         name = global_param_name(model, local_name, ep_rank)
-        size, rank = (layout.etp, etp_rank) if ".local_experts." in name else (tp, tp_rank)
+        size, rank = (layout.etp, etp_rank) if is_expert_weight(name) else (tp, tp_rank)
         yield name, param, shard_rule(name), size, rank
 
 

@@ -31,13 +31,13 @@ import torch.distributed as dist
 from .. import compat, state
 from ..contract.refusals import refuse
 from ..devices import machine_device_type
-from ..kernels import dispatch
+from ..kernels import dispatch, invariant_linear
 from ..kernels.collectives import group_size
 from ..kernels.norm import normalized
 from ..models.marks import PER_TOKEN_PARAM_ATTR
-from ..modes.bitwise_training import accumulation, column_parallel, token_sums
+from ..modes.bitwise_training import accumulation, column_parallel, experts, token_sums
 from ..modes.bitwise_training import context_parallel as cp_training
-from ..modes.bitwise_training.grad_norm import grad_norm
+from ..modes.bitwise_training.grad_norm import grad_norm, norm_of, square_sums
 from ..patching import PatchRegistry
 from . import ACTIVE
 from .canonical import CanonicalTree
@@ -115,6 +115,57 @@ class BitwiseTraining(CanonicalTree):
         if layer.bias is not None:
             raise refuse("bitwise_training_bias", layer="row-parallel")
 
+    # ------------------------------------------------------------------ MoE (modes/bitwise_training/experts.py)
+    def router_logits(self, h, weight, config):
+        """dW over the whole micro-batch's tokens (SP slices gathered), the same on every TP rank."""
+        rm = self.row_multiple
+
+        def compute(x, w):
+            return invariant_linear(x, w, out_dtype=torch.float32, row_multiple=rm)
+
+        return experts.RouterLogits.apply(h, weight, compat.tp_group_of(), bool(config.sequence_parallel), compute, rm)
+
+    def router_loss_logits(self, logits, router):
+        """The router losses' gradients at the one-device scale (``experts.router_loss_logits``)."""
+        from megatron.core import parallel_state as ps
+
+        return experts.router_loss_logits(logits, router.config, ps.get_tensor_and_context_parallel_world_size())
+
+    def moe_dispatch(self, h, plan, group, k):
+        """Backward: a token's slot gradients from the owner ranks, summed in slot order."""
+        return list(experts.CanonicalDispatch.apply(h, plan, group, k).split(plan.expert_counts))
+
+    def expert_rows(self, plan, group, local_experts):
+        """Each expert's rows by micro-batch; routed to micro-batch groups in expert-parallel buffers."""
+        routed = {not getattr(e.linear_fc1.weight, "allreduce", True) for e in local_experts}
+        if len(routed) != 1:
+            raise RuntimeError("bitwise_training: the local experts of one layer are in different gradient buffers")
+        return experts.expert_rows(plan, group, routed.pop())
+
+    def _expert_leaves(self, n_local, etp_group, parts):
+        leaves = self.profile.canonical_shards // group_size(etp_group)
+        if n_local % (parts * leaves):
+            raise refuse("bitwise_column_indivisible", n=n_local * group_size(etp_group), parts=parts,
+                         c=self.profile.canonical_shards)
+        return leaves
+
+    def expert_up_proj(self, x, weight, etp_group, gated, rows):
+        """dx by canonical leaves folded across expert TP; dW per micro-batch."""
+        parts = 2 if gated else 1
+        rm = self.row_multiple
+
+        def compute(a, w):
+            return invariant_linear(a, w, row_multiple=rm)
+
+        return experts.ExpertUpProj.apply(x, weight, etp_group, self._expert_leaves(weight.shape[0], etp_group, parts),
+                                          parts, rows, compute, rm)
+
+    def expert_down_proj(self, a, weight, etp_group, dtype, rows):
+        """The canonical fold across expert TP; dW per micro-batch, the owner's gradient moved back."""
+        leaves = self.profile.canonical_shards // group_size(etp_group)
+        partial = experts.ExpertDownProjLeaves.apply(a, weight, leaves, rows, self.row_multiple)
+        return experts.FoldToOwner.apply(partial, etp_group, dtype)
+
     def norm(self, module, x):
         """Parameter gradients as canonical token sums (``token_sums``)."""
         x_hat = normalized(x, module.eps, module.normalization)
@@ -132,7 +183,11 @@ def check_ddp(module, ddp_config) -> None:
     """What bitwise training refuses, read off the model and the DDP config."""
     config = getattr(module, "config", None)
     if getattr(config, "num_moe_experts", None):
-        raise refuse("bitwise_moe")
+        if (getattr(config, "context_parallel_size", 1) or 1) > 1:
+            raise refuse("bitwise_moe_context_parallel")
+        tp = config.tensor_model_parallel_size
+        experts.check_token_split(tp, getattr(config, "expert_tensor_parallel_size", None) or tp,
+                                  config.expert_model_parallel_size)
     instances = getattr(ddp_config, "num_distributed_optimizer_instances", 1)
     if instances != 1:
         raise refuse("bitwise_ddp_setting", setting="num_distributed_optimizer_instances", value=instances,
@@ -188,6 +243,18 @@ def _dp_size(bucket_group) -> int:
 def start_grad_sync(original):
     def wrapped(self, *args, **kwargs):
         if active():
+            if getattr(self, "is_first_batch", False) and getattr(self, "grad_reduce_handle", None) is not None:
+                # megatron's own guard: in the first batch the schedule may start a sync the backward
+                # hook already started (a pipeline's grad_sync_func, then finish_grad_sync); once only
+                return None
+            if accumulation.source_routed(self.params):  # expert weights of groups spanning DP ranks
+                if self.ddp_config.check_for_nan_in_grad:
+                    raise refuse("bitwise_ddp_setting", setting="check_for_nan_in_grad", value=True,
+                                 why="not run by the expert gradients' tree reduction; check the gradient norm (NaN "
+                                     "when any gradient is) instead")
+                force = kwargs.get("force_all_reduce", args[0] if args else False)
+                accumulation.reduce_source_routed(self, self.ddp_config.use_distributed_optimizer and not force)
+                return None
             accumulation.fold_groups(self.params)
             if cp_training.cp_group() is not None:  # every CP rank holds its DP replica's whole gradient
                 if self.ddp_config.check_for_nan_in_grad:
@@ -312,6 +379,24 @@ def clip_norm(original):
     return get_grad_norm_fp32
 
 
+def chained_grad_norm(original):
+    def get_grad_norm(self):
+        """Optimizers whose norms reduce over different groups (dense and expert-parallel ones, without
+        the distributed optimizer): megatron combines their rounded norms as sqrt(a^2 + b^2), which
+        one device (a single optimizer) never rounds; here their exact sums add before the one rounding."""
+        if not active() or len(self.chained_optimizers) == 1 or self.grads_states_parallel_group_is_shared():
+            return original(self)
+        total = None
+        for opt in self.chained_optimizers:
+            grads = opt.get_main_grads_for_grad_norm()
+            device = grads[0].device if grads else "cpu"
+            acc = square_sums(grads, opt.get_grad_stats_parallel_group(), device)
+            total = acc if total is None else total + acc.to(total.device)
+        return norm_of(total)
+
+    return get_grad_norm
+
+
 def register(reg: PatchRegistry) -> None:
     why = "bitwise_training: "
     reg.register(f"{DDP}.__init__", why + "refuses models and DDP settings the mode does not cover",
@@ -334,3 +419,5 @@ def register(reg: PatchRegistry) -> None:
                  "(gathered in sequence order)", wraps=True)(cp_training.embedding_forward)
     reg.register("megatron.core.optimizer.clip_grads:get_grad_norm_fp32", why + "the clipping norm from an exact, "
                  "order-independent sum of squares", wraps=True)(clip_norm)
+    reg.register("megatron.core.optimizer.optimizer:ChainedOptimizer.get_grad_norm", why + "the norm of dense and "
+                 "expert-parallel optimizers from their exact sums added, rounded once", wraps=True)(chained_grad_norm)

@@ -8,6 +8,7 @@ import torch
 
 from .. import compat, state
 from ..contract.refusals import refuse
+from ..kernels import moe_dispatch
 from ..kernels import (apply_rope, consistent_attention, dispatch, folded_leaf_partials, invariant_linear,
                        packed_attention, vocab_parallel_logprob)
 from ..kernels.collectives import fold_across_ranks, group_size
@@ -79,7 +80,28 @@ class CanonicalTree(Numerics):
     def check_row_bias(self, layer) -> None:
         """A row-parallel bias is added after the fold (allowed here)."""
 
-    def expert_down_proj(self, a, weight, etp_group, dtype):
+    # ------------------------------------------------------------------ MoE pieces (numerics/moe_layer.py)
+    def router_logits(self, h, weight, config):
+        """fp32 router logits by the invariant GEMM (plain backward)."""
+        return invariant_linear(h, weight, out_dtype=torch.float32, row_multiple=self.row_multiple)
+
+    def router_loss_logits(self, logits, router):
+        """The logits megatron's router losses see (megatron's own gradient scale here)."""
+        return logits
+
+    def moe_dispatch(self, h, plan, group, k):
+        """Token rows -> each local expert's rows (``kernels.moe_dispatch``), autograd's backward."""
+        return moe_dispatch.dispatch(h, plan, group)
+
+    def expert_rows(self, plan, group, experts):
+        """Per local expert, what the strategy's expert GEMMs need to know of their rows (none here)."""
+        return [None] * len(experts)
+
+    def expert_up_proj(self, x, weight, etp_group, gated, rows):
+        """An expert's fc1 shard on its rows by the invariant GEMM."""
+        return invariant_linear(x, weight, row_multiple=self.row_multiple)
+
+    def expert_down_proj(self, a, weight, etp_group, dtype, rows):
         """An expert's fc2 on its rows: leaves folded across expert TP; only one expert-TP rank's
         copy goes back to the token (``moe_layer``)."""
         leaves = self.profile.canonical_shards // group_size(etp_group)

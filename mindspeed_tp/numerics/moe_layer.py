@@ -15,7 +15,7 @@ The dispatcher type (allgather or alltoall) therefore no longer changes any valu
 """
 import torch
 
-from ..kernels import invariant_linear, moe_dispatch
+from ..kernels import moe_dispatch
 from ..kernels.collectives import gather_along_rank, group_rank
 from ..kernels.moe import combine_slots, route
 
@@ -30,15 +30,16 @@ def _groups():
     )
 
 
-def _expert_forward(numerics, expert, x: torch.Tensor, etp_group, config) -> torch.Tensor:
-    """One expert MLP on its rows: fc1 shard, activation, the strategy's fc2 across expert TP."""
-    a = invariant_linear(x, expert.linear_fc1.weight, row_multiple=numerics.row_multiple)
+def _expert_forward(numerics, expert, x: torch.Tensor, etp_group, config, rows) -> torch.Tensor:
+    """One expert MLP on its rows: the strategy's fc1 shard, activation, the strategy's fc2 across
+    expert TP (``rows``: the strategy's record of where the rows come from, or None)."""
+    a = numerics.expert_up_proj(x, expert.linear_fc1.weight, etp_group, config.gated_linear_unit, rows)
     if config.gated_linear_unit:
         gate, up = torch.chunk(a, 2, dim=-1)
         a = config.activation_func(gate) * up
     else:
         a = config.activation_func(a)
-    return numerics.expert_down_proj(a, expert.linear_fc2.weight, etp_group, x.dtype)
+    return numerics.expert_down_proj(a, expert.linear_fc2.weight, etp_group, x.dtype, rows)
 
 
 def _run_forward_pre_hooks(module) -> None:
@@ -65,14 +66,14 @@ def _router_losses_enabled(router, config) -> bool:
     return bool(z) or (aux and any(t != "none" for t in types))
 
 
-def _attach_router_losses(router, logits, probs, seq_length, padding_mask):
+def _attach_router_losses(numerics, router, logits, probs, seq_length, padding_mask):
     """megatron's own router losses on our (bitwise) router logits: ``router.routing`` computes the
     z-loss, aux_loss / seq_aux_loss / global_aux_loss exactly as vanilla does and attaches each to
     the probabilities it returns (MoEAuxLossAutoScaler: identity forward, the loss's gradient in
     backward). Adding those probabilities times zero to ours changes no value and routes the losses'
     gradients into the router through megatron's code. Its routing decision is not used (ours is the
     layout-invariant one); it also keeps the expert-bias statistics (from the same logits)."""
-    logits3d = logits.view(seq_length, -1, logits.shape[-1])
+    logits3d = numerics.router_loss_logits(logits.view(seq_length, -1, logits.shape[-1]), router)
     if padding_mask is not None:
         theirs, _ = router.routing(logits3d, padding_mask=padding_mask)
     else:
@@ -93,7 +94,7 @@ def canonical_moe(numerics, layer, hidden_states, padding_mask, publish_routing)
         _run_forward_pre_hooks(expert.linear_fc2)
     num_experts = config.num_moe_experts
     expert_bias = getattr(router, "expert_bias", None) if getattr(router, "enable_expert_bias", False) else None
-    logits = invariant_linear(h, router.weight, out_dtype=torch.float32, row_multiple=numerics.row_multiple)
+    logits = numerics.router_logits(h, router.weight, config)
     idx, probs = route(
         logits, config.moe_router_topk, getattr(config, "moe_router_score_function", "softmax"),
         bool(getattr(config, "moe_router_pre_softmax", False)), expert_bias,
@@ -101,7 +102,7 @@ def canonical_moe(numerics, layer, hidden_states, padding_mask, publish_routing)
     )
     publish_routing(layer, idx)
     if _router_losses_enabled(router, config):
-        probs = _attach_router_losses(router, logits, probs, shape[0], padding_mask)
+        probs = _attach_router_losses(numerics, router, logits, probs, shape[0], padding_mask)
     elif expert_bias is not None and torch.is_grad_enabled():
         with torch.no_grad():  # the bias update statistics Megatron keeps (padding tokens excluded)
             chosen = idx if padding_mask is None else idx[~padding_mask.reshape(-1)]
@@ -114,10 +115,12 @@ def canonical_moe(numerics, layer, hidden_states, padding_mask, publish_routing)
     num_local = len(experts)
     ep_of_position = gather_along_rank(idx.new_tensor([ep_rank]), tp_ep).reshape(-1)
     plan = moe_dispatch.plan(idx, ep_of_position, group_rank(tp_ep), num_experts, num_local, tp_ep)
-    inputs = moe_dispatch.dispatch(h, plan, tp_ep)
+    inputs = numerics.moe_dispatch(h, plan, tp_ep, k)
+    rows = numerics.expert_rows(plan, tp_ep, experts)
     # Also an expert no token chose runs (on zero rows), as megatron's experts do: its weights get
     # a (zero) gradient, so DDP's per-bucket gradient-ready count completes (overlap_grad_reduce).
-    outputs = [_expert_forward(numerics, expert, x, etp_group, config) for expert, x in zip(experts, inputs)]
+    outputs = [_expert_forward(numerics, expert, x, etp_group, config, r)
+               for expert, x, r in zip(experts, inputs, rows)]
     mine = moe_dispatch.combine(outputs, plan, tp_ep, n_local, k)
     output = combine_slots(mine, probs).to(dtype).reshape(shape)
     shared = getattr(layer, "shared_experts", None)

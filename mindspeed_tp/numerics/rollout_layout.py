@@ -57,7 +57,7 @@ class RolloutLayout(CanonicalTree):
                                        gemm=self.partial_gemm_for(layer.weight))
         return output, None
 
-    def expert_down_proj(self, a, weight, etp_group, dtype):
+    def expert_down_proj(self, a, weight, etp_group, dtype, rows):
         """per_expert: the expert's down-proj reduced as the engine's row-parallel layer."""
         return rollout_layout_linear(a, weight, etp_group, self.profile, sequence_parallel=False,
                                      replicated_output=False)

@@ -9,7 +9,7 @@ from ..contract import refusals
 from ..contract.refusals import refuse
 from ..errors import ConfigError
 from .. import state
-from ..models.marks import TRUE_VOCAB_ATTR, mark_gated_fc1, mark_tied_head, true_vocab_of
+from ..models.marks import TRUE_VOCAB_ATTR, mark_gated_fc1, mark_routers, mark_tied_head, true_vocab_of
 from ..numerics import ACTIVE
 from ..patching import PatchRegistry
 
@@ -65,6 +65,7 @@ def gpt_model_init(original, registry: PatchRegistry):
         if head is not None:
             head._mindspeed_tp_logits = True
         mark_gated_fc1(self)
+        mark_routers(self)
         mark_tied_head(self)
 
     return __init__

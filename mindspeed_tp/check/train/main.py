@@ -38,8 +38,8 @@ def build_parser(prog: str = "mindspeed-tp train-check") -> argparse.ArgumentPar
     p.add_argument("--model", help="bundled model name (default tiny-dense) or a model config YAML path")
     p.add_argument("--profile", help="numerics profile: bundled name or YAML path (default: default)")
     p.add_argument("--layouts", help="comma-separated training layouts, e.g. tp2-sp-pp2,tp2-pp2-vpp2,tp1-dp2,"
-                                     "tp2-sp-dp2,tp2-sp-ep2,tp2-sp-cp2,cp2-dp2 (tpN ppN vppN dpN epN etpN cpN sp; default "
-                                     "tp2-sp)")
+                                     "tp2-sp-dp2,tp2-sp-ep2,tp2-sp-cp2,cp2-dp2 (tpN ppN vppN dpN epN etpN cpN sp; without dpN, "
+                                     "the DP replicas the expert grid needs: tp1-ep4 is tp1-ep4-dp4; default tp2-sp)")
     p.add_argument("--dtype", choices=["fp32", "bf16"])
     p.add_argument("--seed", type=int, help="seed of the weights and of the global batch")
     p.add_argument("--steps", type=int, help="optimizer steps per layout (default 3)")
@@ -118,7 +118,14 @@ class Plan(NamedTuple):
 
 
 def parse_layouts(text: Optional[str]) -> List[Layout]:
-    return [Layout.parse(x) for x in str(text or "").split(",") if x.strip()]
+    """The --layouts entries; one that names no dpN gets the DP replicas its expert grid needs
+    (tp1-ep4 runs on 4 ranks, as megatron's DP is what the world leaves)."""
+    layouts = []
+    for entry in (x for x in str(text or "").split(",") if x.strip()):
+        layout = Layout.parse(entry)
+        named_dp = any(token.startswith("dp") for token in entry.strip().lower().split("-"))
+        layouts.append(layout if named_dp else layout.with_experts_dp())
+    return layouts
 
 
 def plan(ns: argparse.Namespace) -> Plan:

@@ -136,16 +136,17 @@ def _yes(flag) -> str:
 
 
 def format_table(results: List[Dict], reference: Dict[str, Dict]) -> str:
-    head = (f"{'layout':<18}{'mode':<14}{'step':>5}{'loss':>12}{'loss=':>7}{'logp=':>7}{'grads=':>8}"
+    w = max([18] + [len(r["layout"]["name"]) + 2 for r in results])  # the layout column fits its longest name
+    head = (f"{'layout':<{w}}{'mode':<14}{'step':>5}{'loss':>12}{'loss=':>7}{'logp=':>7}{'grads=':>8}"
             f"{'params=':>9}{'optim=':>8}{'|dgrad|':>11}{'|dparam|':>11}")
     lines = [head, "-" * len(head)]
     for key, run in reference.items():
         for k, loss in enumerate(run["loss"]):
-            lines.append(f"{'tp1 (one device)':<18}{mode_name(key == 'vanilla'):<14}{k + 1:>5}{loss:>12.7f}")
+            lines.append(f"{'tp1 (one device)':<{w}}{mode_name(key == 'vanilla'):<14}{k + 1:>5}{loss:>12.7f}")
     for r in results:
         for s in r["steps"]:
             lines.append(
-                f"{r['layout']['name']:<18}{mode_name(r['vanilla']):<14}{s['step']:>5}{s['loss']:>12.7f}"
+                f"{r['layout']['name']:<{w}}{mode_name(r['vanilla']):<14}{s['step']:>5}{s['loss']:>12.7f}"
                 f"{_yes(s['loss_bitwise_equal']):>7}{_yes(s['logprobs_bitwise_equal']):>7}"
                 f"{_yes(s['grads_bitwise_equal']):>8}{_yes(s['params_bitwise_equal']):>9}"
                 f"{_yes(s['optimizer_state_bitwise_equal']):>8}{_fmt(s['grad_max_abs_diff']):>11}"

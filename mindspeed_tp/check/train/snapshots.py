@@ -88,7 +88,18 @@ def optimizer_states(optimizer, chunks) -> Dict[torch.nn.Parameter, Dict[str, to
         return {p: {k: v.detach().float().clone().view(p.shape) for k, v in local[p][1].items() if v is not None}
                 for p in params if p in local}
     # Each DP rank owns a range of some parameters: zero-filled full copies, one sum over DP (exact:
-    # every element comes from one rank, the others add +0).
+    # every element comes from one rank, the others add +0). Expert weights of expert-parallel
+    # buffers are sharded over the expert-data-parallel group instead.
+    out = {}
+    expert = [p for p in params if not getattr(p, "allreduce", True)]
+    dense = [p for p in params if getattr(p, "allreduce", True)]
+    for members, group in ((dense, ps.get_data_parallel_group(with_context_parallel=True)),
+                           (expert, ps.get_expert_data_parallel_group() if expert else None)):
+        out.update(_sum_shards(members, local, group))
+    return {p: out[p] for p in params}
+
+
+def _sum_shards(params, local, group) -> Dict[torch.nn.Parameter, Dict[str, torch.Tensor]]:
     flat = torch.zeros(len(OPTIMIZER_STATE_KEYS), sum(p.numel() for p in params), dtype=torch.float32)
     offset, where = 0, {}
     for p in params:
@@ -99,8 +110,7 @@ def optimizer_states(optimizer, chunks) -> Dict[torch.nn.Parameter, Dict[str, to
                 if values[key] is not None:
                     flat[i, offset + rng.start: offset + rng.end] = values[key].detach().float().view(-1).cpu()
         offset += p.numel()
-    group = ps.get_data_parallel_group(with_context_parallel=True)
-    if dist.get_world_size(group=group) > 1:
+    if params and dist.get_world_size(group=group) > 1:
         dist.all_reduce(flat, group=group)
     return {p: {k: flat[i, where[p]: where[p] + p.numel()].view(p.shape) for i, k in enumerate(OPTIMIZER_STATE_KEYS)}
             for p in params}

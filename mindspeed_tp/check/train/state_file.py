@@ -4,9 +4,10 @@ fp32 main copy and Adam's two moments, plus the step count, in one safetensors f
 ``save_state`` gathers each rank's TP shards (moved, never summed) and brings every stage's tensors
 to rank 0, which writes the file; ``load_state`` gives every rank its shard of each tensor (the
 model parameter, the optimizer's main parameter -- a DP rank's range of it under the distributed
-optimizer -- and Adam's state). A job saved in one layout and resumed in another continues the same
-trajectory under bitwise training (tests/test_bitwise_training.py::test_a_killed_rank_ends_the_run_and_it_resumes_on_another_layout_with_the_same_bits).
-Dense models only (expert shards live on other groups).
+optimizer -- and Adam's state), and the routers' expert biases. Expert weights are gathered over
+expert TP, each from the EP rank holding it. A job saved in one layout and resumed in another continues
+the same trajectory under bitwise training (tests/test_bitwise_training.py::test_a_killed_rank_ends_the_run_and_it_resumes_on_another_layout_with_the_same_bits,
+tests/test_bitwise_moe_training.py for MoE).
 
 The file is written atomically (a temporary file in the same directory, fsync, rename) and carries
 the SHA-256 of its tensors in its metadata; a file whose tensors do not match it (truncated,
@@ -27,10 +28,11 @@ from safetensors.torch import load_file, save
 
 from ...errors import ConfigError
 from ...kernels.collectives import gather_along_rank
-from ...models.weights import full_weight_shapes, param_shards, shard, unshard
+from ...models.weights import full_weight_shapes, global_param_name, is_expert_weight, param_shards, shard, unshard
 from .snapshots import leaf_optimizers, main_param_pairs, optimizer_states
 
 KINDS = ("param", "main_param", "exp_avg", "exp_avg_sq")
+BUFFER = "buffer"  # the routers' expert biases: state training updates that is no parameter
 CHECKPOINT = re.compile(r"^step-(\d{6})\.safetensors$")
 KEEP_CHECKPOINTS = 2
 
@@ -131,25 +133,29 @@ def _full_on_this_stage(spec, layout, chunks, optimizer) -> Dict[str, torch.Tens
 
     states = optimizer_states(optimizer, chunks)
     tp_group = ps.get_tensor_model_parallel_group()
+    etp_group = ps.get_expert_tensor_parallel_group() if spec.is_moe else None
+    ep_rank = ps.get_expert_model_parallel_rank() if spec.is_moe else 0
     out = {}
     for chunk in chunks:
         for name, p, rule, size, _ in param_shards(chunk, spec, layout):
+            group = etp_group if is_expert_weight(name) else tp_group
             values = {"param": p.detach().float(), **{k: states[p][k] for k in KINDS[1:]}}
             for kind, value in values.items():
-                parts = gather_along_rank(value.contiguous(), tp_group) if size > 1 else value.unsqueeze(0)
+                parts = gather_along_rank(value.contiguous(), group) if size > 1 else value.unsqueeze(0)
                 out[f"{kind}/{name}"] = unshard(list(parts), rule)
+        for local_name, buf in chunk.named_buffers():  # the routers' expert biases (updated by training)
+            if local_name.endswith("router.expert_bias"):
+                out[f"{BUFFER}/{global_param_name(chunk, local_name, ep_rank)}"] = buf.detach().float().clone()
     return out
 
 
 def save_state(path: str, spec, layout, profile, chunks, optimizer, steps_done: int) -> None:
-    if spec.is_moe:
-        raise ConfigError("--save-state: dense models only (expert shards are not gathered)")
     mine = _full_on_this_stage(spec, layout, chunks, optimizer)
     shapes = full_weight_shapes(spec, spec.padded_vocab(profile))
     world, rank = dist.get_world_size(), dist.get_rank()
     out = {}
-    for name in sorted(n for n in shapes if not n.endswith("expert_bias")):
-        for kind in KINDS:
+    for name in sorted(shapes):
+        for kind in (BUFFER,) if name.endswith("expert_bias") else KINDS:
             key = f"{kind}/{name}"
             holder = torch.tensor([rank if key in mine else world])
             dist.all_reduce(holder, op=dist.ReduceOp.MIN)
@@ -165,6 +171,8 @@ def save_state(path: str, spec, layout, profile, chunks, optimizer, steps_done: 
 
 def load_state(path: str, spec, layout, chunks, optimizer) -> int:
     """Put this rank's shards of the saved state in place; returns the saved step count."""
+    from megatron.core import parallel_state as ps
+
     full, metadata = read_state(path)
     steps = int(metadata.get("steps", "0"))
     by_param = {}
@@ -175,6 +183,14 @@ def load_state(path: str, spec, layout, chunks, optimizer) -> int:
             by_param[p] = {kind: shard(full[f"{kind}/{name}"], rule, size, rank) for kind in KINDS}
             with torch.no_grad():
                 p.copy_(by_param[p]["param"].to(p.dtype))
+        ep_rank = ps.get_expert_model_parallel_rank() if spec.is_moe else 0
+        for local_name, buf in chunk.named_buffers():
+            if local_name.endswith("router.expert_bias"):
+                key = f"{BUFFER}/{global_param_name(chunk, local_name, ep_rank)}"
+                if key not in full:
+                    raise ConfigError(f"--load-state {path}: no tensor {key} (saved from another model?)")
+                with torch.no_grad():
+                    buf.copy_(full[key].to(buf.dtype))
     for opt in leaf_optimizers(optimizer):
         sharded = hasattr(opt, "shard_fp32_from_float16_groups")
         for model_param, main in main_param_pairs(opt):

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ...contract.refusals import refuse
 from ...models.spec import ModelSpec
-from ...models.weights import global_param_name, shard_rule, unshard
+from ...models.weights import global_param_name, is_expert_weight, shard_rule, unshard
 from .checkpoint import hf_tensors_from_full
 
 
@@ -48,7 +48,7 @@ def stage_full_weights(model, spec: ModelSpec, layout) -> Dict[str, torch.Tensor
     experts: List[Tuple[str, torch.Tensor]] = []
     for local_name, param in model.named_parameters():
         name = global_param_name(model, local_name, ep_rank)
-        if ".local_experts." in name:  # whole experts from the expert-TP shards, then gathered over EP below
+        if is_expert_weight(name):  # whole experts from the expert-TP shards, then gathered over EP below
             experts.append((local_name, _gather_tp(param, shard_rule(name), ps.get_expert_tensor_parallel_group())))
             continue
         full[name] = _gather_tp(param, shard_rule(name), tp_group)

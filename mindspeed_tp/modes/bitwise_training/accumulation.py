@@ -17,6 +17,12 @@ each other one in an fp32 buffer of its own (G/DP - 1 buffers, kept across steps
 A rank holding exactly two groups of one micro-batch each needs no buffer: their tree is one addition
 of the two micro-batch gradients, which ``main_grad``'s own chain ``(0 + m_a) + m_b`` computes bit
 for bit (addition commutes; ``0 +`` turns -0.0 into +0.0 on both paths).
+Expert weights whose expert group spans several DP ranks (expert-parallel buffers) see several
+micro-batches in one backward: their backward adds each micro-batch's gradient to that micro-batch's
+group itself (``add_source_grad``, every group in a buffer of its own), and the bucket group's sync
+folds all G groups over the expert-data-parallel ranks by moving data (``reduce_source_routed``):
+which groups a rank holds then follows the expert groups, not the DP subtrees.
+
 The backward hook (``route_microbatch``) runs before Megatron's own hook: a micro-batch of another
 group is added to that group's buffer and Megatron's hook is told it was added already
 (``grad_added_to_main_grad``). ``fold_groups`` runs when a bucket group starts its gradient sync
@@ -32,7 +38,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ...contract.refusals import refuse
 from ...contract.tree import tree_fold
 from ...errors import ConfigError
-from ...kernels.collectives import _all_gather_rows, _all_to_all_rows
+from ...kernels.collectives import _all_gather_rows, _all_to_all_rows, gather_along_rank
 from ...models.marks import TIED_HEAD_ATTR
 from .context_parallel import cp_group, reduce_replicated
 
@@ -50,6 +56,8 @@ HOOKED_ATTR = "_mindspeed_tp_bitwise_hook"
 # are accumulated and DP-reduced.
 # The LM-head accumulators of this step's tied weights (the accumulator itself lives on the weight).
 _heads = WeakIdKeyDictionary()
+# Source-routed expert weights: backward passes seen this step (the micro-batch step k).
+_source_steps = WeakIdKeyDictionary()
 HEAD_ATTR = "_mindspeed_tp_tied_head_grad"
 
 
@@ -86,12 +94,16 @@ def _bit_reversed(g: int, groups: int) -> int:
     return int(format(g, f"0{bits}b")[::-1], 2) if bits else 0
 
 
-def route_microbatch(holder, grad: torch.Tensor) -> bool:
-    """Before micro-batch k's gradient ``grad`` is added to ``holder.main_grad``: if k belongs to
-    another group than main_grad's, add it to that group's buffer and return True (added)."""
+def _require_plan() -> None:
     if not _plan:
         raise ConfigError("bitwise_training: a backward pass ran outside megatron's forward_backward_func (the "
                           "micro-batch plan is unknown); run training steps through get_forward_backward_func()")
+
+
+def route_microbatch(holder, grad: torch.Tensor) -> bool:
+    """Before micro-batch k's gradient ``grad`` is added to ``holder.main_grad``: if k belongs to
+    another group than main_grad's, add it to that group's buffer and return True (added)."""
+    _require_plan()
     k = _counts.get(holder, 0)
     _counts[holder] = k + 1
     g = _group(k)
@@ -107,6 +119,89 @@ def route_microbatch(holder, grad: torch.Tensor) -> bool:
     _buffered[holder] = True
     buf.add_(grad)
     return True
+
+
+def next_source_step(param) -> int:
+    """The micro-batch step (0, 1, ...) of this backward of a source-routed expert weight."""
+    _require_plan()
+    k = _source_steps.get(param, 0)
+    _source_steps[param] = k + 1
+    return k
+
+
+def add_source_grad(param, step: int, dp_rank: int, grad: torch.Tensor) -> None:
+    """DP rank ``dp_rank``'s micro-batch of step ``step`` (j = step*DP + dp_rank) contributed ``grad``:
+    added to the buffer of its group (the chain in j order, as main_grad's)."""
+    g = (step * _plan["dp"] + dp_rank) % _plan["groups"]
+    buffers = getattr(param, BUFFERS_ATTR, None)
+    if buffers is None:
+        buffers = {}
+        setattr(param, BUFFERS_ATTR, buffers)
+    buf = buffers.get(g)
+    if buf is None:
+        buf = buffers[g] = torch.zeros_like(param.main_grad)
+    _buffered[param] = True
+    buf.add_(grad)
+
+
+def source_routed(params) -> bool:
+    """Whether a bucket group's parameters are source-routed expert weights (all or none)."""
+    routed = [p in _source_steps for p in params]
+    if any(routed) and not all(routed):
+        raise RuntimeError("bitwise_training: a gradient bucket mixes expert weights of an expert group spanning "
+                           "several DP ranks with other parameters")
+    return bool(routed) and routed[0]
+
+
+def reduce_source_routed(bucket_group, sharded: bool) -> None:
+    """The sync of a source-routed bucket group: every member's group buffers cut into one slice per
+    member, slice i moved to member i, where the G groups' slices are folded by the tree (groups in
+    bit-reversed order, as every other gradient's); then kept as the member's shard (distributed
+    optimizer) or gathered back. Scaling and averaging as megatron's collective."""
+    group = _sync_group(bucket_group)
+    world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
+    groups = _plan["groups"]
+    for param in bucket_group.params:
+        if _source_steps.get(param) != _plan["local"]:
+            raise RuntimeError(f"bitwise_training: an expert weight received {_source_steps.get(param)} micro-batch "
+                               f"gradients, the schedule ran {_plan['local']}")
+    for bucket in bucket_group.buckets:
+        data = bucket.grad_data
+        n = data.numel()
+        per = -(-n // world)
+        held = sorted(getattr(next(iter(bucket.params)), BUFFERS_ATTR))
+        stack = data.new_zeros(len(held), per * world)
+        for param in bucket.params:
+            buffers = getattr(param, BUFFERS_ATTR)
+            if sorted(buffers) != held:
+                raise RuntimeError("bitwise_training: the expert weights of one bucket hold different micro-batch groups")
+            start = (param.main_grad.data_ptr() - data.data_ptr()) // data.element_size()
+            for i, g in enumerate(held):
+                stack[i, start:start + param.numel()] = buffers[g].view(-1)
+        everyone = gather_along_rank(torch.tensor(held, dtype=torch.long), group).tolist() if world > 1 else [held]
+        slot = {g: (member, i) for member, gs in enumerate(everyone) for i, g in enumerate(gs)}
+        if sorted(slot) != list(range(groups)) or len({len(gs) for gs in everyone}) != 1:
+            raise RuntimeError(f"bitwise_training: the expert-data-parallel ranks hold micro-batch groups {everyone}, "
+                               f"expected each of the {groups} groups once")
+        # (member, held group, slice): slice i of every held group goes to member i
+        send = stack.view(len(held), world, per).transpose(0, 1).reshape(world, len(held) * per)
+        received = _all_to_all_rows(send.contiguous(), group).view(world, len(held), per) if world > 1 \
+            else send.view(1, len(held), per)
+        leaves = [received[slot[g][0], slot[g][1]] for g in sorted(range(groups), key=lambda g: _bit_reversed(g, groups))]
+        mine = tree_fold(torch.stack(leaves), dim=0)
+        if bucket.gradient_scaling_factor != 1.0:
+            mine *= bucket.gradient_scaling_factor
+        if bucket_group.ddp_config.average_in_collective:
+            mine /= world
+        if sharded:
+            data.view(world, per)[rank].copy_(mine)  # buckets padded to a multiple of the group's size
+        else:
+            data.copy_(_all_gather_rows(mine.view(1, per), group).view(-1)[:n] if world > 1 else mine[:n])
+        for param in bucket.params:
+            for buf in getattr(param, BUFFERS_ATTR).values():
+                buf.zero_()
+    if bucket_group.ddp_config.overlap_grad_reduce:
+        bucket_group.grad_reduce_handle = _Done()
 
 
 def add_tied_head_grad(param: torch.nn.Parameter, grad: torch.Tensor) -> None:
@@ -244,6 +339,7 @@ def reset() -> None:
     and zeroed after use; a step that raised after some micro-batches were routed leaves partial sums
     that must not reach the next one)."""
     _counts.clear()
+    _source_steps.clear()
     for holder in list(_buffered):
         for buf in getattr(holder, BUFFERS_ATTR, {}).values():
             buf.zero_()

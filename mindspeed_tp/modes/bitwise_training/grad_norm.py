@@ -121,8 +121,9 @@ def exact_sum_of_squares(acc: torch.Tensor) -> float:
     return total / (1 << 300) if total else 0.0
 
 
-def grad_norm(grads, group: Optional[dist.ProcessGroup], device) -> float:
-    """L2 norm of ``grads`` over every rank of ``group`` (None: this rank alone)."""
+def square_sums(grads, group: Optional[dist.ProcessGroup], device) -> torch.Tensor:
+    """The exact accumulators of ``grads``' squares summed over every rank of ``group`` (None: this
+    rank alone); integer sums, so those of several groups add exactly (``norm_of``)."""
     if isinstance(grads, torch.Tensor):
         grads = [grads]
     grads = list(grads)
@@ -134,4 +135,14 @@ def grad_norm(grads, group: Optional[dist.ProcessGroup], device) -> float:
         normalise(acc)  # every accumulator below 2^24: the sum over up to 2^20 ranks stays below 2^44
         acc = acc.to(device)
         dist.all_reduce(acc, group=group)
+    return acc
+
+
+def norm_of(acc: torch.Tensor) -> float:
+    """The L2 norm from accumulators (one host read)."""
     return math.sqrt(exact_sum_of_squares(acc))
+
+
+def grad_norm(grads, group: Optional[dist.ProcessGroup], device) -> float:
+    """L2 norm of ``grads`` over every rank of ``group`` (None: this rank alone)."""
+    return norm_of(square_sums(grads, group, device))

@@ -1,0 +1,249 @@
+"""MoE layers under bitwise training: the router's and the experts' gradients in canonical order.
+
+The forward is the canonical one (``numerics/moe_layer.py``); what changes is the backward:
+
+- the router weight's gradient (a sum over tokens; megatron all-reduces it over TP under SP) is one
+  invariant GEMM over the whole micro-batch's tokens in sequence order, the SP slices gathered
+  (moved), so every TP rank holds it whole and megatron's TP all-reduce is skipped (the weight is
+  marked like a norm's, ``models.marks.mark_router_params``);
+- an expert's weight gradient is, per micro-batch, one invariant GEMM over the rows routed to it in
+  global token order (``ExpertRows``): the dispatch brings every row of an expert to its rank(s),
+  and the rows of one micro-batch come from its SP slices, put in order. That needs each
+  micro-batch's SP slices inside one expert group (EP x expert-TP a multiple of TP; refused
+  otherwise). When the expert group spans several DP ranks, an expert sees several micro-batches
+  in one backward: each one's gradient goes to its own micro-batch group
+  (``accumulation.add_source_grad``), folded over the expert-data-parallel ranks by moving data;
+- fc1's input gradient, a sum over its expert-TP-split output features, by canonical leaves folded
+  across expert TP by moving data (as a column-parallel layer's), so every expert-TP copy of a row's
+  gradient is the same; fc2's output fold takes the owner's gradient (moved, not summed);
+- a token's gradient from its k expert slots is moved back from the owner rank and summed in slot
+  order in fp32, cast once (``CanonicalDispatch``).
+"""
+from dataclasses import dataclass
+from typing import List
+
+import torch
+
+from ...contract.refusals import refuse
+from ...kernels import moe_dispatch
+from ...kernels.collectives import _all_gather_rows, fold_across_ranks, gather_along_rank, group_size
+from ...kernels.linear import _fold_leaves, invariant_input_grad, invariant_weight_grad
+from ...kernels.moe import slot_sum_fp32
+from . import accumulation
+from .column_parallel import _leaf_rows
+
+
+def _gather_tokens(x: torch.Tensor, group, seq_split: bool) -> torch.Tensor:
+    """(rows, n) of this rank's SP slice -> the micro-batch's rows in sequence order (moved)."""
+    if not seq_split or group_size(group) == 1:
+        return x
+    return _all_gather_rows(x, group)
+
+
+class RouterLogits(torch.autograd.Function):
+    """fp32 router logits by the invariant GEMM; backward: dx row by row, dW over the whole
+    micro-batch (its SP slices gathered in sequence order), the same on every TP rank."""
+
+    @staticmethod
+    def forward(ctx, h, weight, group, seq_split, compute, row_multiple):
+        ctx.group, ctx.seq_split, ctx.row_multiple = group, seq_split, row_multiple
+        ctx.save_for_backward(h, weight)
+        return compute(h, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, weight = ctx.saved_tensors
+        dy = grad.float()
+        dx = invariant_input_grad(dy, weight.float(), h.dtype, ctx.row_multiple) if ctx.needs_input_grad[0] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            dy_all = _gather_tokens(dy, ctx.group, ctx.seq_split)
+            h_all = _gather_tokens(h.float(), ctx.group, ctx.seq_split)
+            dw = invariant_weight_grad(dy_all, h_all, weight.dtype, ctx.row_multiple)
+        return dx, dw, None, None, None, None
+
+
+class ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies by a power of two (exact)."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def router_loss_logits(logits: torch.Tensor, config, tp_cp_size: int) -> torch.Tensor:
+    """The logits megatron's router losses (load-balancing aux loss, z-loss) are computed on. With
+    ``calculate_per_token_loss`` megatron scales each loss by the rank's local token count, which
+    under SP is 1/TP of the micro-batch's (and the z-loss coefficient by 1/TP again, compensated by
+    the TP all-reduce of the router gradient): their gradients come out TP times smaller than on one
+    device. Multiplied back by TP here (a power of two: exact), they are the one-device gradients."""
+    types = config.moe_router_load_balancing_type
+    for t in types if isinstance(types, (list, tuple)) else [types]:
+        if t not in ("aux_loss", "none"):
+            raise refuse("bitwise_moe_router_loss", value=t)
+    if getattr(config, "calculate_per_token_loss", False) and tp_cp_size > 1:
+        return ScaleGrad.apply(logits, tp_cp_size)
+    return logits
+
+
+@dataclass
+class ExpertRows:
+    """The rows of one local expert by micro-batch: ``sources[i] = (dp_rank, rows)``, rows the
+    expert-ordered row indices of that micro-batch's tokens in global token order (None: all rows,
+    already in order). ``routed``: the gradient goes to per-micro-batch groups
+    (``accumulation.add_source_grad``), else it is returned to megatron's hook as one micro-batch's."""
+
+    sources: List[tuple]
+    routed: bool
+
+
+def expert_rows(plan: moe_dispatch.DispatchPlan, group, routed: bool) -> List[ExpertRows]:
+    """Each local expert's rows by micro-batch, read off the dispatch plan and the group's (DP, TP)
+    coordinates. Refuses a layout whose micro-batch SP slices are not all in this expert group."""
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    coords = torch.tensor([ps.get_data_parallel_rank(), ps.get_tensor_model_parallel_rank()])
+    dp_tp = gather_along_rank(coords, group).tolist()  # per group position
+    by_dp = {}
+    for position, (dp, tp_rank) in enumerate(dp_tp):
+        by_dp.setdefault(dp, []).append((tp_rank, position))
+    for dp, members in by_dp.items():
+        if sorted(t for t, _ in members) != list(range(tp)):
+            raise refuse("bitwise_moe_token_split", tp=tp, group=len(dp_tp))
+    if len(by_dp) > 1 and not routed:
+        raise RuntimeError("bitwise_training: an expert group spanning several DP ranks needs expert-parallel "
+                           "gradient buffers (expert_model_parallel_size > 1)")
+    rows = []
+    offset = 0
+    for j, count in enumerate(plan.expert_counts):
+        starts, at = [], offset
+        for position in range(len(dp_tp)):
+            starts.append(at)
+            at += plan.recv_blocks[position][j]
+        sources = []
+        for dp in sorted(by_dp):
+            blocks = [(starts[p] - offset, plan.recv_blocks[p][j]) for _, p in sorted(by_dp[dp])]
+            contiguous = all(a + n == b for (a, n), (b, _) in zip(blocks, blocks[1:]))
+            if len(by_dp) == 1 and contiguous:
+                idx = None
+            else:
+                idx = torch.cat([torch.arange(a, a + n) for a, n in blocks]) if blocks else torch.zeros(0, dtype=torch.long)
+            sources.append((dp, idx))
+        rows.append(ExpertRows(sources, routed))
+        offset += count
+    return rows
+
+
+def _weight_grad(weight: torch.nn.Parameter, dy: torch.Tensor, x: torch.Tensor, rows: ExpertRows, rm: int):
+    """The expert weight's gradient per micro-batch (one invariant GEMM over its rows in token order):
+    returned when the rows are one micro-batch's, else added to each micro-batch's group here."""
+    if not rows.routed:
+        (_, idx), = rows.sources
+        if idx is not None:
+            dy, x = dy.index_select(0, idx.to(dy.device)), x.index_select(0, idx.to(x.device))
+        return invariant_weight_grad(dy, x, weight.dtype, rm)
+    step = accumulation.next_source_step(weight)
+    for dp, idx in rows.sources:
+        if idx is not None:
+            idx = idx.to(dy.device)
+            dy_r, x_r = dy.index_select(0, idx), x.index_select(0, idx)
+        else:
+            dy_r, x_r = dy, x
+        dw = invariant_weight_grad(dy_r, x_r, weight.dtype, rm)
+        accumulation.add_source_grad(weight, step, dp, dw)
+    # added to the group buffers already: megatron's hook must not add the placeholder (its own
+    # convention for gradients accumulated in the backward, as with gradient_accumulation_fusion)
+    weight.grad_added_to_main_grad = True
+    return torch.empty_like(weight)
+
+
+class ExpertUpProj(torch.autograd.Function):
+    """An expert's fc1 shard on its rows (expert-TP column-parallel). Backward: dx by the canonical
+    leaves of the output features folded across expert TP (every copy the same), dW per micro-batch."""
+
+    @staticmethod
+    def forward(ctx, x, weight, etp_group, leaves, parts, rows, compute, row_multiple):
+        ctx.etp_group, ctx.leaves, ctx.parts, ctx.rows, ctx.rm = etp_group, leaves, parts, rows, row_multiple
+        ctx.save_for_backward(x, weight)
+        return compute(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        dtype = torch.promote_types(x.dtype, weight.dtype)
+        dy = grad.to(dtype)
+        dw = _weight_grad(weight, dy, x.to(dtype), ctx.rows, ctx.rm) if ctx.needs_input_grad[1] else None
+        dx = None
+        if ctx.needs_input_grad[0]:
+            order = _leaf_rows(weight.shape[0], ctx.parts, ctx.leaves, weight.device)
+            dyl, wl = (dy, weight) if order is None else (dy[:, order], weight[order])
+            partial = _fold_leaves(dyl, wl.t().to(dtype), ctx.leaves, ctx.rm)
+            dx = fold_across_ranks(partial, ctx.etp_group, x.dtype)
+        return dx, dw, None, None, None, None, None, None
+
+
+class ExpertDownProjLeaves(torch.autograd.Function):
+    """An expert's fc2 shard: its C/ETP leaves folded locally (fp32). Backward: dx row by row, dW
+    per micro-batch."""
+
+    @staticmethod
+    def forward(ctx, a, weight, leaves, rows, row_multiple):
+        ctx.rows, ctx.rm = rows, row_multiple
+        ctx.save_for_backward(a, weight)
+        return _fold_leaves(a, weight, leaves, row_multiple)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, weight = ctx.saved_tensors
+        dtype = torch.promote_types(a.dtype, weight.dtype)
+        dy = grad.to(dtype)
+        dx = invariant_input_grad(dy, weight.to(dtype), a.dtype, ctx.rm) if ctx.needs_input_grad[0] else None
+        dw = _weight_grad(weight, dy, a.to(dtype), ctx.rows, ctx.rm) if ctx.needs_input_grad[1] else None
+        return dx, dw, None, None, None
+
+
+class FoldToOwner(torch.autograd.Function):
+    """The fc2 partials folded across expert TP (every rank gets the sum); only the owner's copy
+    (expert-TP rank 0) goes back to the token, so backward moves the owner's gradient to every rank
+    (the others' are zero; nothing is summed)."""
+
+    @staticmethod
+    def forward(ctx, partial, etp_group, dtype):
+        ctx.etp_group, ctx.in_dtype = etp_group, partial.dtype
+        with torch.no_grad():
+            return fold_across_ranks(partial, etp_group, dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        owner = gather_along_rank(grad.contiguous(), ctx.etp_group)[0]
+        return owner.to(ctx.in_dtype), None, None
+
+
+class CanonicalDispatch(torch.autograd.Function):
+    """``moe_dispatch.dispatch`` (token rows -> the local experts' rows, in one tensor). Backward:
+    each row's gradient back to its token's rank from the owner only (every expert-TP copy holds the
+    same), then a token's k slot gradients summed in slot order in fp32, cast once."""
+
+    @staticmethod
+    def forward(ctx, h, plan, group, k):
+        ctx.plan, ctx.group, ctx.k, ctx.dtype, ctx.tokens = plan, group, k, h.dtype, h.shape[0]
+        with torch.no_grad():
+            return torch.cat(moe_dispatch.dispatch(h, plan, group)) if plan.expert_counts else h[:0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        p = ctx.plan
+        slots = moe_dispatch.combine(list(grad.split(p.expert_counts)), p, ctx.group, ctx.tokens, ctx.k)
+        return slot_sum_fp32(slots).to(ctx.dtype), None, None, None
+
+
+def check_token_split(tp: int, etp: int, ep: int) -> None:
+    """A micro-batch's SP slices must meet in one expert group (its gradient rows in one place)."""
+    if tp > 1 and (ep * etp) % tp:
+        raise refuse("bitwise_moe_token_split", tp=tp, group=ep * etp)
