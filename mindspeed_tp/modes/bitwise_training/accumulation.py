@@ -19,7 +19,8 @@ of the two micro-batch gradients, which ``main_grad``'s own chain ``(0 + m_a) + 
 for bit (addition commutes; ``0 +`` turns -0.0 into +0.0 on both paths).
 Expert weights whose expert group spans several DP ranks (expert-parallel buffers) see several
 micro-batches in one backward: their backward adds each micro-batch's gradient to that micro-batch's
-group itself (``add_source_grad``, every group in a buffer of its own), and the bucket group's sync
+group itself (``add_source_grad``: the last group in tree order in main_grad, each other in a buffer
+of its own), and the bucket group's sync
 folds all G groups over the expert-data-parallel ranks by moving data (``reduce_source_routed``):
 which groups a rank holds then follows the expert groups, not the DP subtrees.
 
@@ -59,6 +60,8 @@ _heads = WeakIdKeyDictionary()
 # Source-routed expert weights: backward passes seen this step (the micro-batch step k).
 _source_steps = WeakIdKeyDictionary()
 HEAD_ATTR = "_mindspeed_tp_tied_head_grad"
+# A source-routed expert weight's groups this step: (the one kept in main_grad, all it holds).
+SOURCE_GROUPS_ATTR = "_mindspeed_tp_source_groups"
 
 
 class _TiedHead:
@@ -129,10 +132,18 @@ def next_source_step(param) -> int:
     return k
 
 
-def add_source_grad(param, step: int, dp_rank: int, grad: torch.Tensor) -> None:
+def add_source_grad(param, step: int, dp_rank: int, grad: torch.Tensor, dp_ranks) -> None:
     """DP rank ``dp_rank``'s micro-batch of step ``step`` (j = step*DP + dp_rank) contributed ``grad``:
-    added to the buffer of its group (the chain in j order, as main_grad's)."""
+    added to its group's chain (j order, as main_grad's). ``dp_ranks``: the DP ranks whose micro-batches
+    this expert sees; of the groups they give, the last in tree order accumulates in main_grad (as a
+    dense parameter's home group), each other in a buffer of its own."""
     g = (step * _plan["dp"] + dp_rank) % _plan["groups"]
+    held = {(k * _plan["dp"] + r) % _plan["groups"] for k in range(_plan["local"]) for r in dp_ranks}
+    home = max(held, key=lambda x: _bit_reversed(x, _plan["groups"]))
+    setattr(param, SOURCE_GROUPS_ATTR, (home, held))
+    if g == home:
+        param.main_grad.add_(grad)
+        return
     buffers = getattr(param, BUFFERS_ATTR, None)
     if buffers is None:
         buffers = {}
@@ -169,15 +180,20 @@ def reduce_source_routed(bucket_group, sharded: bool) -> None:
         data = bucket.grad_data
         n = data.numel()
         per = -(-n // world)
-        held = sorted(getattr(next(iter(bucket.params)), BUFFERS_ATTR))
+        def groups_of(param):  # this rank's group chains of the parameter this step: buffers and main_grad
+            home, held = getattr(param, SOURCE_GROUPS_ATTR)
+            buffers = getattr(param, BUFFERS_ATTR, None) or {}
+            return {g: param.main_grad if g == home else buffers[g] for g in held}
+
+        held = sorted(groups_of(next(iter(bucket.params))))
         stack = data.new_zeros(len(held), per * world)
         for param in bucket.params:
-            buffers = getattr(param, BUFFERS_ATTR)
-            if sorted(buffers) != held:
+            chains = groups_of(param)
+            if sorted(chains) != held:
                 raise RuntimeError("bitwise_training: the expert weights of one bucket hold different micro-batch groups")
             start = (param.main_grad.data_ptr() - data.data_ptr()) // data.element_size()
             for i, g in enumerate(held):
-                stack[i, start:start + param.numel()] = buffers[g].view(-1)
+                stack[i, start:start + param.numel()] = chains[g].reshape(-1)
         everyone = gather_along_rank(torch.tensor(held, dtype=torch.long), group).tolist() if world > 1 else [held]
         slot = {g: (member, i) for member, gs in enumerate(everyone) for i, g in enumerate(gs)}
         if sorted(slot) != list(range(groups)) or len({len(gs) for gs in everyone}) != 1:
@@ -198,7 +214,7 @@ def reduce_source_routed(bucket_group, sharded: bool) -> None:
         else:
             data.copy_(_all_gather_rows(mine.view(1, per), group).view(-1)[:n] if world > 1 else mine[:n])
         for param in bucket.params:
-            for buf in getattr(param, BUFFERS_ATTR).values():
+            for buf in (getattr(param, BUFFERS_ATTR, None) or {}).values():
                 buf.zero_()
     if bucket_group.ddp_config.overlap_grad_reduce:
         bucket_group.grad_reduce_handle = _Done()

@@ -149,6 +149,7 @@ def _weight_grad(weight: torch.nn.Parameter, dy: torch.Tensor, x: torch.Tensor, 
             dy, x = dy.index_select(0, idx.to(dy.device)), x.index_select(0, idx.to(x.device))
         return invariant_weight_grad(dy, x, weight.dtype, rm)
     step = accumulation.next_source_step(weight)
+    dp_ranks = [dp for dp, _ in rows.sources]
     for dp, idx in rows.sources:
         if idx is not None:
             idx = idx.to(dy.device)
@@ -156,7 +157,7 @@ def _weight_grad(weight: torch.nn.Parameter, dy: torch.Tensor, x: torch.Tensor, 
         else:
             dy_r, x_r = dy, x
         dw = invariant_weight_grad(dy_r, x_r, weight.dtype, rm)
-        accumulation.add_source_grad(weight, step, dp, dw)
+        accumulation.add_source_grad(weight, step, dp, dw, dp_ranks)
     # added to the group buffers already: megatron's hook must not add the placeholder (its own
     # convention for gradients accumulated in the backward, as with gradient_accumulation_fusion)
     weight.grad_added_to_main_grad = True
