@@ -59,9 +59,6 @@ sys.path[:0] = [HERE, ROOT]
 
 MODES = ("vanilla", "default", "bitwise")  # a case's modes unless --modes says otherwise
 ALL_MODES = MODES + ("rollout", "bitwise-g1")
-BITWISE_MODES = ("bitwise", "bitwise-g1")
-# bitwise training refuses MoE models (issue #24): a MoE case's modes unless --modes says otherwise
-MOE_MODES = ("vanilla", "default")
 PROGRESS = "scale_bench progress: "  # worker lines the launcher passes through
 LONG_S = 30.0  # a first run this long is timed once (see series())
 COMPONENT_THREADS = 1  # as one torchrun rank (torchrun sets OMP_NUM_THREADS=1): ratios comparable
@@ -88,9 +85,9 @@ class Case:
 def _matrix() -> List[Case]:
     cases = [Case(m, lay, s, d) for d in ("fp32", "bf16") for m in ("qwen3-1.7b-2layer", "qwen3-8b-2layer")
              for lay in ("tp2-sp", "tp2-sp-dp2") for s in (1024, 4096, 8192)]
-    # MoE at scale (issue #24): bitwise training is for dense models only (refused for MoE). 128 experts of
-    # 2 layers with Adam need ~29 GB at tp2-sp-ep2 (fp32): these steps run plain SGD (see Case.optimizer).
-    moe = [Case("qwen3-30b-a3b-2layer", lay, s, "fp32", modes=MOE_MODES, optimizer="sgd")
+    # MoE at scale (issue #24). 128 experts of 2 layers with Adam need ~29 GB at tp2-sp-ep2 (fp32): these
+    # steps run plain SGD (see Case.optimizer).
+    moe = [Case("qwen3-30b-a3b-2layer", lay, s, "fp32", optimizer="sgd")
            for lay in ("tp2-sp-ep2", "tp1-ep2-dp2") for s in (1024, 4096)]
     return cases + moe
 
@@ -105,7 +102,7 @@ def parse_case(name: str) -> Case:
         return CASES[name]
     from mindspeed_tp.check.builder import DTYPES
     from mindspeed_tp.models.layout import Layout
-    from mindspeed_tp.models.spec import bundled_models, load_model_spec
+    from mindspeed_tp.models.spec import bundled_models
 
     *head, seq, dtype = name.split("-")
     tokens = int(seq[:-1]) * 1024 if seq.endswith("k") and seq[:-1].isdigit() else int(seq) if seq.isdigit() else 0
@@ -118,8 +115,7 @@ def parse_case(name: str) -> Case:
                     continue
                 if layout.required_world_size > layout.world_size:  # tp1-ep2: the DP megatron derives, named
                     layout = replace(layout, dp=layout.required_world_size // (layout.world_size // layout.dp))
-                modes = MOE_MODES if load_model_spec(model).is_moe else MODES
-                return Case(model, layout.name, tokens, dtype, modes=modes)
+                return Case(model, layout.name, tokens, dtype)
     raise ValueError(f"--cases: {name!r} is neither a catalogue case (--list) nor MODEL-LAYOUT-SEQ-DTYPE with a "
                      f"bundled model ({', '.join(sorted(bundled_models()))}), e.g. tiny-dense-tp2-sp-64-fp32")
 QUICK = ["qwen3-1.7b-2layer-tp2-sp-1k-fp32"]
@@ -623,7 +619,6 @@ def main(argv=None) -> int:
             print(f"{name:<44}{'quick' if name in QUICK else ''}{'' if name in FULL else ' (only with --cases)'}")
         return 0
     from mindspeed_tp.models.layout import Layout
-    from mindspeed_tp.models.spec import load_model_spec
 
     light = ns.quick or ns.smoke
     rounds, repeats = ns.rounds or (1 if light else 2), ns.repeats or (1 if light else 2)
@@ -650,10 +645,6 @@ def main(argv=None) -> int:
         cases = [replace(c, modes=tuple(wanted)) for c in cases]
     if ns.optimizer:
         cases = [replace(c, optimizer=ns.optimizer) for c in cases]
-    moe_bitwise = [c.name for c in cases if load_model_spec(c.model).is_moe and set(c.modes) & set(BITWISE_MODES)]
-    if moe_bitwise:
-        p.error(f"--modes: bitwise training refuses MoE models (bitwise_moe), so {', '.join(moe_bitwise)} cannot "
-                "run it; leave bitwise out of --modes for MoE cases")
     notes = []
     for i, c in enumerate(cases):  # one micro-batch group fixes the job to DP=1: said, not run, elsewhere
         if "bitwise-g1" in c.modes and Layout.parse(c.layout).dp > 1:

@@ -18,7 +18,9 @@ TRUE_VOCAB_ATTR = "_mindspeed_tp_true_vocab"
 def mark_gated_fc1(model) -> None:
     for name, module in model.named_modules():
         config = getattr(module, "config", None)
-        if name.endswith("mlp.linear_fc1") and getattr(config, "gated_linear_unit", False):
+        # a dense MLP's or a MoE layer's shared experts' (a dense MLP too); routed experts are told apart
+        # by the MoE path itself
+        if name.endswith(("mlp.linear_fc1", "shared_experts.linear_fc1")) and getattr(config, "gated_linear_unit", False):
             setattr(module.weight, OUTPUT_PARTS_ATTR, 2)
 
 

@@ -136,11 +136,11 @@ class BitwiseTraining(CanonicalTree):
         return list(experts.CanonicalDispatch.apply(h, plan, group, k).split(plan.expert_counts))
 
     def expert_rows(self, plan, group, local_experts):
-        """Each expert's rows by micro-batch; routed to micro-batch groups in expert-parallel buffers."""
-        routed = {not getattr(e.linear_fc1.weight, "allreduce", True) for e in local_experts}
-        if len(routed) != 1:
+        """Each expert's rows by micro-batch (``experts.expert_rows``)."""
+        expert_buffers = {not getattr(e.linear_fc1.weight, "allreduce", True) for e in local_experts}
+        if len(expert_buffers) != 1:
             raise RuntimeError("bitwise_training: the local experts of one layer are in different gradient buffers")
-        return experts.expert_rows(plan, group, routed.pop())
+        return experts.expert_rows(plan, group, expert_buffers.pop())
 
     def _expert_leaves(self, n_local, etp_group, parts):
         leaves = self.profile.canonical_shards // group_size(etp_group)

@@ -95,16 +95,19 @@ def router_loss_logits(logits: torch.Tensor, config, tp_cp_size: int) -> torch.T
 class ExpertRows:
     """The rows of one local expert by micro-batch: ``sources[i] = (dp_rank, rows)``, rows the
     expert-ordered row indices of that micro-batch's tokens in global token order (None: all rows,
-    already in order). ``routed``: the gradient goes to per-micro-batch groups
-    (``accumulation.add_source_grad``), else it is returned to megatron's hook as one micro-batch's."""
+    already in order). ``routed`` (several micro-batches): the gradient goes to per-micro-batch groups
+    (``accumulation.add_source_grad``); else it is returned to megatron's hook as one micro-batch's and
+    accumulated as a dense parameter's."""
 
     sources: List[tuple]
     routed: bool
 
 
-def expert_rows(plan: moe_dispatch.DispatchPlan, group, routed: bool) -> List[ExpertRows]:
+def expert_rows(plan: moe_dispatch.DispatchPlan, group, expert_buffers: bool) -> List[ExpertRows]:
     """Each local expert's rows by micro-batch, read off the dispatch plan and the group's (DP, TP)
-    coordinates. Refuses a layout whose micro-batch SP slices are not all in this expert group."""
+    coordinates; routed to micro-batch groups when the expert group spans several DP ranks (whose
+    experts are then in megatron's expert-parallel buffers: ``expert_buffers``). Refuses a layout whose
+    micro-batch SP slices are not all in this expert group."""
     from megatron.core import parallel_state as ps
 
     tp = ps.get_tensor_model_parallel_world_size()
@@ -116,7 +119,8 @@ def expert_rows(plan: moe_dispatch.DispatchPlan, group, routed: bool) -> List[Ex
     for dp, members in by_dp.items():
         if sorted(t for t, _ in members) != list(range(tp)):
             raise refuse("bitwise_moe_token_split", tp=tp, group=len(dp_tp))
-    if len(by_dp) > 1 and not routed:
+    routed = len(by_dp) > 1
+    if routed and not expert_buffers:
         raise RuntimeError("bitwise_training: an expert group spanning several DP ranks needs expert-parallel "
                            "gradient buffers (expert_model_parallel_size > 1)")
     rows = []
