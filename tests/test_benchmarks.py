@@ -142,6 +142,7 @@ def test_scale_bench_cases_are_the_issues_matrix():
                    "qwen3-30b-a3b-2layer": (2048, 32, 4, 128, 6144, 151936, False, 2)}
     moe = dims["qwen3-30b-a3b-2layer"]
     assert (moe.num_experts, moe.moe_router_topk, moe.moe_ffn_hidden_size) == (128, 8, 768)
+    assert scale_bench.CASES["qwen3-30b-a3b-2layer-tp2-sp-ep2-1k-fp32"].modes == ("vanilla", "default", "bitwise")
     with pytest.raises(SystemExit) as err:
         scale_bench.main(["--cases", "no-such-case"])
     assert err.value.code == 2  # argparse's error: neither a catalogue case nor MODEL-LAYOUT-SEQ-DTYPE
