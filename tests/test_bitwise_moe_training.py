@@ -151,33 +151,48 @@ def test_refusals_of_moe_layouts_the_mode_does_not_cover():
         check_ddp(_moe_model(context_parallel_size=2), ddp)
 
 
+class _Router:
+    """megatron's router as ``router_losses`` uses it: ``routing`` (here the logits times 3 as the
+    probabilities, recording whether it ran per-token) and the per-token flag it keeps."""
+
+    def __init__(self, balancing="aux_loss", per_token=True):
+        from types import SimpleNamespace
+
+        self.config = SimpleNamespace(moe_router_load_balancing_type=balancing, calculate_per_token_loss=per_token)
+        self.calculate_per_token_loss = per_token
+        self.seen = []
+
+    def routing(self, logits, padding_mask=None):
+        self.seen.append(self.calculate_per_token_loss)
+        return logits * 3.0, None
+
+
 @pytest.mark.parametrize("balancing", ["seq_aux_loss", "global_aux_loss"])
 def test_router_losses_without_a_layout_free_scale_are_refused(balancing):
-    from types import SimpleNamespace
-
     from mindspeed_tp.errors import ConfigError
-    from mindspeed_tp.modes.bitwise_training.experts import router_loss_logits
+    from mindspeed_tp.modes.bitwise_training.experts import router_losses
 
-    config = SimpleNamespace(moe_router_load_balancing_type=balancing, calculate_per_token_loss=True)
     with pytest.raises(ConfigError, match="moe_router_load_balancing_type"):
-        router_loss_logits(torch.zeros(4, 1, 8), config, 2)
+        router_losses(_Router(balancing), torch.zeros(4, 1, 8), None, None)
 
 
-@pytest.mark.parametrize("per_token, tp, factor", [(True, 2, 2.0), (True, 4, 4.0), (True, 1, 1.0), (False, 2, 1.0)])
-def test_router_losses_gradient_scale_is_the_one_device_one(per_token, tp, factor):
-    """Megatron scales the router losses by the rank's local token count under per-token loss: TP
-    times too small under SP, multiplied back (exactly, a power of two); otherwise untouched."""
-    from types import SimpleNamespace
+@pytest.mark.parametrize("per_token, padded", [(True, False), (True, True), (False, False)])
+def test_router_losses_run_the_plain_path_times_the_micro_batch_tokens(per_token, padded):
+    """Per-token loss: megatron's router runs its plain path (the same gradient in every layout and
+    megatron-core line) and that gradient is multiplied by the micro-batch's token count, padding
+    excluded; its flag is restored. Without per-token loss: untouched."""
+    from mindspeed_tp.modes.bitwise_training.experts import router_losses
 
-    from mindspeed_tp.modes.bitwise_training.experts import router_loss_logits
-
-    config = SimpleNamespace(moe_router_load_balancing_type="aux_loss", calculate_per_token_loss=per_token)
-    logits = torch.randn(4, 1, 8, requires_grad=True)
-    grad = torch.randn(4, 1, 8)
-    out = router_loss_logits(logits, config, tp)
-    assert bits_equal(out.detach(), logits.detach())
+    router = _Router(per_token=per_token)
+    logits = torch.randn(4, 2, 8, requires_grad=True)
+    padding = torch.tensor([[False, False], [False, True], [False, True], [False, False]]) if padded else None
+    grad = torch.randn(4, 2, 8)
+    out = router_losses(router, logits, padding, None)
+    assert router.seen == [False]  # megatron's plain path in both cases
+    assert router.calculate_per_token_loss is per_token
     out.backward(grad)
-    assert bits_equal(logits.grad, grad * factor)
+    tokens = (6.0 if padded else 8.0) if per_token else 1.0
+    assert bits_equal(logits.grad, (grad * 3.0) * tokens)
 
 
 def test_chained_norm_of_optimizers_on_different_groups_is_rounded_once(monkeypatch):

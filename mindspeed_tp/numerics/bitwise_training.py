@@ -125,11 +125,11 @@ class BitwiseTraining(CanonicalTree):
 
         return experts.RouterLogits.apply(h, weight, compat.tp_group_of(), bool(config.sequence_parallel), compute, rm)
 
-    def router_loss_logits(self, logits, router):
-        """The router losses' gradients at the one-device scale (``experts.router_loss_logits``)."""
+    def router_losses(self, router, logits, padding_mask):
+        """The router losses' gradients at one device's scale (``experts.router_losses``)."""
         from megatron.core import parallel_state as ps
 
-        return experts.router_loss_logits(logits, router.config, ps.get_tensor_and_context_parallel_world_size())
+        return experts.router_losses(router, logits, padding_mask, ps.get_tensor_and_context_parallel_group())
 
     def moe_dispatch(self, h, plan, group, k):
         """Backward: a token's slot gradients from the owner ranks, summed in slot order."""

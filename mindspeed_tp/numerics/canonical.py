@@ -85,9 +85,10 @@ class CanonicalTree(Numerics):
         """fp32 router logits by the invariant GEMM (plain backward)."""
         return invariant_linear(h, weight, out_dtype=torch.float32, row_multiple=self.row_multiple)
 
-    def router_loss_logits(self, logits, router):
-        """The logits megatron's router losses see (megatron's own gradient scale here)."""
-        return logits
+    def router_losses(self, router, logits, padding_mask):
+        """megatron's ``router.routing`` on our logits: its probabilities, its losses attached."""
+        kwargs = {} if padding_mask is None else {"padding_mask": padding_mask}
+        return router.routing(logits, **kwargs)[0]
 
     def moe_dispatch(self, h, plan, group, k):
         """Token rows -> each local expert's rows (``kernels.moe_dispatch``), autograd's backward."""

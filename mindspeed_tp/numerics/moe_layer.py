@@ -73,11 +73,7 @@ def _attach_router_losses(numerics, router, logits, probs, seq_length, padding_m
     backward). Adding those probabilities times zero to ours changes no value and routes the losses'
     gradients into the router through megatron's code. Its routing decision is not used (ours is the
     layout-invariant one); it also keeps the expert-bias statistics (from the same logits)."""
-    logits3d = numerics.router_loss_logits(logits.view(seq_length, -1, logits.shape[-1]), router)
-    if padding_mask is not None:
-        theirs, _ = router.routing(logits3d, padding_mask=padding_mask)
-    else:
-        theirs, _ = router.routing(logits3d)
+    theirs = numerics.router_losses(router, logits.view(seq_length, -1, logits.shape[-1]), padding_mask)
     return probs + theirs.sum() * 0.0
 
 

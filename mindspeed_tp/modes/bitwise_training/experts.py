@@ -17,7 +17,9 @@ The forward is the canonical one (``numerics/moe_layer.py``); what changes is th
   across expert TP by moving data (as a column-parallel layer's), so every expert-TP copy of a row's
   gradient is the same; fc2's output fold takes the owner's gradient (moved, not summed);
 - a token's gradient from its k expert slots is moved back from the owner rank and summed in slot
-  order in fp32, cast once (``CanonicalDispatch``).
+  order in fp32, cast once (``CanonicalDispatch``);
+- megatron's router losses with their gradient at one device's scale in every layout
+  (``router_losses``).
 """
 from dataclasses import dataclass
 from typing import List
@@ -64,7 +66,7 @@ class RouterLogits(torch.autograd.Function):
 
 
 class ScaleGrad(torch.autograd.Function):
-    """Identity forward; backward multiplies by a power of two (exact)."""
+    """Identity forward; backward multiplies by a constant."""
 
     @staticmethod
     def forward(ctx, x, factor):
@@ -76,19 +78,35 @@ class ScaleGrad(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
-def router_loss_logits(logits: torch.Tensor, config, tp_cp_size: int) -> torch.Tensor:
-    """The logits megatron's router losses (load-balancing aux loss, z-loss) are computed on. With
-    ``calculate_per_token_loss`` megatron scales each loss by the rank's local token count, which
-    under SP is 1/TP of the micro-batch's (and the z-loss coefficient by 1/TP again, compensated by
-    the TP all-reduce of the router gradient): their gradients come out TP times smaller than on one
-    device. Multiplied back by TP here (a power of two: exact), they are the one-device gradients."""
+def router_losses(router, logits: torch.Tensor, padding_mask, tp_cp_group) -> torch.Tensor:
+    """megatron's ``router.routing`` (its aux loss and z-loss attached to the probabilities it
+    returns) with the losses' gradients at one device's scale in every layout. Under per-token loss
+    megatron scales each loss by the rank's token count, and whether it also multiplies by the TP x
+    CP size to undo the SP split depends on the megatron-core line (0.19 does, 0.12 and 0.16 do not:
+    their gradients come out TP times smaller than one device's). Here the router runs its plain
+    (not per-token) path, whose gradient is the same in every layout and line, and that gradient is
+    multiplied by the micro-batch's token count (excluding padding, summed over TP x CP: an integer),
+    which is what the per-token path means. ``seq_aux_loss`` and ``global_aux_loss`` are refused."""
+    config = router.config
     types = config.moe_router_load_balancing_type
     for t in types if isinstance(types, (list, tuple)) else [types]:
         if t not in ("aux_loss", "none"):
             raise refuse("bitwise_moe_router_loss", value=t)
-    if getattr(config, "calculate_per_token_loss", False) and tp_cp_size > 1:
-        return ScaleGrad.apply(logits, tp_cp_size)
-    return logits
+    kwargs = {} if padding_mask is None else {"padding_mask": padding_mask}
+    if not getattr(config, "calculate_per_token_loss", False):
+        return router.routing(logits, **kwargs)[0]
+    if getattr(router, "calculate_per_token_loss", None) is not True:
+        raise RuntimeError("bitwise_training: this megatron-core line's router does not keep calculate_per_token_loss "
+                           "as an attribute; its router losses' scale cannot be made layout-independent here")
+    local = logits.shape[0] * logits.shape[1] if padding_mask is None else (~padding_mask).sum()
+    tokens = torch.as_tensor(local, dtype=torch.int64).reshape(1)
+    if group_size(tp_cp_group) > 1:
+        tokens = gather_along_rank(tokens, tp_cp_group).sum()
+    router.calculate_per_token_loss = False
+    try:
+        return router.routing(ScaleGrad.apply(logits, float(tokens)), **kwargs)[0]
+    finally:
+        router.calculate_per_token_loss = True
 
 
 @dataclass
