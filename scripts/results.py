@@ -355,8 +355,8 @@ REPORTS = [
            render_scale, exit_codes=(0, 1), cost="real dimensions: ten minutes or more on 2 cores"),
     Report("scale-moe", "Costs at scale, MoE: Qwen3-30B-A3B dimensions (2 layers, 128 experts)",
            "benchmarks/scale_bench.py: qwen3-30b-a3b-2layer (128 experts top-8, hidden 2048, expert ffn 768, vocab "
-           "151936) at tp2-sp-ep2, fp32, 2 sequences of 1024 tokens; vanilla and the default profile (bitwise training "
-           "refuses MoE).",
+           "151936) at tp2-sp-ep2, fp32, 2 sequences of 1024 tokens; vanilla, the default profile and bitwise training "
+           "(the step: plain SGD, Adam's moments do not fit this machine).",
            [PY, "benchmarks/scale_bench.py", "--cases", "qwen3-30b-a3b-2layer-tp2-sp-ep2-1k-fp32", "--no-components",
             "--json", OUT], render_scale, exit_codes=(0, 1), cost="real dimensions, 16 GB: tens of minutes on 2 cores"),
     Report("scale", "Costs at scale (full)",
