@@ -45,6 +45,22 @@ def run_cli(*args: str, timeout: float = 900, env=None):
     return subprocess.run(cmd, env=_env(env), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
+def run_train_check(path, *args: str, timeout: float = 1500):
+    """One ``mindspeed-tp train-check`` launch writing its JSON report to ``path``: (process, report),
+    after asserting it ran to a verdict (exit 0 or 1)."""
+    import json
+
+    proc = run_cli("train-check", *args, "--json", str(path), timeout=timeout)
+    assert proc.returncode in (0, 1) and os.path.exists(path), explain(proc)
+    with open(path) as f:
+        return proc, json.load(f)
+
+
+def train_check_rows(data, vanilla: bool):
+    """A train-check report's rows by layout name, vanilla's or mindspeed-tp's."""
+    return {r["layout"]["name"]: r for r in data["results"] if r["vanilla"] == vanilla}
+
+
 def run_python(code: str, timeout: float = 300, env=None):
     return subprocess.run([sys.executable, "-c", code], env=_env(env), capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT)

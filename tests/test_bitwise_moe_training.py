@@ -7,12 +7,10 @@ on); fp32 with the plain optimizer (dense and expert norms from different groups
 recompute and the allgather dispatcher (tiny-moe-shared: sigmoid router with an expert bias, a
 shared expert, a dense first layer). 3 Adam steps with clipping; vanilla megatron-core is not
 bitwise. microbatch_groups: 4, so DP=4 layouts run. One train-check launch per dtype."""
-import json
-
 import pytest
 import torch
 
-from conftest import bits_equal, explain, run_cli
+from conftest import bits_equal, explain, run_cli, run_train_check, train_check_rows
 
 LAYOUTS = ["tp2-sp-ep2", "tp1-ep4", "tp1-ep2-dp2", "tp2-sp-ep2-etp2", "tp2-sp-pp2-ep2", "tp1-ep2-pp2-dp2"]
 RUNS = {
@@ -43,11 +41,9 @@ def _report(dtype, tmp_path_factory):
         profile, path = tmp / "g4.yaml", tmp / "report.json"
         profile.write_text(G4)
         model, layouts, flags = RUNS[dtype]
-        proc = run_cli("train-check", "--model", model, "--profile", str(profile), "--layouts", ",".join(layouts),
-                       "--dtype", dtype, "--steps", "3", *BATCH, "--json", str(path), *flags, timeout=1500)
-        assert proc.returncode in (0, 1) and path.exists(), explain(proc)
-        with open(path) as f:
-            _reports[dtype] = dtype, proc, json.load(f)
+        proc, data = run_train_check(path, "--model", model, "--profile", str(profile), "--layouts", ",".join(layouts),
+                                     "--dtype", dtype, "--steps", "3", *BATCH, *flags)
+        _reports[dtype] = dtype, proc, data
     return _reports[dtype]
 
 
@@ -56,8 +52,7 @@ def report(request, tmp_path_factory):
     return _report(request.param, tmp_path_factory)
 
 
-def _rows(data, vanilla):
-    return {r["layout"]["name"]: r for r in data["results"] if r["vanilla"] == vanilla}
+_rows = train_check_rows
 
 
 def test_every_moe_step_bitwise_in_every_layout(report):
@@ -114,12 +109,10 @@ def test_moe_state_saved_at_ep4_continues_at_tp2_sp_ep2_as_one_device(tmp_path):
 def test_bitwise_moe_training_on_this_megatron_line(tmp_path):
     """The router losses' scaling, the expert-parallel buffers and the chained optimizer differ by
     line: one small run per line, SP with EP, and EP across DP."""
-    path = tmp_path / "report.json"
-    proc = run_cli("train-check", "--model", "tiny-moe-aux", "--layouts", "tp2-sp-ep2,tp1-ep2-dp2", "--dtype",
-                   "bf16", "--steps", "2", *BATCH, "--bitwise-training", "--distributed-optimizer", "--json",
-                   str(path))
+    proc, data = run_train_check(tmp_path / "report.json", "--model", "tiny-moe-aux", "--layouts",
+                                 "tp2-sp-ep2,tp1-ep2-dp2", "--dtype", "bf16", "--steps", "2", *BATCH,
+                                 "--bitwise-training", "--distributed-optimizer")
     assert proc.returncode == 0, explain(proc)
-    data = json.loads(path.read_text())
     assert data["all_bitwise_equal"] is True
     assert sorted(_rows(data, vanilla=False)) == _names(["tp2-sp-ep2", "tp1-ep2-dp2"])
 

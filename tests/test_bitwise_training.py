@@ -16,7 +16,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from conftest import bits_equal, explain, run_cli
+from conftest import bits_equal, explain, run_cli, run_train_check, train_check_rows
 
 LAYOUTS = ["tp2", "tp2-sp", "tp4-sp", "tp1-pp2", "tp1-dp2", "tp2-sp-pp2", "tp2-sp-dp2", "tp2-pp2-vpp2", "tp4-sp-pp2",
            "tp2-sp-pp2-dp2"]
@@ -39,12 +39,10 @@ def _report(dtype, tmp_path_factory):
     if dtype not in _reports:
         path = tmp_path_factory.mktemp("bitwise") / "report.json"
         layouts, flags = RUNS[dtype]
-        proc = run_cli("train-check", "--model", "tiny-dense", "--layouts", ",".join(layouts), "--dtype", dtype,
-                       "--steps", "3", "--global-batch-size", "4", "--micro-batch-size", "1", "--seq-length", "32",
-                       "--bitwise-training", "--json", str(path), *flags, timeout=1500)
-        assert proc.returncode in (0, 1) and path.exists(), explain(proc)
-        with open(path) as f:
-            _reports[dtype] = dtype, proc, json.load(f)
+        proc, data = run_train_check(path, "--model", "tiny-dense", "--layouts", ",".join(layouts), "--dtype", dtype,
+                                     "--steps", "3", "--global-batch-size", "4", "--micro-batch-size", "1",
+                                     "--seq-length", "32", "--bitwise-training", *flags)
+        _reports[dtype] = dtype, proc, data
     return _reports[dtype]
 
 
@@ -53,8 +51,7 @@ def report(request, tmp_path_factory):
     return _report(request.param, tmp_path_factory)
 
 
-def _rows(data, vanilla):
-    return {r["layout"]["name"]: r for r in data["results"] if r["vanilla"] == vanilla}
+_rows = train_check_rows
 
 
 def _bitwise_run(tmp_path, model, layouts, *extra, steps="2", global_batch="4"):
@@ -256,6 +253,23 @@ def test_refusals_models_the_mode_does_not_cover():
     with pytest.raises(ConfigError, match="num_distributed_optimizer_instances"):
         check_ddp(Model(), SimpleNamespace(num_distributed_optimizer_instances=2))
     check_ddp(Model(), ddp)  # a dense untied model passes
+
+
+def test_a_sync_run_by_the_tree_refuses_the_nan_check_and_keeps_shards_as_megatron_would():
+    from types import SimpleNamespace
+
+    from mindspeed_tp.errors import ConfigError
+    from mindspeed_tp.numerics.bitwise_training import _sharded_sync
+
+    def group(nan=False, sharded=True):
+        return SimpleNamespace(ddp_config=SimpleNamespace(check_for_nan_in_grad=nan, use_distributed_optimizer=sharded))
+
+    with pytest.raises(ConfigError, match="check_for_nan_in_grad.*the expert gradients' tree reduction"):
+        _sharded_sync(group(nan=True), (), {}, "the expert gradients' tree reduction")
+    assert _sharded_sync(group(), (), {}, "x") is True
+    assert _sharded_sync(group(), (), {"force_all_reduce": True}, "x") is False  # every rank keeps the whole
+    assert _sharded_sync(group(), (True,), {}, "x") is False
+    assert _sharded_sync(group(sharded=False), (), {}, "x") is False
 
 
 def test_profile_field_validation():

@@ -240,6 +240,17 @@ def _dp_size(bucket_group) -> int:
     return dist.get_world_size(group=group)
 
 
+def _sharded_sync(bucket_group, args, kwargs, reduction: str) -> bool:
+    """For a sync this module runs itself (``reduction``): refuses the NaN check megatron's collective
+    would run; whether each rank keeps only its shard (distributed optimizer, unless megatron 0.16+'s
+    force_all_reduce asks every rank to keep the whole reduced bucket)."""
+    if bucket_group.ddp_config.check_for_nan_in_grad:
+        raise refuse("bitwise_ddp_setting", setting="check_for_nan_in_grad", value=True,
+                     why=f"not run by {reduction}; check the gradient norm (NaN when any gradient is) instead")
+    force = kwargs.get("force_all_reduce", args[0] if args else False)
+    return bucket_group.ddp_config.use_distributed_optimizer and not force
+
+
 def start_grad_sync(original):
     def wrapped(self, *args, **kwargs):
         if active():
@@ -248,31 +259,17 @@ def start_grad_sync(original):
                 # hook already started (a pipeline's grad_sync_func, then finish_grad_sync); once only
                 return None
             if accumulation.source_routed(self.params):  # expert weights of groups spanning DP ranks
-                if self.ddp_config.check_for_nan_in_grad:
-                    raise refuse("bitwise_ddp_setting", setting="check_for_nan_in_grad", value=True,
-                                 why="not run by the expert gradients' tree reduction; check the gradient norm (NaN "
-                                     "when any gradient is) instead")
-                force = kwargs.get("force_all_reduce", args[0] if args else False)
-                accumulation.reduce_source_routed(self, self.ddp_config.use_distributed_optimizer and not force)
+                accumulation.reduce_source_routed(self, _sharded_sync(self, args, kwargs, "the expert gradients' "
+                                                                      "tree reduction"))
                 return None
             accumulation.fold_groups(self.params)
             if cp_training.cp_group() is not None:  # every CP rank holds its DP replica's whole gradient
-                if self.ddp_config.check_for_nan_in_grad:
-                    raise refuse("bitwise_ddp_setting", setting="check_for_nan_in_grad", value=True,
-                                 why="not run by the DP x CP tree reduction; check the gradient norm (NaN when "
-                                     "any gradient is) instead")
-                force = kwargs.get("force_all_reduce", args[0] if args else False)
-                cp_training.reduce_over_dp_cp(self, self.ddp_config.use_distributed_optimizer and not force,
+                cp_training.reduce_over_dp_cp(self, _sharded_sync(self, args, kwargs, "the DP x CP tree reduction"),
                                               accumulation.dp_tree_order())
                 return None
             if _dp_size(self) > 2:  # two ranks: one addition, whoever adds; more: the tree by moving data
-                if self.ddp_config.check_for_nan_in_grad:
-                    raise refuse("bitwise_ddp_setting", setting="check_for_nan_in_grad", value=True,
-                                 why="not run by the tree reduction over more than two DP ranks; check the "
-                                     "gradient norm (NaN when any gradient is) instead")
-                # force_all_reduce (0.16+): every rank keeps the whole reduced bucket, as megatron does
-                force = kwargs.get("force_all_reduce", args[0] if args else False)
-                accumulation.reduce_over_dp(self, self.ddp_config.use_distributed_optimizer and not force)
+                accumulation.reduce_over_dp(self, _sharded_sync(self, args, kwargs, "the tree reduction over more "
+                                                                "than two DP ranks"))
                 return None
         return original(self, *args, **kwargs)
 

@@ -40,7 +40,6 @@ from ...contract.refusals import refuse
 from ...contract.tree import tree_fold
 from ...errors import ConfigError
 from ...kernels.collectives import _all_gather_rows, _all_to_all_rows, gather_along_rank
-from ...models.marks import TIED_HEAD_ATTR
 from .context_parallel import cp_group, reduce_replicated
 
 # Set per forward_backward call by the schedule wrapper.
@@ -112,6 +111,12 @@ def route_microbatch(holder, grad: torch.Tensor) -> bool:
     g = _group(k)
     if g == _plan["home"] or _plan["direct"]:
         return False
+    _add_to_group_buffer(holder, g, grad)
+    return True
+
+
+def _add_to_group_buffer(holder, g: int, grad: torch.Tensor) -> None:
+    """``grad`` added to the fp32 buffer of group ``g`` on ``holder`` (made at first use, kept)."""
     buffers = getattr(holder, BUFFERS_ATTR, None)
     if buffers is None:
         buffers = {}
@@ -121,7 +126,6 @@ def route_microbatch(holder, grad: torch.Tensor) -> bool:
         buf = buffers[g] = torch.zeros_like(holder.main_grad)
     _buffered[holder] = True
     buf.add_(grad)
-    return True
 
 
 def next_source_step(param) -> int:
@@ -143,16 +147,8 @@ def add_source_grad(param, step: int, dp_rank: int, grad: torch.Tensor, dp_ranks
     setattr(param, SOURCE_GROUPS_ATTR, (home, held))
     if g == home:
         param.main_grad.add_(grad)
-        return
-    buffers = getattr(param, BUFFERS_ATTR, None)
-    if buffers is None:
-        buffers = {}
-        setattr(param, BUFFERS_ATTR, buffers)
-    buf = buffers.get(g)
-    if buf is None:
-        buf = buffers[g] = torch.zeros_like(param.main_grad)
-    _buffered[param] = True
-    buf.add_(grad)
+    else:
+        _add_to_group_buffer(param, g, grad)
 
 
 def source_routed(params) -> bool:
