@@ -5,7 +5,7 @@ The forward is the canonical one (``numerics/moe_layer.py``); what changes is th
 - the router weight's gradient (a sum over tokens; megatron all-reduces it over TP under SP) is one
   invariant GEMM over the whole micro-batch's tokens in sequence order, the SP slices gathered
   (moved), so every TP rank holds it whole and megatron's TP all-reduce is skipped (the weight is
-  marked like a norm's, ``models.marks.mark_router_params``);
+  marked like a norm's, ``models.marks.mark_routers``);
 - an expert's weight gradient is, per micro-batch, one invariant GEMM over the rows routed to it in
   global token order (``ExpertRows``): the dispatch brings every row of an expert to its rank(s),
   and the rows of one micro-batch come from its SP slices, put in order. That needs each
@@ -28,18 +28,16 @@ import torch
 
 from ...contract.refusals import refuse
 from ...kernels import moe_dispatch
-from ...kernels.collectives import _all_gather_rows, fold_across_ranks, gather_along_rank, group_size
+from ...kernels.collectives import fold_across_ranks, gather_along_rank, group_size
 from ...kernels.linear import _fold_leaves, invariant_input_grad, invariant_weight_grad
 from ...kernels.moe import slot_sum_fp32
 from . import accumulation
-from .column_parallel import _leaf_rows
+from .column_parallel import _gather_sequence, _leaf_rows
 
 
 def _gather_tokens(x: torch.Tensor, group, seq_split: bool) -> torch.Tensor:
     """(rows, n) of this rank's SP slice -> the micro-batch's rows in sequence order (moved)."""
-    if not seq_split or group_size(group) == 1:
-        return x
-    return _all_gather_rows(x, group)
+    return _gather_sequence(x, group) if seq_split else x
 
 
 class RouterLogits(torch.autograd.Function):
@@ -121,6 +119,15 @@ class ExpertRows:
     routed: bool
 
 
+def _coordinates(group) -> List[List[int]]:
+    """Each group position's (DP rank, TP rank), gathered per forward: one small all-gather next to
+    the dispatch's all-to-all (a cache keyed by the group object could outlive a rebuilt parallel state)."""
+    from megatron.core import parallel_state as ps
+
+    coords = torch.tensor([ps.get_data_parallel_rank(), ps.get_tensor_model_parallel_rank()])
+    return gather_along_rank(coords, group).tolist()
+
+
 def expert_rows(plan: moe_dispatch.DispatchPlan, group, expert_buffers: bool) -> List[ExpertRows]:
     """Each local expert's rows by micro-batch, read off the dispatch plan and the group's (DP, TP)
     coordinates; routed to micro-batch groups when the expert group spans several DP ranks (whose
@@ -129,8 +136,7 @@ def expert_rows(plan: moe_dispatch.DispatchPlan, group, expert_buffers: bool) ->
     from megatron.core import parallel_state as ps
 
     tp = ps.get_tensor_model_parallel_world_size()
-    coords = torch.tensor([ps.get_data_parallel_rank(), ps.get_tensor_model_parallel_rank()])
-    dp_tp = gather_along_rank(coords, group).tolist()  # per group position
+    dp_tp = _coordinates(group)
     by_dp = {}
     for position, (dp, tp_rank) in enumerate(dp_tp):
         by_dp.setdefault(dp, []).append((tp_rank, position))
