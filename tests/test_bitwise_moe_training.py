@@ -5,8 +5,10 @@ z-loss gradients -- across EP x expert-TP x SP x PP x DP: bf16 with the distribu
 overlapped reductions, full recompute and the alltoall dispatcher (tiny-moe-aux: both router losses
 on); fp32 with the plain optimizer (dense and expert norms from different groups), selective
 recompute and the allgather dispatcher (tiny-moe-shared: sigmoid router with an expert bias, a
-shared expert, a dense first layer). 3 Adam steps with clipping; vanilla megatron-core is not
+shared expert, a dense first layer; both router losses on too). 3 Adam steps with clipping; vanilla megatron-core is not
 bitwise. microbatch_groups: 4, so DP=4 layouts run. One train-check launch per dtype."""
+import os
+
 import pytest
 import torch
 
@@ -16,9 +18,11 @@ LAYOUTS = ["tp2-sp-ep2", "tp1-ep4", "tp1-ep2-dp2", "tp2-sp-ep2-etp2", "tp2-sp-pp
 RUNS = {
     "bf16": ("tiny-moe-aux", LAYOUTS, ["--distributed-optimizer", "--overlap", "--recompute", "full",
                                        "--compare-vanilla"]),
-    "fp32": ("tiny-moe-shared", ["tp1-ep4", "tp2-sp-ep2-etp2"], ["--dispatcher", "allgather", "--recompute",
-                                                                 "selective"]),
+    "fp32": ("tiny-moe-shared+losses", ["tp1-ep4", "tp2-sp-ep2-etp2"], ["--dispatcher", "allgather", "--recompute",
+                                                                        "selective"]),
 }
+# tiny-moe-shared with megatron's router losses on (its sigmoid scores feed them)
+ROUTER_LOSSES = "moe_aux_loss_coeff: 0.01\nmoe_router_load_balancing_type: aux_loss\nmoe_z_loss_coeff: 0.001\n"
 VERDICTS = ("loss_bitwise_equal", "grads_bitwise_equal", "params_bitwise_equal", "optimizer_state_bitwise_equal",
             "grad_norm_bitwise_equal")
 BATCH = ["--global-batch-size", "4", "--micro-batch-size", "1", "--seq-length", "32"]
@@ -41,6 +45,15 @@ def _report(dtype, tmp_path_factory):
         profile, path = tmp / "g4.yaml", tmp / "report.json"
         profile.write_text(G4)
         model, layouts, flags = RUNS[dtype]
+        if model.endswith("+losses"):
+            import mindspeed_tp
+
+            bundled = os.path.join(os.path.dirname(mindspeed_tp.__file__), "configs", "models", "tiny-moe-shared.yaml")
+            with open(bundled) as f:
+                text = f.read().replace("name: tiny-moe-shared", "name: tiny-moe-shared-losses")
+            model = str(tmp / "tiny-moe-shared-losses.yaml")
+            with open(model, "w") as f:
+                f.write(text + ROUTER_LOSSES)
         proc, data = run_train_check(path, "--model", model, "--profile", str(profile), "--layouts", ",".join(layouts),
                                      "--dtype", dtype, "--steps", "3", *BATCH, *flags)
         _reports[dtype] = dtype, proc, data
