@@ -20,10 +20,7 @@ def _slot_sum(x: torch.Tensor) -> torch.Tensor:
 
 def slot_sum_fp32(slots: torch.Tensor) -> torch.Tensor:
     """(T, k, H) -> (T, H): a token's k slot rows summed in slot order, in fp32."""
-    total = slots[:, 0].float()
-    for j in range(1, slots.shape[1]):
-        total = total + slots[:, j].float()
-    return total
+    return _slot_sum(slots.float().movedim(1, -1))
 
 
 def _softmax(x: torch.Tensor) -> torch.Tensor:

@@ -151,6 +151,13 @@ def add_source_grad(param, step: int, dp_rank: int, grad: torch.Tensor, dp_ranks
         _add_to_group_buffer(param, g, grad)
 
 
+def _source_chains(param) -> dict:
+    """A source-routed expert weight's group chains on this rank this step: its buffers and main_grad."""
+    home, held = getattr(param, SOURCE_GROUPS_ATTR)
+    buffers = getattr(param, BUFFERS_ATTR, None) or {}
+    return {g: param.main_grad if g == home else buffers[g] for g in held}
+
+
 def source_routed(params) -> bool:
     """Whether a bucket group's parameters are source-routed expert weights (all or none)."""
     routed = [p in _source_steps for p in params]
@@ -166,7 +173,7 @@ def reduce_source_routed(bucket_group, sharded: bool) -> None:
     bit-reversed order, as every other gradient's); then kept as the member's shard (distributed
     optimizer) or gathered back. Scaling and averaging as megatron's collective."""
     group = _sync_group(bucket_group)
-    world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
+    world = dist.get_world_size(group=group)
     groups = _plan["groups"]
     for param in bucket_group.params:
         if _source_steps.get(param) != _plan["local"]:
@@ -176,15 +183,10 @@ def reduce_source_routed(bucket_group, sharded: bool) -> None:
         data = bucket.grad_data
         n = data.numel()
         per = -(-n // world)
-        def groups_of(param):  # this rank's group chains of the parameter this step: buffers and main_grad
-            home, held = getattr(param, SOURCE_GROUPS_ATTR)
-            buffers = getattr(param, BUFFERS_ATTR, None) or {}
-            return {g: param.main_grad if g == home else buffers[g] for g in held}
-
-        held = sorted(groups_of(next(iter(bucket.params))))
+        held = sorted(_source_chains(next(iter(bucket.params))))
         stack = data.new_zeros(len(held), per * world)
         for param in bucket.params:
-            chains = groups_of(param)
+            chains = _source_chains(param)
             if sorted(chains) != held:
                 raise RuntimeError("bitwise_training: the expert weights of one bucket hold different micro-batch groups")
             start = (param.main_grad.data_ptr() - data.data_ptr()) // data.element_size()
@@ -195,20 +197,8 @@ def reduce_source_routed(bucket_group, sharded: bool) -> None:
         if sorted(slot) != list(range(groups)) or len({len(gs) for gs in everyone}) != 1:
             raise RuntimeError(f"bitwise_training: the expert-data-parallel ranks hold micro-batch groups {everyone}, "
                                f"expected each of the {groups} groups once")
-        # (member, held group, slice): slice i of every held group goes to member i
-        send = stack.view(len(held), world, per).transpose(0, 1).reshape(world, len(held) * per)
-        received = _all_to_all_rows(send.contiguous(), group).view(world, len(held), per) if world > 1 \
-            else send.view(1, len(held), per)
-        leaves = [received[slot[g][0], slot[g][1]] for g in sorted(range(groups), key=lambda g: _bit_reversed(g, groups))]
-        mine = tree_fold(torch.stack(leaves), dim=0)
-        if bucket.gradient_scaling_factor != 1.0:
-            mine *= bucket.gradient_scaling_factor
-        if bucket_group.ddp_config.average_in_collective:
-            mine /= world
-        if sharded:
-            data.view(world, per)[rank].copy_(mine)  # buckets padded to a multiple of the group's size
-        else:
-            data.copy_(_all_gather_rows(mine.view(1, per), group).view(-1)[:n] if world > 1 else mine[:n])
+        order = [slot[g] for g in sorted(range(groups), key=lambda g: _bit_reversed(g, groups))]
+        _fold_moved_slices(bucket_group, bucket, stack, order, sharded)
         for param in bucket.params:
             for buf in (getattr(param, BUFFERS_ATTR, None) or {}).values():
                 buf.zero_()
@@ -324,26 +314,39 @@ def fold_bucket_slices(bucket_group, sharded: bool, picks) -> None:
     member, slice i moved to member i (all-to-all), where the slices of the members ``picks`` are
     folded by the tree in that order; then gathered back (all-reduce) or kept as the member's shard
     (distributed optimizer). Averaging divides by the group's size, as megatron's collective does."""
-    group = _sync_group(bucket_group)
-    world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
-    average = bucket_group.ddp_config.average_in_collective
+    world = dist.get_world_size(group=_sync_group(bucket_group))
     for bucket in bucket_group.buckets:
         data = bucket.grad_data
-        if bucket.gradient_scaling_factor != 1.0:
-            data *= bucket.gradient_scaling_factor
         n = data.numel()
         per = -(-n // world)
         flat = data if per * world == n else torch.cat([data, data.new_zeros(per * world - n)])
-        received = _all_to_all_rows(flat.view(world, per), group)  # (world, 1, per): slot i from member i
-        mine = tree_fold(received[picks, 0], dim=0)
-        if average:
-            mine /= world
-        if sharded:  # the distributed optimizer pads buckets to a multiple of the group's size
-            data.view(world, per)[rank].copy_(mine)
-        else:
-            data.copy_(_all_gather_rows(mine.view(1, per), group).view(-1)[:n])
+        _fold_moved_slices(bucket_group, bucket, flat.view(1, per * world), [(p, 0) for p in picks], sharded)
     if bucket_group.ddp_config.overlap_grad_reduce:
         bucket_group.grad_reduce_handle = _Done()
+
+
+def _fold_moved_slices(bucket_group, bucket, leaves, order, sharded: bool) -> None:
+    """``leaves`` (L, world * per): this member's L leaves of ``bucket``'s gradient (scaled here by the
+    bucket's factor, as megatron's collective scales). Slice i of every leaf moves to member i, which
+    folds the group's leaves by the tree in ``order`` ((member, leaf) pairs); then the result is kept
+    as the member's shard (``sharded``: the distributed optimizer pads buckets to a multiple of the
+    group's size) or gathered back into the bucket. Averaging divides by the group's size."""
+    group = _sync_group(bucket_group)
+    world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
+    data = bucket.grad_data
+    count, per = leaves.shape[0], leaves.shape[1] // world
+    if bucket.gradient_scaling_factor != 1.0:
+        leaves *= bucket.gradient_scaling_factor
+    send = leaves.view(count, world, per).transpose(0, 1).reshape(world, count * per)
+    received = _all_to_all_rows(send, group).view(world, count, per) if world > 1 else send.view(1, count, per)
+    mine = tree_fold(torch.stack([received[member, leaf] for member, leaf in order]), dim=0)
+    if bucket_group.ddp_config.average_in_collective:
+        mine /= world
+    if sharded:
+        data.view(world, per)[rank].copy_(mine)
+    else:
+        data.copy_(_all_gather_rows(mine.view(1, per), group).view(-1)[:data.numel()] if world > 1
+                   else mine[:data.numel()])
 
 
 def reset() -> None:
