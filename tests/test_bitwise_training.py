@@ -219,6 +219,61 @@ def test_exact_grad_norm_host_loop_and_torch_ops_give_the_same_total(monkeypatch
     assert gn.exact_sum_of_squares(host) == gn.exact_sum_of_squares(ops) == expected
 
 
+def _cpu_flags():
+    with open("/proc/cpuinfo") as f:
+        return next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+
+
+@pytest.mark.parametrize("build", ["native", "avx2"])
+def test_exact_grad_norm_windowed_blocks_give_the_histograms_total(build):
+    """The C loop's windowed path (a block's values within 24 binades) against its
+    histogram: gradient-like blocks with zeros of both signs and a tail off the vector width give
+    other accumulators (the windowed path ran) and the same, exact total; a block reaching exactly
+    its window's lowest binade (22 below its largest exponent) is windowed, one a binade lower (or
+    holding a subnormal) falls back to the histogram (the same accumulators). ``native``: the build
+    every run uses (a CPU with AVX2 must have the windowed path); ``avx2``: the AVX2 variant built
+    for x86-64-v3, so a CPU with AVX-512 tests the code an AVX2-only CPU runs too."""
+    from mindspeed_tp.kernels import host_square_sums as hs
+    from mindspeed_tp.modes.bitwise_training import grad_norm as gn
+
+    flags = _cpu_flags()
+    vector_isa = "avx2" in flags
+    if build == "native":
+        lib = hs.library()
+        assert lib is not None
+    else:
+        assert vector_isa, "this x86-64-v3 build needs a CPU with AVX2 (an x86 host)"
+        lib = hs.load(hs._build(hs._compiler(), "-march=x86-64-v3"))
+    assert lib.exact_square_sums_windowed() == int(vector_isa)
+
+    def both(chunk):
+        accs = []
+        for histogram_only in (False, True):
+            acc = torch.zeros(2, gn._BINS, dtype=torch.int64)
+            hs.add_square_sums(lib, acc, chunk, gn._NAN, gn._INF, histogram_only=histogram_only)
+            accs.append(acc)
+        assert gn.exact_sum_of_squares(accs[0]) == gn.exact_sum_of_squares(accs[1]) == _exact([chunk])
+        return accs
+
+    gen = torch.Generator().manual_seed(9)
+    block = hs.WINDOW_BLOCK
+    grads = torch.randn(3 * block + 13, generator=gen) * 1e-3
+    grads[::97] = 0.0
+    grads[1::89] = -0.0
+    windowed, histogram = both(grads)
+    assert not torch.equal(windowed, histogram) or not vector_isa
+
+    top = torch.full((block,), 1.5)  # exponent 127; the window is 128 - 23 .. 128
+    top[1:] = torch.randn(block - 1, generator=gen).clamp(-1.9, 1.9)
+    top[5] = 2.0 ** -22 * 1.75
+    windowed, histogram = both(top)
+    assert not torch.equal(windowed, histogram) or not vector_isa
+    for below in (2.0 ** -23 * 1.75, 1e-40):  # one binade below the window; a subnormal
+        top[5] = below
+        windowed, histogram = both(top)
+        assert torch.equal(windowed, histogram)
+
+
 @pytest.mark.parametrize("microbatches,dp,groups", [(1, 1, 2), (3, 2, 2), (2, 4, 2), (4, 2, 1), (6, 1, 2)])
 def test_refusals_microbatch_plan(microbatches, dp, groups):
     from mindspeed_tp.errors import ConfigError

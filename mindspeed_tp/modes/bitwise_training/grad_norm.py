@@ -11,7 +11,7 @@ library's all-reduce give the same accumulators. The total is formed once, exact
 integer from the (2, bins) accumulators, and rounded once: the correctly rounded fp64 sum of squares.
 
 Everything up to that final read stays on the gradients' device: no host transfer, no host read of a
-tensor (tested by a case in which any raises). On the host the accumulation is one C loop
+tensor (tested by a case in which any raises). On the host the accumulation is compiled C
 (``kernels/host_square_sums.py``, the same integer sums) in chunks of 2^22 elements; as torch
 operations (other devices, or no C compiler) in chunks of 2^16 elements on the host (they stay in
 cache) and 2^22 on a device (fewer launches). Non-finite elements
