@@ -16,7 +16,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from conftest import bits_equal, explain, run_cli, run_train_check, train_check_rows
+from conftest import bits_equal, explain, full_matrix, run_cli, run_train_check, train_check_rows
 
 LAYOUTS = ["tp2", "tp2-sp", "tp4-sp", "tp1-pp2", "tp1-dp2", "tp2-sp-pp2", "tp2-sp-dp2", "tp2-pp2-vpp2", "tp4-sp-pp2",
            "tp2-sp-pp2-dp2"]
@@ -464,12 +464,21 @@ def test_tied_embeddings_and_a_non_power_of_two_run_of_vocab_leaves_every_step_b
 
 
 @pytest.mark.version_lines
-def test_bitwise_training_on_this_megatron_line(tmp_path):
+def test_bitwise_training_on_this_megatron_line(tmp_path, tmp_path_factory):
     """The DDP hook, bucket sync, finalize and clipping targets differ by name and signature across
     megatron-core lines (0.12's _allreduce_layernorm_grads, 0.16/0.19's tp_group argument): one small
-    run per line, overlap and the distributed optimizer on, TP with SP and DP."""
-    _assert_every_step_bitwise(_bitwise_run(tmp_path, "tiny-dense", ["tp2-sp", "tp1-dp2"], "--bitwise-training",
-                                            "--distributed-optimizer", "--overlap"))
+    run per line, overlap and the distributed optimizer on, TP with SP and DP. With the whole matrix
+    (the main line) the bf16 launch runs these layouts with these flags among others: its rows are
+    checked, no launch of its own."""
+    layouts, flags = ["tp2-sp", "tp1-dp2"], ["--distributed-optimizer", "--overlap"]
+    if full_matrix():
+        _, proc, data = _report("bf16", tmp_path_factory)
+        assert proc.returncode == 0, explain(proc)
+        assert set(layouts) <= set(RUNS["bf16"][0]) and set(flags) <= set(RUNS["bf16"][1])
+        assert set(layouts) <= set(_rows(data, vanilla=False)) and data["all_bitwise_equal"] is True
+    else:
+        data = _bitwise_run(tmp_path, "tiny-dense", layouts, "--bitwise-training", *flags)
+    _assert_every_step_bitwise(data)
 
 
 # ---- in-process: the accumulation's state across steps ----
