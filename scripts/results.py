@@ -19,7 +19,6 @@ import json
 import math
 import os
 import platform
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -45,6 +44,11 @@ def _e(x) -> str:
     if math.isnan(x):
         return "nan"
     return "0" if x == 0 else f"{x:.2e}"
+
+
+def _number(x, digits: int, scale: float = 1.0) -> str:
+    """A measured value, or "-" where the report has none (not run, or an older report without it)."""
+    return "-" if x is None else f"{x / scale:.{digits}f}"
 
 
 def _ratio(x) -> str:
@@ -180,7 +184,7 @@ def render_train(report: Dict) -> List[str]:
     return out
 
 
-SCALE_MODES = ("vanilla", "default", "rollout", "bitwise", "bitwise-g1")  # scale_bench.ALL_MODES, in table order
+SCALE_MODES = ("vanilla", "default", "rollout", "bitwise", "bitwise-g1", "engine")  # scale_bench.ALL_MODES, in table order
 
 
 def render_scale(report: Dict) -> List[str]:
@@ -189,9 +193,11 @@ def render_scale(report: Dict) -> List[str]:
            f"({st.get('rounds', '?')} round(s), median of {st.get('repeats', '?')} timed repeat(s) after a warm-up; a "
            "first run over 30 s is timed once). Forward: the logprob forward of the whole batch, no grad; step: "
            "megatron's DDP, distributed optimizer, schedules, Adam with clipping; peak: the largest rank's peak RSS "
-           "above its RSS before the model is built; bytes: sent per rank through collectives in one step. "
+           "above its RSS before the model is built (forward peak: the same up to the end of the forwards, before any "
+           "step); bytes: sent per rank through collectives in one step. "
            "Ratios are mode / vanilla megatron-core. Modes: default profile, rollout-layout profile (rollout-tp1), "
-           "bitwise training (-g1: one micro-batch group).", ""]
+           "bitwise training (-g1: one micro-batch group), engine (the real-engine profile vllm-cpu-tp2, forward "
+           "only)." + (" Forward only: no training steps." if st.get("forward_only") else ""), ""]
     for case in report["cases"]:
         if case.get("vanilla_layout"):
             out.append(f"- {case['name']}: vanilla ran at {case['vanilla_layout']} (the CP ranks as DP ranks).")
@@ -203,17 +209,18 @@ def render_scale(report: Dict) -> List[str]:
     for case in report["cases"]:
         for mode in sorted(case["modes"], key=SCALE_MODES.index):
             m, q = case["modes"][mode], case["ratios"].get(mode, {})
-            rows.append([case["name"], mode, f"{m['forward_s']:.2f}", f"{m['step_s']:.2f}", f"{m['peak_mb']:.0f}",
-                         f"{m['step_bytes'] / 2 ** 20:.1f}"]
-                        + [_ratio(q.get(k)) if q else "-" for k in ("forward_s", "step_s", "peak_mb", "step_bytes")])
+            rows.append([case["name"], mode, _number(m["forward_s"], 2), _number(m.get("forward_peak_mb"), 0),
+                         _number(m["step_s"], 2), _number(m["peak_mb"], 0), _number(m["step_bytes"], 1, 2 ** 20)]
+                        + [_ratio(q.get(k)) if q else "-"
+                           for k in ("forward_s", "forward_peak_mb", "step_s", "peak_mb", "step_bytes")])
         failed = case.get("failed")
         for mode in (failed or {}).get("modes_not_measured", []):
             why = ("a rank was killed by SIGKILL (most likely out of memory)"
                    if "SIGKILL" in failed.get("log_tail", "") else f"the case failed (exit code {failed['exit_code']}"
                    + (f": {failed['errors'][0][-200:]}" if failed.get("errors") else "") + ")")
-            rows.append([case["name"], mode, f"not measured: {why}"] + [""] * 7)
-    out += _table(["case", "mode", "forward s", "step s", "peak MB", "step MiB sent", "forward ×", "step ×",
-                   "peak ×", "bytes ×"], rows, "llrrrrrrrr")
+            rows.append([case["name"], mode, f"not measured: {why}"] + [""] * 9)
+    out += _table(["case", "mode", "forward s", "forward peak MB", "step s", "peak MB", "step MiB sent", "forward ×",
+                   "forward peak ×", "step ×", "peak ×", "bytes ×"], rows, "llrrrrrrrrrr")
     if report.get("components"):
         out += ["", "Components (one thread; ours against the reference on the same inputs):", ""]
         out += _table(["component", "ours s", "reference s", "ratio"],
@@ -359,6 +366,13 @@ REPORTS = [
            "(the step: plain SGD, Adam's moments do not fit this machine).",
            [PY, "benchmarks/scale_bench.py", "--cases", "qwen3-30b-a3b-2layer-tp2-sp-ep2-1k-fp32", "--no-components",
             "--json", OUT], render_scale, exit_codes=(0, 1), cost="real dimensions, 16 GB: tens of minutes on 2 cores"),
+    Report("scale-moe-engine", "Engine path at scale, MoE: peak memory per rank against vanilla EP",
+           "benchmarks/scale_bench.py in .venv-vllm: qwen3-30b-a3b-2layer at tp2-sp-ep2, bf16, 2 sequences of 1024 "
+           "tokens, the logprob forward only: vanilla megatron-core against the real-engine profile vllm-cpu-tp2 "
+           "(vLLM's fused MoE kernel on engine slices of the experts: no rank holds another rank's experts whole).",
+           [PY, "benchmarks/scale_bench.py", "--cases", "qwen3-30b-a3b-2layer-tp2-sp-ep2-1k-bf16", "--modes", "engine",
+            "--forward-only", "--no-components", "--json", OUT], render_scale, exit_codes=(0, 1), needs="vllm",
+           cost="needs .venv-vllm; real dimensions, forwards only: minutes on 2 cores"),
     Report("scale", "Costs at scale (full)",
            "benchmarks/scale_bench.py: qwen3-1.7b-2layer and qwen3-8b-2layer at tp2-sp and tp2-sp-dp2, 1k / 4k / 8k "
            "tokens per sequence, fp32 and bf16.",

