@@ -17,7 +17,7 @@ from .engine_math import full_vocab_log_softmax, rollout_row_parallel
 from .relayout import relaid_weight
 
 # Tokens per exchange when scoring: bounds the full-vocab buffer to (chunk / T) x V per rank.
-LOGPROB_CHUNK_TOKENS = 1024
+LOGPROB_CHUNK_TOKENS = 256
 
 
 def rollout_layout_linear(x: torch.Tensor, weight: torch.Tensor, group, prof, sequence_parallel: bool,
@@ -46,14 +46,14 @@ class _FullVocabLogprob(torch.autograd.Function):
     def forward(ctx, logits, target, group, chunk_tokens, log_softmax):
         world, rank = group_size(group), group_rank(group)
         v_local = logits.shape[-1]
-        lf = logits.reshape(-1, v_local).float()
+        flat = logits.reshape(-1, v_local)  # widened to fp32 chunk by chunk: no fp32 copy of the whole shard
         tgt = target.reshape(-1).long()
-        n = lf.shape[0]
-        out = lf.new_empty(n)
+        n = flat.shape[0]
+        out = torch.empty(n, dtype=torch.float32, device=flat.device)
         keep = ctx.needs_input_grad[0]
         saved = []
         for start in range(0, n, chunk_tokens):
-            rows = lf[start:start + chunk_tokens]
+            rows = flat[start:start + chunk_tokens].float()
             c = rows.shape[0]
             per = -(-c // world)
             if per * world != c:
