@@ -39,7 +39,7 @@ import torch
 
 MAX_ELEMENTS = 1 << 22  # per call: the adds to one accumulator stay below 2^22 * 2^24 = 2^46
 MIN_BINS = 264  # the windowed path writes up to bin 254 + 9 (the accumulators' headroom)
-WINDOW_BLOCK, WINDOW_SPAN = 1 << 13, 24  # the windowed path's block and binades (as in _SOURCE)
+WINDOW_BLOCK, WINDOW_SPAN = 1 << 13, 24  # the windowed path's block and binades (substituted into _SOURCE)
 
 _FLAGS = ["-O3", "-funroll-loops", "-shared", "-fPIC"]
 _NATIVE = "-march=native"
@@ -93,7 +93,7 @@ static void histogram(const uint32_t *bits, int64_t n, int64_t *hi, int64_t *lo,
 #endif
 typedef uint32_t u32v __attribute__((vector_size(VBYTES)));
 typedef uint64_t u64v __attribute__((vector_size(VBYTES)));
-enum { BLOCK = 1 << 13, LANES = VBYTES / 4, SPAN = 24 };
+enum { BLOCK = @WINDOW_BLOCK@, LANES = VBYTES / 4, SPAN = @WINDOW_SPAN@ };
 
 static inline u64v square(u64v m) {  /* m < 2^24 in each lane's low half: one 32 x 32 -> 64-bit product */
 #if defined(__AVX512F__)
@@ -193,7 +193,7 @@ void exact_square_sums_f32_histogram(const uint32_t *bits, int64_t n, int64_t *h
     for (int64_t start = 0; start < n; start += 1 << 14)
         histogram(bits + start, start + (1 << 14) < n ? 1 << 14 : n - start, hi, lo, nan, inf);
 }
-"""
+""".replace("@WINDOW_BLOCK@", str(WINDOW_BLOCK)).replace("@WINDOW_SPAN@", str(WINDOW_SPAN))
 
 
 def _compiler() -> Optional[str]:
