@@ -444,12 +444,15 @@ def test_four_dp_ranks_fold_the_tree_by_moving_data(tmp_path):
                                             "--distributed-optimizer", "--overlap", global_batch="8"))
 
 
-TIED_LAYOUTS = ["tp2-sp", "tp4-sp", "tp1-pp2", "tp2-sp-pp2-dp2"]
+TIED_LAYOUTS = ["tp2-sp", "tp4-sp", "tp1-dp4", "tp1-pp2", "tp2-sp-pp2-dp2"]
 
 
 def test_tied_embeddings_and_a_non_power_of_two_run_of_vocab_leaves_every_step_bitwise(tmp_path):
     """The input embedding and the LM head share one weight: on one stage its two gradients meet in
-    one parameter, across a pipeline on two ranks; both are accumulated apart and added once.
+    one parameter, across a pipeline on two ranks; both are accumulated apart and added once. On one
+    stage the embedding's are kept as rows of the step's token ids (by the micro-batch groups: 4, so
+    one rank folds four, two ranks two each, four DP ranks one each, folded over DP by moving slices)
+    and checked against a pipeline stage's dense embedding backward.
     The vocabulary leaves each rank a non-power-of-two number of vocab leaves, as a real one does
     (1100 padded to 1536: 12, 6 and 3 leaves of 128 rows at TP 1, 2, 4, ranges starting off a
     subtree's edge): the LM head's input gradient folds each rank's range as aligned blocks and
@@ -459,8 +462,10 @@ def test_tied_embeddings_and_a_non_power_of_two_run_of_vocab_leaves_every_step_b
                      "num_query_groups: 4\nkv_channels: 32\nffn_hidden_size: 256\nvocab_size: 1100\n"
                      "padded_vocab_size: 1536\nmax_position_embeddings: 512\nrotary_base: 1000000\n"
                      "norm_epsilon: 1.0e-6\nqk_layernorm: true\ntie_word_embeddings: true\n")
-    _assert_every_step_bitwise(_bitwise_run(tmp_path, model, TIED_LAYOUTS, "--bitwise-training",
-                                            "--distributed-optimizer", steps="3"))
+    profile = tmp_path / "g4.yaml"
+    profile.write_text("name: bitwise-g4\nbitwise_training: true\nmicrobatch_groups: 4\n")
+    _assert_every_step_bitwise(_bitwise_run(tmp_path, model, TIED_LAYOUTS, "--profile", str(profile),
+                                            "--distributed-optimizer", steps="3", global_batch="8"))
 
 
 @pytest.mark.version_lines
@@ -499,13 +504,13 @@ def test_forward_only_passes_are_neither_planned_nor_reset(monkeypatch):
     monkeypatch.setattr(numerics.ACTIVE, "_strategy", _bitwise_strategy())
     accumulation.set_schedule(4, 1, 0, 2)
     plan = dict(accumulation._plan)
-    head = torch.nn.Parameter(torch.zeros(3))
-    accumulation.add_tied_head_grad(head, torch.ones(3))  # a pending tied-head gradient of the step
+    weight = torch.nn.Parameter(torch.zeros(5, 3))
+    accumulation.add_embedding_rows(weight, torch.tensor([1, 4]), torch.ones(2, 3))  # a tied embedding's rows
     ran = []
     schedule = forward_backward_func(lambda: lambda **kw: ran.append(kw) or "ran")()
     assert schedule(num_microbatches=3, forward_only=True) == "ran" and ran  # 3: refused for a training step
     assert accumulation._plan == plan
-    assert len(accumulation._heads) == 1 and accumulation._heads[head].pending
+    assert accumulation._embedding_counts[weight] == 1 and list(accumulation._embedding_rows[weight]) == [0]
     accumulation.reset()
 
 
@@ -545,6 +550,85 @@ def test_two_groups_of_one_micro_batch_each_fold_in_main_grad_without_a_buffer()
     four = _holder()
     _step(four, [m0, m1, m0, m1])  # two micro-batches per group: the second group's chain needs its buffer
     assert getattr(four, accumulation.BUFFERS_ATTR)
+
+
+@pytest.mark.parametrize("by_index", [False, True], ids=["f_embedding", "indexing"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_an_embeddings_gradient_by_its_distinct_rows_is_the_dense_backwards(by_index, dtype):
+    """The embedding's weight gradient computed on a weight of the distinct ids only (how a tied
+    weight's rows are kept, and under CP): hundreds of tokens per id, so the order of a row's
+    additions shows in the bits, more than 1000 tokens (the kernel's parallel path), a row whose only
+    gradient is -0.0 -- every row the dense backward's bits (``F.embedding`` and megatron's
+    deterministic ``weight[ids]``), the rows no id names +0.0 there."""
+    from mindspeed_tp.modes.bitwise_training.embedding import _lookup, distinct_rows_grad
+
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 6, (3, 400), generator=gen)
+    ids[0, :5] = 9
+    grad = (torch.randn(3, 400, 16, generator=gen) * 1e3).to(dtype)
+    ids[1, 7], grad[1, 7] = 11, -0.0
+    weight = torch.zeros(14, 16, dtype=dtype, requires_grad=True)
+    (dense,) = torch.autograd.grad(_lookup(ids, weight, by_index), [weight], grad)
+    rows, dw = distinct_rows_grad(ids, grad, dtype, by_index)
+    assert rows.tolist() == [0, 1, 2, 3, 4, 5, 9, 11]
+    assert bits_equal(dw, dense[rows])
+    assert bits_equal(dense[[6, 7, 8, 10, 12, 13]], torch.zeros(6, 16, dtype=dtype))
+
+
+def _world_of_one(tmp_path):
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    return dist.group.WORLD
+
+
+def test_tied_embedding_rows_add_to_the_lm_heads_gradient_as_the_dense_chains_do(tmp_path):
+    """A tied weight on one stage: the embedding's rows by micro-batch group (4 micro-batches, 2
+    groups), folded, scaled as the bucket is and added to the LM head's reduced gradient give the
+    dense path's bits -- each group's main_grad chain of dense gradients, the groups' one addition,
+    scaled, + the LM head's -- -0.0 included (a row of the LM head's -0.0 that no id names becomes
+    +0.0, as + the embedding's +0.0 makes it). A step whose embedding gradient bypassed the rows is
+    refused."""
+    from types import SimpleNamespace
+
+    from mindspeed_tp.models.marks import TIED_HEAD_ATTR
+    from mindspeed_tp.modes.bitwise_training import accumulation
+    from mindspeed_tp.modes.bitwise_training.embedding import distinct_rows_grad
+
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.nn.Parameter(torch.zeros(10, 4, dtype=torch.bfloat16))
+    setattr(weight, TIED_HEAD_ATTR, True)
+    head = torch.randn(10, 4, generator=gen)
+    head[3], head[5, 0] = -0.0, -0.0
+    weight.main_grad = head.clone()
+    bucket = SimpleNamespace(gradient_scaling_factor=0.5)
+    ddp = SimpleNamespace(use_distributed_optimizer=False, average_in_collective=False)
+    group = SimpleNamespace(ddp_config=ddp, data_parallel_group=_world_of_one(tmp_path), param_to_bucket={weight: bucket})
+    model = [SimpleNamespace(param_to_bucket_group={weight: group})]
+
+    accumulation.reset()
+    accumulation.set_schedule(4, 1, 0, 2)
+    chains = {}
+    for k in range(4):
+        ids = torch.randint(0, 10, (2, 300), generator=gen)
+        ids[ids == 3] = 4  # row 3: no id
+        grad = torch.randn(2, 300, 4, generator=gen).to(torch.bfloat16)
+        grad[0, :3] = -0.0
+        rows, dw = distinct_rows_grad(ids, grad, torch.bfloat16, False)
+        accumulation.add_embedding_rows(weight, rows, dw)
+        g = accumulation._group(k)
+        chains[g] = chains.get(g, torch.zeros(10, 4)).add_(torch.zeros(10, 4, dtype=torch.bfloat16).index_copy_(0, rows, dw))
+    expected = (chains[0] + chains[1]) * 0.5 + head
+    accumulation.add_tied_embeddings(model)
+    assert bits_equal(weight.main_grad.view(torch.int32), expected.view(torch.int32))
+    assert not torch.signbit(weight.main_grad[3]).any() and torch.signbit(head[3]).all()
+
+    accumulation.reset()
+    accumulation.set_schedule(4, 1, 0, 2)
+    with pytest.raises(RuntimeError, match="did not come through its lookup"):
+        accumulation.add_tied_embeddings(model)
+    accumulation.reset()
 
 
 def test_a_step_aborted_after_some_micro_batches_leaves_nothing_for_the_next():

@@ -14,13 +14,15 @@ strategy is active, then:
 - finalize's TP all-reduce of norm gradients: skipped, they were folded across TP in the backward
   (``token_sums``); megatron's own function is dry-run to learn which gradients it would reduce, and
   any that is not a per-token layer's (a category a future line adds included) is refused;
-- finalize's word-embedding all-reduce: on one stage with tied embeddings, adds the LM head's
-  gradient kept apart (``accumulation.add_tied_heads``);
+- the word embedding's forward (``modes/bitwise_training/embedding.py``): on one stage with tied
+  embeddings, its gradient kept apart as rows of the step's token ids; under CP, from the whole
+  micro-batch;
+- finalize's word-embedding all-reduce: on one stage with tied embeddings, adds the embedding's rows,
+  DP-reduced, to the shared weight's gradient (``accumulation.add_tied_embeddings``);
 - ``get_grad_norm_fp32``: the exact sum of squares (``grad_norm``);
 - under context parallelism (``modes/bitwise_training/context_parallel.py``): the backward's sums
   over the sequence on the whole micro-batch gathered over CP, attention on the whole sequence's
-  queries, the embedding's gradient from the whole micro-batch (``VocabParallelEmbedding.forward``),
-  and the DP x CP gradient sync folding the DP ranks' values only.
+  queries, the embedding's gradient from the whole micro-batch, and the DP x CP gradient sync folding the DP ranks' values only.
 """
 import math
 import sys
@@ -35,7 +37,7 @@ from ..kernels import dispatch, invariant_linear
 from ..kernels.collectives import group_size
 from ..kernels.norm import normalized
 from ..models.marks import PER_TOKEN_PARAM_ATTR
-from ..modes.bitwise_training import accumulation, column_parallel, experts, token_sums
+from ..modes.bitwise_training import accumulation, column_parallel, embedding, experts, token_sums
 from ..modes.bitwise_training import context_parallel as cp_training
 from ..modes.bitwise_training.grad_norm import grad_norm, norm_of, square_sums
 from ..patching import PatchRegistry
@@ -357,7 +359,7 @@ def word_embedding_allreduce(original):
     def _allreduce_word_embedding_grads(model, config, *args, **kwargs):
         original(model, config, *args, **kwargs)
         if active():
-            accumulation.add_tied_heads(model)
+            accumulation.add_tied_embeddings(model)
 
     return _allreduce_word_embedding_grads
 
@@ -408,12 +410,13 @@ def register(reg: PatchRegistry) -> None:
                  "across TP in the backward (no second all-reduce)", wraps=True, optional=True)(tp_norm_allreduce)
     reg.register(f"{FINALIZE}:_allreduce_layernorm_grads", why + "norm gradients are already folded across TP in "
                  "the backward (megatron-core 0.12's name)", wraps=True, optional=True)(tp_norm_allreduce)
-    reg.register(f"{FINALIZE}:_allreduce_word_embedding_grads", why + "tied embeddings on one stage: the LM head's "
-                 "gradient, accumulated apart and DP-reduced, added once to the embedding's (as between a pipeline's "
-                 "first and last stage)", wraps=True)(word_embedding_allreduce)
-    reg.register("megatron.core.tensor_parallel.layers:VocabParallelEmbedding.forward", why + "under context "
-                 "parallelism the embedding's gradient from the whole micro-batch's ids and output gradients "
-                 "(gathered in sequence order)", wraps=True)(cp_training.embedding_forward)
+    reg.register(f"{FINALIZE}:_allreduce_word_embedding_grads", why + "tied embeddings on one stage: the input "
+                 "embedding's gradient rows, accumulated apart and DP-reduced, added once to the LM head's (as between "
+                 "a pipeline's first and last stage)", wraps=True)(word_embedding_allreduce)
+    reg.register("megatron.core.tensor_parallel.layers:VocabParallelEmbedding.forward", why + "the embedding's "
+                 "gradient by the rows of its token ids: kept apart when the LM head shares the weight on this stage; "
+                 "under context parallelism from the whole micro-batch's ids and output gradients (gathered in sequence "
+                 "order)", wraps=True)(embedding.embedding_forward)
     reg.register("megatron.core.optimizer.clip_grads:get_grad_norm_fp32", why + "the clipping norm from an exact, "
                  "order-independent sum of squares", wraps=True)(clip_norm)
     reg.register("megatron.core.optimizer.optimizer:ChainedOptimizer.get_grad_norm", why + "the norm of dense and "

@@ -40,36 +40,28 @@ from ...contract.refusals import refuse
 from ...contract.tree import tree_fold
 from ...errors import ConfigError
 from ...kernels.collectives import _all_gather_rows, _all_to_all_rows, gather_along_rank
+from ...models.marks import TIED_HEAD_ATTR
 from .context_parallel import cp_group, reduce_replicated
 
 # Set per forward_backward call by the schedule wrapper.
 _plan: Dict[str, int] = {}
-# Per gradient holder (a parameter or a tied-head accumulator), by identity and weakly: a holder
+# Per gradient holder (a parameter), by identity and weakly: a holder
 # freed and another allocated at its address never inherit its count.
 _counts = WeakIdKeyDictionary()
 _buffered = WeakIdKeyDictionary()  # holders with group buffers (-> True), zeroed by reset()
-# On a parameter (or a tied-head accumulator): {group: fp32 buffer}, living as long as it does.
+# On a parameter: {group: fp32 buffer}, living as long as it does.
 BUFFERS_ATTR = "_mindspeed_tp_group_buffers"
 HOOKED_ATTR = "_mindspeed_tp_bitwise_hook"
-# Tied embeddings on one stage (PP=1, marked TIED_HEAD_ATTR at model build): the LM head's share of
-# the shared weight's gradient, kept apart as on a pipeline's last stage and added once, after both
-# are accumulated and DP-reduced.
-# The LM-head accumulators of this step's tied weights (the accumulator itself lives on the weight).
-_heads = WeakIdKeyDictionary()
+# Tied embeddings on one stage (PP=1, marked TIED_HEAD_ATTR at model build): the input embedding's
+# share of the shared weight's gradient, kept apart as on a pipeline's first stage and added once,
+# after both are accumulated and DP-reduced; as rows (the step's distinct token ids), by group:
+# {weight: {group: (rows, fp32 values)}}, and the micro-batches seen.
+_embedding_rows = WeakIdKeyDictionary()
+_embedding_counts = WeakIdKeyDictionary()
 # Source-routed expert weights: backward passes seen this step (the micro-batch step k).
 _source_steps = WeakIdKeyDictionary()
-HEAD_ATTR = "_mindspeed_tp_tied_head_grad"
 # A source-routed expert weight's groups this step: (the one kept in main_grad, all it holds).
 SOURCE_GROUPS_ATTR = "_mindspeed_tp_source_groups"
-
-
-class _TiedHead:
-    """The LM head's gradient of a tied weight, accumulated apart (a gradient holder like a parameter)."""
-
-    def __init__(self, param):
-        self.param = param
-        self.main_grad = torch.zeros_like(param, dtype=torch.float32)
-        self.pending = False
 
 
 def set_schedule(num_microbatches: int, dp: int, dp_rank: int, groups: int) -> None:
@@ -206,17 +198,52 @@ def reduce_source_routed(bucket_group, sharded: bool) -> None:
         bucket_group.grad_reduce_handle = _Done()
 
 
-def add_tied_head_grad(param: torch.nn.Parameter, grad: torch.Tensor) -> None:
-    """The LM head's gradient of a weight it shares with the embedding on this stage: accumulated
-    in its own fp32 buffer, micro-batch by micro-batch in the same groups as a parameter's."""
-    head = getattr(param, HEAD_ATTR, None)
-    if head is None:
-        head = _TiedHead(param)
-        setattr(param, HEAD_ATTR, head)
-    _heads[param] = head
-    head.pending = True
-    if not route_microbatch(head, grad):
-        head.main_grad.add_(grad)
+def add_embedding_rows(weight, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """The input embedding's gradient of this micro-batch on a tied weight (PP=1): ``values`` at the
+    sorted distinct ``rows``, added to its micro-batch group's chain of rows (vanilla's main_grad chain
+    restricted to the rows that are not +0.0 in every term: adding +0.0 to it changes nothing)."""
+    _require_plan()
+    k = _embedding_counts.get(weight, 0)
+    _embedding_counts[weight] = k + 1
+    chains = _embedding_rows.get(weight)
+    if chains is None:
+        chains = _embedding_rows[weight] = {}
+    g = _group(k)
+    chain = chains.get(g)
+    union = rows if chain is None else torch.unique(torch.cat([chain[0], rows]))
+    total = _spread(chain, union, values)
+    total.index_add_(0, torch.searchsorted(union, rows), values.float())
+    chains[g] = (union, total)
+
+
+def _spread(chain, onto: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A chain of rows (rows, values; or None) as fp32 values at the sorted rows ``onto`` (a superset),
+    +0.0 at the others (what the dense chain holds there)."""
+    out = torch.zeros((onto.numel(), like.shape[-1]), dtype=torch.float32, device=like.device)
+    if chain is not None:
+        out.index_copy_(0, torch.searchsorted(onto, chain[0]), chain[1])
+    return out
+
+
+def _folded_embedding_rows(weight):
+    """This rank's groups of a tied weight's embedding rows folded by the tree (as ``_fold`` folds a
+    parameter's): (rows, values)."""
+    seen = _embedding_counts.get(weight, 0)
+    if not seen:
+        raise RuntimeError("bitwise_training: the tied word embedding's gradient did not come through its lookup "
+                           "(VocabParallelEmbedding.forward's patch); its rows cannot be added apart")
+    if seen != _plan["local"]:
+        raise RuntimeError(f"bitwise_training: a tied embedding received {seen} micro-batch gradients, the schedule "
+                           f"ran {_plan['local']}; every micro-batch must run the embedding")
+    chains = _embedding_rows[weight]
+    leaves = [chains[g] for g in _plan["rank_groups"]]
+    if len(leaves) == 1:
+        return leaves[0]
+    union = torch.unique(torch.cat([rows for rows, _ in leaves]))
+    spread = [_spread(leaf, union, leaf[1]) for leaf in leaves]
+    if len(spread) == 2:
+        return union, spread[1].add_(spread[0])  # one addition: the same bits in either operand order
+    return union, tree_fold(torch.stack(spread), dim=0)
 
 
 def _fold(holder) -> None:
@@ -244,43 +271,60 @@ def fold_groups(params) -> None:
                               "enabled with bitwise_training, so its gradient hooks are megatron's own; enable first, "
                               "then build the model and DDP")
         _fold(param)
-        head = getattr(param, HEAD_ATTR, None)
-        if head is not None and head.pending:
-            _fold(head)
 
 
-def add_tied_heads(model) -> None:
-    """After the DP reduction (finalize's word-embedding step): each kept LM-head gradient, scaled
-    and DP-reduced as its bucket was (one addition for DP=2), added once to the embedding's -- what
-    the all-reduce between a pipeline's first and last stage computes."""
-    for head in _heads.values():
-        if not head.pending:
-            continue
-        head.pending = False
-        param = head.param
-        for chunk in model:
-            group_of = getattr(chunk, "param_to_bucket_group", {})
-            if param not in group_of:
-                continue
-            bucket_group = group_of[param]
-            bucket = bucket_group.param_to_bucket[param]
-            if bucket.gradient_scaling_factor != 1.0:
-                head.main_grad *= bucket.gradient_scaling_factor
-            group = getattr(bucket_group, "intra_distributed_optimizer_instance_group", None) or \
-                getattr(bucket_group, "data_parallel_group")
-            if cp_group() is not None:  # the CP copies are equal: the DP ranks' values folded, one copy each
-                head.main_grad.copy_(reduce_replicated(head.main_grad, group, dp_tree_order()))
-                if bucket_group.ddp_config.average_in_collective:
-                    head.main_grad /= dist.get_world_size(group=group)
-            elif dist.get_world_size(group=group) > 1:
-                dist.all_reduce(head.main_grad, group=group)
-                if bucket_group.ddp_config.average_in_collective:
-                    head.main_grad /= dist.get_world_size(group=group)
-            param.main_grad.add_(head.main_grad)
-            head.main_grad.zero_()
-            break
-        else:
-            raise RuntimeError("bitwise_training: a tied embedding weight is in no DDP bucket")
+def add_tied_embeddings(model) -> None:
+    """After the DP reduction (finalize's word-embedding step): each tied weight's embedding rows,
+    scaled and DP-reduced as its bucket is (the rows any DP rank holds; the ranks' values folded in the
+    tree's order by moving slices; one CP copy each), added once to the parameter's reduced gradient
+    (the LM head's) -- what the all-reduce between a pipeline's first and last stage computes."""
+    for weight, bucket_group in _tied_weights(model):
+        rows, values = _folded_embedding_rows(weight)
+        group = _sync_group(bucket_group)
+        world = dist.get_world_size(group=group)
+        if world > 1:  # the rows any member holds, +0.0 where a member holds none
+            present = torch.zeros(weight.shape[0], dtype=torch.uint8, device=rows.device)
+            present[rows] = 1
+            union = gather_along_rank(present, group).amax(dim=0).nonzero().flatten()
+            values, rows = _spread((rows, values), union, values), union
+        factor = bucket_group.param_to_bucket[weight].gradient_scaling_factor
+        if factor != 1.0:
+            values *= factor
+        if cp_group() is not None:  # the CP copies are equal: the DP ranks' values folded, one copy each
+            values = reduce_replicated(values, group, dp_tree_order())
+        elif world > 1:
+            values = _fold_over_ranks(values, group, dp_tree_order())
+        if world > 1 and bucket_group.ddp_config.average_in_collective:
+            values /= world
+        # The sum with the embedding's +0.0 outside its rows (-0.0 there becomes +0.0), its values on them.
+        heads = weight.main_grad.index_select(0, rows)
+        weight.main_grad.add_(0.0)
+        weight.main_grad.index_copy_(0, rows, heads.add_(values))
+    _embedding_rows.clear()
+    _embedding_counts.clear()
+
+
+def _tied_weights(model):
+    """(weight, its bucket group) of every word embedding marked tied to the LM head on this stage."""
+    for chunk in model:
+        for param, bucket_group in getattr(chunk, "param_to_bucket_group", {}).items():
+            if getattr(param, TIED_HEAD_ATTR, False):
+                yield param, bucket_group
+
+
+def _fold_over_ranks(values: torch.Tensor, group, order) -> torch.Tensor:
+    """The members' ``values`` (same shape on each) folded by the tree in ``order`` (group ranks),
+    on every member: cut into one slice per member and moved (all-to-all), each slice folded by its
+    member, gathered back -- as a bucket's tree reduction (``fold_bucket_slices``)."""
+    world = dist.get_world_size(group=group)
+    flat = values.reshape(-1)
+    n = flat.numel()
+    per = -(-n // world)
+    if per * world != n:
+        flat = torch.cat([flat, flat.new_zeros(per * world - n)])
+    received = _all_to_all_rows(flat.view(world, per), group)  # (world, 1, per): member i's slice for me
+    mine = tree_fold(received[order, 0], dim=0)
+    return _all_gather_rows(mine.view(1, per), group).view(-1)[:n].view_as(values)
 
 
 class _Done:
@@ -350,15 +394,13 @@ def _fold_moved_slices(bucket_group, bucket, leaves, order, sharded: bool) -> No
 
 
 def reset() -> None:
-    """A new step: the counts start over and every group and tied-head buffer is zero (they are kept
+    """A new step: the counts start over and every group buffer is zero (they are kept
     and zeroed after use; a step that raised after some micro-batches were routed leaves partial sums
-    that must not reach the next one)."""
+    that must not reach the next one); a tied embedding's rows are dropped."""
     _counts.clear()
     _source_steps.clear()
     for holder in list(_buffered):
         for buf in getattr(holder, BUFFERS_ATTR, {}).values():
             buf.zero_()
-    for head in list(_heads.values()):
-        head.main_grad.zero_()
-        head.pending = False
-    _heads.clear()
+    _embedding_rows.clear()
+    _embedding_counts.clear()

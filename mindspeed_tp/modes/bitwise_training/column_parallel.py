@@ -15,13 +15,11 @@ followed by up chunk i, so its rows are the same features in every layout.
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from ...contract.refusals import refuse
 from ...kernels.collectives import _all_gather_rows, fold_across_ranks, group_size
 from ...kernels.linear import _fold_leaves, invariant_weight_grad
-from ...models.marks import OUTPUT_PARTS_ATTR, TIED_HEAD_ATTR
-from . import accumulation
+from ...models.marks import OUTPUT_PARTS_ATTR
 from .context_parallel import weight_grad_operands
 from .lm_head_grad import lm_head_input_grad
 
@@ -72,9 +70,6 @@ class CanonicalColumnLinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:  # under CP: the whole micro-batch's tokens (context_parallel.py)
             dy_all, x_all = weight_grad_operands(dy, x2d.to(dtype))
             dw = invariant_weight_grad(dy_all, x_all, weight.dtype, ctx.row_multiple)
-        if dw is not None and getattr(weight, TIED_HEAD_ATTR, False):
-            accumulation.add_tied_head_grad(weight, dw)  # kept apart from the embedding's (PP=1, tied)
-            dw = None
         dx = None
         if ctx.needs_input_grad[0] and isinstance(ctx.leaves, tuple):  # the LM head
             vocab, shards, width = ctx.leaves

@@ -3,7 +3,7 @@ one-device order, by moving data only.
 
 A CP rank holds chunks r and 2·CP-1-r of every sequence (``kernels/context_parallel.py``). Its
 backward needs sums over the whole sequence: a weight gradient is one GEMM over the micro-batch's
-tokens, a norm weight's a token tree, the embedding's a dense backward over the token ids, and
+tokens, a norm weight's a token tree, the embedding's a backward over the token ids (``embedding.py``), and
 dK/dV are folded over the query tiles in query order. Each is computed here on the whole
 micro-batch: the operands (activations and output gradients of the rank's tokens) are all-gathered
 over the CP group and put back in sequence order (a permutation: nothing is added), then the one-device
@@ -25,7 +25,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from ...contract.tree import tree_fold
 from ...kernels import context_parallel as cp
@@ -125,66 +124,6 @@ def token_values(values: torch.Tensor, seq_split: bool, tp_group) -> tuple:
     if seq_split and group_size(tp_group) > 1:
         values = _all_gather_rows(values.contiguous(), tp_group)  # the SP slices in rank order: moved
     return gather_rows(values.contiguous(), group), False
-
-
-class _EmbeddingLookup(torch.autograd.Function):
-    """``F.embedding(ids, weight)`` for this rank's tokens; backward: the ids and the output gradient
-    of the whole micro-batch (all-gathered in sequence order along dim 1) through the same dense
-    embedding backward as on one device."""
-
-    @staticmethod
-    def forward(ctx, ids, weight, group):
-        ctx.group = group
-        ctx.save_for_backward(ids, weight)
-        return F.embedding(ids, weight)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ids, weight = ctx.saved_tensors
-        full_ids = gather_rows(ids.contiguous(), ctx.group, dim=1)
-        full_grad = gather_rows(grad.contiguous(), ctx.group, dim=1)
-        with torch.enable_grad():
-            w = weight.detach().requires_grad_(True)
-            (dw,) = torch.autograd.grad(F.embedding(full_ids, w), [w], full_grad)
-        return None, dw, None
-
-
-def embedding_forward(original):
-    """VocabParallelEmbedding.forward: under CP the weight's gradient from the whole micro-batch."""
-
-    def forward(self, input_):
-        from ...numerics.bitwise_training import active
-
-        group = cp_group() if active() else None
-        if group is None:
-            return original(self, input_)
-        # An instance attribute shadows the registered parameter for this call only: the module's own
-        # masking and TP reduction run around the lookup.
-        object.__setattr__(self, "weight", _CPWeight(self.weight, group))
-        try:
-            return original(self, input_)
-        finally:
-            object.__delattr__(self, "weight")
-
-    return forward
-
-
-class _CPWeight:
-    """Stands in for the embedding weight during one forward: ``weight[ids]`` (megatron's
-    deterministic mode) and ``F.embedding(ids, weight)`` both reach ``_EmbeddingLookup``."""
-
-    def __init__(self, weight, group):
-        self.weight, self.group = weight, group
-
-    def __getitem__(self, ids):
-        return _EmbeddingLookup.apply(ids, self.weight, self.group)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.embedding:
-            ids = args[0] if args else kwargs["input"]
-            return _EmbeddingLookup.apply(ids, self.weight, self.group)
-        raise TypeError(f"bitwise_training under CP: the embedding weight used by {func}, not by its lookup")
 
 
 def _dp_cp_coordinates(group):
