@@ -389,6 +389,12 @@ REPORTS = [
            "default profile and bitwise training.",
            [PY, "benchmarks/scale_bench.py", "--cases", "qwen3-1.7b-2layer-tp2-sp-4k-fp32", "--no-components",
             "--json", OUT], render_scale, exit_codes=(0, 1), cost="real dimensions, 4k tokens: tens of minutes on 2 cores"),
+    Report("scale-bf16", "Costs at scale: Qwen3-1.7B dimensions at tp2-sp, 1k tokens, bf16",
+           "benchmarks/scale_bench.py: qwen3-1.7b-2layer at tp2-sp, bf16 parameters (fp32 main gradients), 2 "
+           "sequences of 1024 tokens; vanilla, the default profile and bitwise training. On a CPU without native "
+           "bf16 GEMMs vanilla's are emulated: the CPU line says which.",
+           [PY, "benchmarks/scale_bench.py", "--cases", "qwen3-1.7b-2layer-tp2-sp-1k-bf16", "--no-components",
+            "--json", OUT], render_scale, exit_codes=(0, 1), cost="real dimensions: ten minutes or more on 2 cores"),
     Report("scale", "Costs at scale (full)",
            "benchmarks/scale_bench.py: qwen3-1.7b-2layer and qwen3-8b-2layer at tp2-sp and tp2-sp-dp2, 1k / 4k / 8k "
            "tokens per sequence, fp32 and bf16.",
