@@ -360,6 +360,12 @@ REPORTS = [
            "shared 2-core machine the three-mode run's bitwise step was killed for memory.",
            [PY, "benchmarks/scale_bench.py", "--quick", "--only-modes", "bitwise", "--no-components", "--json", OUT],
            render_scale, exit_codes=(0, 1), cost="real dimensions: ten minutes or more on 2 cores"),
+    Report("scale-quick-forward", "Costs at scale (`--quick`), the logprob forward over more rounds",
+           "The --quick case's forward alone (`--forward-only`), 3 rounds (mode orders ABC, CBA, ABC) of 2 timed "
+           "forwards per mode: one --quick round measured vanilla's forward between 20 and 25 s in two runs, so "
+           "its forward ratio moves by 0.25 between runs.",
+           [PY, "benchmarks/scale_bench.py", "--quick", "--forward-only", "--rounds", "3", "--no-components",
+            "--json", OUT], render_scale, exit_codes=(0, 1), cost="real dimensions: ten minutes on 2 cores"),
     Report("scale-moe", "Costs at scale, MoE: Qwen3-30B-A3B dimensions (2 layers, 128 experts)",
            "benchmarks/scale_bench.py: qwen3-30b-a3b-2layer (128 experts top-8, hidden 2048, expert ffn 768, vocab "
            "151936) at tp2-sp-ep2, fp32, 2 sequences of 1024 tokens; vanilla, the default profile and bitwise training "
@@ -386,9 +392,9 @@ REPORTS = [
             "--json", OUT], render_scale, exit_codes=(0, 1), cost="real dimensions, 4 ranks: tens of minutes on 2 cores"),
     Report("scale-4k", "Costs at scale: Qwen3-1.7B dimensions at tp2-sp, 4k tokens",
            "benchmarks/scale_bench.py: qwen3-1.7b-2layer at tp2-sp, fp32, 2 sequences of 4096 tokens; vanilla, the "
-           "default profile and bitwise training.",
-           [PY, "benchmarks/scale_bench.py", "--cases", "qwen3-1.7b-2layer-tp2-sp-4k-fp32", "--no-components",
-            "--json", OUT], render_scale, exit_codes=(0, 1), cost="real dimensions, 4k tokens: tens of minutes on 2 cores"),
+           "default profile and bitwise training; one round (a 4k-token step takes minutes per mode here).",
+           [PY, "benchmarks/scale_bench.py", "--cases", "qwen3-1.7b-2layer-tp2-sp-4k-fp32", "--rounds", "1",
+            "--no-components", "--json", OUT], render_scale, exit_codes=(0, 1), cost="real dimensions, 4k tokens: tens of minutes on 2 cores"),
     Report("scale-bf16", "Costs at scale: Qwen3-1.7B dimensions at tp2-sp, 1k tokens, bf16",
            "benchmarks/scale_bench.py: qwen3-1.7b-2layer at tp2-sp, bf16 parameters (fp32 main gradients), 2 "
            "sequences of 1024 tokens; vanilla, the default profile and bitwise training. On a CPU without native "
