@@ -444,15 +444,16 @@ def test_four_dp_ranks_fold_the_tree_by_moving_data(tmp_path):
                                             "--distributed-optimizer", "--overlap", global_batch="8"))
 
 
-TIED_LAYOUTS = ["tp2-sp", "tp4-sp", "tp1-dp4", "tp1-pp2", "tp2-sp-pp2-dp2"]
+TIED_LAYOUTS = ["tp2-sp", "tp4-sp", "tp1-dp4", "tp1-cp2-dp2", "tp1-pp2", "tp2-sp-pp2-dp2"]
 
 
 def test_tied_embeddings_and_a_non_power_of_two_run_of_vocab_leaves_every_step_bitwise(tmp_path):
     """The input embedding and the LM head share one weight: on one stage its two gradients meet in
     one parameter, across a pipeline on two ranks; both are accumulated apart and added once. On one
     stage the embedding's are kept as rows of the step's token ids (by the micro-batch groups: 4, so
-    one rank folds four, two ranks two each, four DP ranks one each, folded over DP by moving slices)
-    and checked against a pipeline stage's dense embedding backward.
+    one rank folds four, two ranks two each, four DP ranks one each, folded over DP by moving slices;
+    under CP from the whole micro-batch, one CP copy each) and checked against a pipeline stage's
+    dense embedding backward.
     The vocabulary leaves each rank a non-power-of-two number of vocab leaves, as a real one does
     (1100 padded to 1536: 12, 6 and 3 leaves of 128 rows at TP 1, 2, 4, ranges starting off a
     subtree's edge): the LM head's input gradient folds each rank's range as aligned blocks and
