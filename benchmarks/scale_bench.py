@@ -193,7 +193,8 @@ def mode_profile(mode: str):
     return default
 
 
-def measure_mode(case: Case, mode: str, repeats: int, quiet: bool = False, forward_only: bool = False) -> Dict:
+def measure_mode(case: Case, mode: str, repeats: int, quiet: bool = False, forward_only: bool = False,
+                 profile_dir: Optional[str] = None) -> Dict:
     from functools import partial
 
     import torch
@@ -301,6 +302,12 @@ def measure_mode(case: Case, mode: str, repeats: int, quiet: bool = False, forwa
         step_s = series(step, lambda: (counted.update(bytes=comm_counter.total()), comm_counter.reset()))
         step_bytes = counted["bytes"]
     peak = _rss_mb("VmHWM") - base
+    if profile_dir and not quiet:  # after the peaks: the profiler's own memory is in neither
+        model.eval()
+        _profiled(forward, os.path.join(profile_dir, f"{case.name}-{mode}-forward.txt"))
+        if steps:
+            model.train()
+            _profiled(step, os.path.join(profile_dir, f"{case.name}-{mode}-step.txt"))
     out = torch.tensor([statistics.median(forward_s), statistics.median(step_s), peak, step_bytes, forward_peak],
                        dtype=torch.float64)
     dist.all_reduce(out, op=dist.ReduceOp.MAX)  # the slowest rank, the largest rank
@@ -316,6 +323,19 @@ def measure_mode(case: Case, mode: str, repeats: int, quiet: bool = False, forwa
     return {"forward_s": float(out[0]), "forward_peak_mb": float(out[4]),
             "step_s": float(out[1]) if steps else None, "peak_mb": float(out[2]) if steps else None,
             "step_bytes": int(out[3]) if steps else None}
+
+
+def _profiled(fn: Callable[[], None], path: str) -> None:
+    """One more call of ``fn`` under torch's profiler; rank 0 writes its ops by self CPU time to ``path``
+    (collectives included: on an oversubscribed machine their waits show there)."""
+    import torch
+    import torch.distributed as dist
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    if dist.get_rank() == 0:
+        with open(path, "w") as f:
+            f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
 
 
 def _progress(line: str) -> None:
@@ -348,7 +368,8 @@ def worker(ns) -> None:
     runs: Dict[str, List[Dict]] = {m: [] for m in case.modes}
     for r in range(ns.rounds):
         for mode in case.modes if r % 2 == 0 else tuple(reversed(case.modes)):  # against drift
-            runs[mode].append(measure_mode(case, mode, ns.repeats, forward_only=forward_only))
+            runs[mode].append(measure_mode(case, mode, ns.repeats, forward_only=forward_only,
+                                           profile_dir=ns.worker_profile if r == 0 else None))
             if dist.get_rank() == 0:  # after every mode: a later mode's failure keeps these
                 with open(ns.out + ".tmp", "w") as f:
                     json.dump({m: rs for m, rs in runs.items() if rs}, f)
@@ -547,7 +568,8 @@ def _median(values) -> Optional[float]:
     return None if any(v is None for v in values) else statistics.median(values)
 
 
-def run_case(case: Case, rounds: int, repeats: int, timeout: Optional[float], forward_only: bool = False) -> Dict:
+def run_case(case: Case, rounds: int, repeats: int, timeout: Optional[float], forward_only: bool = False,
+             profile_dir: Optional[str] = None) -> Dict:
     from mindspeed_tp.models.layout import Layout
 
     world = Layout.parse(case.layout).world_size
@@ -561,6 +583,8 @@ def run_case(case: Case, rounds: int, repeats: int, timeout: Optional[float], fo
                os.path.abspath(__file__), "--worker", "--model", case.model, "--layout", case.layout,
                "--seq-length", str(case.seq_length), "--dtype", case.dtype, "--sequences", str(case.sequences), "--optimizer", case.optimizer,
                "--worker-forward-only", "1" if forward_only else "0", "--worker-modes", ",".join(case.modes), "--rounds", str(rounds), "--repeats", str(repeats), "--out", out]
+        if profile_dir:
+            cmd += ["--worker-profile", os.path.abspath(profile_dir)]
         with tempfile.TemporaryFile("w+") as err:
             proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
             lines = []
@@ -638,9 +662,12 @@ def main(argv=None) -> int:
     p.add_argument("--lm-head-tokens", type=int, default=128, help="M of the LM-head component")
     p.add_argument("--timeout", type=float, help="seconds per case launch")
     p.add_argument("--json", help="write the report here")
+    p.add_argument("--profile", metavar="DIR", help="after the timed runs of the first round, one more forward and "
+                   "step per mode under torch's profiler: rank 0's ops by self CPU time into DIR/CASE-MODE-*.txt")
     # the worker's arguments
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    for flag in ("--model", "--layout", "--dtype", "--worker-modes", "--worker-forward-only", "--out"):
+    for flag in ("--model", "--layout", "--dtype", "--worker-modes", "--worker-forward-only", "--worker-profile",
+                 "--out"):
         p.add_argument(flag, help=argparse.SUPPRESS)
     for flag in ("--seq-length", "--sequences"):
         p.add_argument(flag, type=int, help=argparse.SUPPRESS)
@@ -654,6 +681,8 @@ def main(argv=None) -> int:
         return 0
     from mindspeed_tp.models.layout import Layout
 
+    if ns.profile:
+        os.makedirs(ns.profile, exist_ok=True)
     light = ns.quick or ns.smoke
     rounds, repeats = ns.rounds or (1 if light else 2), ns.repeats or (1 if light else 2)
     if ns.smoke:
@@ -706,7 +735,7 @@ def main(argv=None) -> int:
     print(HEADER, flush=True)
     rows = []
     for case in cases:
-        rows.append(run_case(case, rounds, repeats, ns.timeout, ns.forward_only))
+        rows.append(run_case(case, rounds, repeats, ns.timeout, ns.forward_only, ns.profile))
         print_case(rows[-1])
     failed = [r["name"] for r in rows if "failed" in r]
     components = []

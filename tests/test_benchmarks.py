@@ -119,7 +119,8 @@ def test_scale_bench_engine_mode_refusals_name_the_fix(monkeypatch, capsys):
 
 def test_scale_bench_smoke_writes_the_documented_report(tmp_path):
     report = tmp_path / "scale.json"
-    proc = _run("benchmarks/scale_bench.py", "--smoke", "--json", str(report))
+    profiles = tmp_path / "profiles"
+    proc = _run("benchmarks/scale_bench.py", "--smoke", "--json", str(report), "--profile", str(profiles))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     data = json.loads(report.read_text())
     assert {"cases", "components", "cpu", "commit"} <= set(data)
@@ -141,6 +142,9 @@ def test_scale_bench_smoke_writes_the_documented_report(tmp_path):
         assert set(c) == {"name", "ours_s", "reference_s", "ratio"}
         assert math.isclose(c["ratio"], c["ours_s"] / c["reference_s"])
     assert case["name"] in proc.stdout and "step x" in proc.stdout  # the table
+    written = sorted(p.name for p in profiles.iterdir())  # --profile: one forward and one step per mode
+    assert written == sorted(f"{case['name']}-{m}-{part}.txt" for m in case["modes"] for part in ("forward", "step"))
+    assert all("Self CPU" in (profiles / name).read_text() for name in written)
 
 
 def test_scale_bench_cases_are_the_issues_matrix():
