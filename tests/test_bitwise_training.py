@@ -576,15 +576,21 @@ def test_an_embeddings_gradient_by_its_distinct_rows_is_the_dense_backwards(by_i
     assert bits_equal(dense[[6, 7, 8, 10, 12, 13]], torch.zeros(6, 16, dtype=dtype))
 
 
-def _world_of_one(tmp_path):
+@pytest.fixture
+def world_of_one(tmp_path):
+    """A gloo world of this process alone for the test, destroyed after it (later tests in this process
+    see torch.distributed uninitialised, as they expect)."""
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    return dist.group.WORLD
+    assert not dist.is_initialized(), "a test left torch.distributed initialised"
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
 
 
-def test_tied_embedding_rows_add_to_the_lm_heads_gradient_as_the_dense_chains_do(tmp_path):
+def test_tied_embedding_rows_add_to_the_lm_heads_gradient_as_the_dense_chains_do(world_of_one):
     """A tied weight on one stage: the embedding's rows by micro-batch group (4 micro-batches, 2
     groups), folded, scaled as the bucket is and added to the LM head's reduced gradient give the
     dense path's bits -- each group's main_grad chain of dense gradients, the groups' one addition,
@@ -605,7 +611,7 @@ def test_tied_embedding_rows_add_to_the_lm_heads_gradient_as_the_dense_chains_do
     weight.main_grad = head.clone()
     bucket = SimpleNamespace(gradient_scaling_factor=0.5)
     ddp = SimpleNamespace(use_distributed_optimizer=False, average_in_collective=False)
-    group = SimpleNamespace(ddp_config=ddp, data_parallel_group=_world_of_one(tmp_path), param_to_bucket={weight: bucket})
+    group = SimpleNamespace(ddp_config=ddp, data_parallel_group=world_of_one, param_to_bucket={weight: bucket})
     model = [SimpleNamespace(param_to_bucket_group={weight: group})]
 
     accumulation.reset()
