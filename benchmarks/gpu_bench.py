@@ -168,7 +168,7 @@ def run_model(args):
             t = timed(step)
             if i:
                 times[mode]["step_s"].append(t)
-        del model
+        model = None  # the closures above hold it: clear (freed as del would)
         _teardown_parallel_state()
     mindspeed_tp.disable()
     med = {m: {k: statistics.median(v) for k, v in d.items()} for m, d in times.items()}

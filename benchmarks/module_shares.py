@@ -8,9 +8,7 @@ model. Prints per kind: vanilla ms, consistent ms, their ratio and the kind's sh
 time, so the note on what dominates the remaining cost is measured, not guessed. Rank 0 prints.
 """
 import argparse
-import os
 import statistics
-import sys
 import time
 from collections import defaultdict
 

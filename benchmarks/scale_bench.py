@@ -45,6 +45,7 @@ gradient buffers, no optimizer (so ``forward_peak_mb`` is the scoring forward's 
 test suite runs it so that a moved module breaks the suite, not this script).
 """
 import argparse
+import ctypes
 import gc
 import json
 import os
@@ -173,6 +174,15 @@ def _rss_mb(field: str = "VmRSS") -> float:
     return 0.0
 
 
+def _release_free_heap() -> None:
+    """Freed heap memory (the previous mode's) handed back to the kernel (glibc's malloc_trim), so a
+    mode's base and peak RSS are its own; a no-op under another C library."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _reset_peak() -> None:
     """The kernel's peak-RSS counter (VmHWM) restarts from the current RSS (Linux clear_refs 5)."""
     with open("/proc/self/clear_refs", "w") as f:
@@ -230,6 +240,7 @@ def measure_mode(case: Case, mode: str, repeats: int, quiet: bool = False, forwa
     disable() if mode == "vanilla" else enable(profile)
     _setup_parallel_state(layout, settings.seed, training=True)
     gc.collect()
+    _release_free_heap()
     base = _rss_mb()
     _reset_peak()
     if steps:
@@ -316,7 +327,7 @@ def measure_mode(case: Case, mode: str, repeats: int, quiet: bool = False, forwa
                   f"peak {float(out[2]):.0f} MB above it, "
                   f"{float(out[3]) / 2 ** 20:.1f} MiB sent per step")
     release_models(wrapped, chunks[0].config)
-    del model, chunks, wrapped, optimizer
+    model = chunks = wrapped = optimizer = None  # the closures above hold them: clear, not del (freed alike)
     _teardown_parallel_state()
     disable()
     gc.collect()
@@ -573,10 +584,15 @@ def run_case(case: Case, rounds: int, repeats: int, timeout: Optional[float], fo
     from mindspeed_tp.models.layout import Layout
 
     world = Layout.parse(case.layout).world_size
-    # A fixed mmap threshold: freed large tensors go back to the kernel, so one mode's peak RSS does
-    # not start from the previous mode's cached heap (glibc raises the threshold dynamically otherwise).
+    # glibc's allocator fixed where a long-running trainer's settles (its dynamic mmap threshold rises
+    # to 32 MiB, trimming at twice that), the same for every mode whatever ran before: tensors above
+    # it are mmapped and returned on free, and each mode starts from a trimmed heap
+    # (_release_free_heap). A lower threshold (1 MiB before) makes every temporary of a blocked
+    # kernel an mmap, page faults and munmap: at 4k tokens our attention's 1 MiB score tiles took
+    # 2.8x their time under glibc's defaults, vanilla's few large buffers are mmapped either way.
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               MALLOC_MMAP_THRESHOLD_="1048576", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+               MALLOC_MMAP_THRESHOLD_=str(32 << 20), MALLOC_TRIM_THRESHOLD_=str(64 << 20),
+               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "runs.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
