@@ -41,7 +41,7 @@ from ...contract.tree import tree_fold
 from ...errors import ConfigError
 from ...kernels.collectives import _all_gather_rows, _all_to_all_rows, gather_along_rank
 from ...models.marks import TIED_HEAD_ATTR
-from .context_parallel import cp_group, reduce_replicated
+from .context_parallel import cp_copy_members, cp_group
 
 # Set per forward_backward call by the schedule wrapper.
 _plan: Dict[str, int] = {}
@@ -240,10 +240,17 @@ def _folded_embedding_rows(weight):
     if len(leaves) == 1:
         return leaves[0]
     union = torch.unique(torch.cat([rows for rows, _ in leaves]))
-    spread = [_spread(leaf, union, leaf[1]) for leaf in leaves]
-    if len(spread) == 2:
-        return union, spread[1].add_(spread[0])  # one addition: the same bits in either operand order
-    return union, tree_fold(torch.stack(spread), dim=0)
+    return union, _fold_leaves([_spread(leaf, union, leaf[1]) for leaf in leaves])
+
+
+def _fold_leaves(leaves):
+    """A rank's group leaves (in tree order) folded by the tree: one as it is, two by one addition
+    into the last (the same bits in either operand order), more by ``tree_fold``."""
+    if len(leaves) == 1:
+        return leaves[0]
+    if len(leaves) == 2:
+        return leaves[1].add_(leaves[0])
+    return tree_fold(torch.stack(leaves), dim=0)
 
 
 def _fold(holder) -> None:
@@ -254,11 +261,10 @@ def _fold(holder) -> None:
     buffers = getattr(holder, BUFFERS_ATTR, None)
     if not seen or not buffers or _plan["direct"]:
         return
-    leaves = [holder.main_grad if g == _plan["home"] else buffers[g] for g in _plan["rank_groups"]]
-    if len(leaves) == 2:
-        holder.main_grad.add_(leaves[0])  # one addition: the same bits in either operand order
-    else:
-        holder.main_grad.copy_(tree_fold(torch.stack(leaves), dim=0))
+    # main_grad holds the home group, the last leaf: two leaves add into it in place.
+    folded = _fold_leaves([holder.main_grad if g == _plan["home"] else buffers[g] for g in _plan["rank_groups"]])
+    if folded is not holder.main_grad:
+        holder.main_grad.copy_(folded)
     for buf in buffers.values():
         buf.zero_()
 
@@ -290,10 +296,9 @@ def add_tied_embeddings(model) -> None:
         factor = bucket_group.param_to_bucket[weight].gradient_scaling_factor
         if factor != 1.0:
             values *= factor
-        if cp_group() is not None:  # the CP copies are equal: the DP ranks' values folded, one copy each
-            values = reduce_replicated(values, group, dp_tree_order())
-        elif world > 1:
-            values = _fold_over_ranks(values, group, dp_tree_order())
+        if world > 1:  # under CP the copies are equal: the DP ranks' values folded, one CP copy each
+            order = dp_tree_order() if cp_group() is None else cp_copy_members(group, dp_tree_order())
+            values = _fold_over_ranks(values, group, order)
         if world > 1 and bucket_group.ddp_config.average_in_collective:
             values /= world
         # The sum with the embedding's +0.0 outside its rows (-0.0 there becomes +0.0), its values on them.
@@ -317,14 +322,32 @@ def _fold_over_ranks(values: torch.Tensor, group, order) -> torch.Tensor:
     on every member: cut into one slice per member and moved (all-to-all), each slice folded by its
     member, gathered back -- as a bucket's tree reduction (``fold_bucket_slices``)."""
     world = dist.get_world_size(group=group)
-    flat = values.reshape(-1)
-    n = flat.numel()
-    per = -(-n // world)
-    if per * world != n:
-        flat = torch.cat([flat, flat.new_zeros(per * world - n)])
-    received = _all_to_all_rows(flat.view(world, per), group)  # (world, 1, per): member i's slice for me
-    mine = tree_fold(received[order, 0], dim=0)
-    return _all_gather_rows(mine.view(1, per), group).view(-1)[:n].view_as(values)
+    flat = _padded(values.reshape(-1), world)
+    mine = _fold_slices(flat.view(1, -1), group, [(member, 0) for member in order])
+    return _gathered(mine, group, values.numel()).view_as(values)
+
+
+def _padded(flat: torch.Tensor, world: int) -> torch.Tensor:
+    """``flat`` with zeros appended to a multiple of ``world`` (one equal slice per member)."""
+    pad = -flat.numel() % world
+    return flat if not pad else torch.cat([flat, flat.new_zeros(pad)])
+
+
+def _fold_slices(leaves: torch.Tensor, group, order) -> torch.Tensor:
+    """``leaves`` (L, world * per): this member's L leaves. Slice i of every leaf moves to member i
+    (all-to-all), which folds the group's leaves by the tree in ``order`` ((member, leaf) pairs):
+    this member's folded slice (per,)."""
+    world = dist.get_world_size(group=group)
+    count, per = leaves.shape[0], leaves.shape[1] // world
+    send = leaves.view(count, world, per).transpose(0, 1).reshape(world, count * per)
+    received = _all_to_all_rows(send, group).view(world, count, per) if world > 1 else send.view(1, count, per)
+    return tree_fold(torch.stack([received[member, leaf] for member, leaf in order]), dim=0)
+
+
+def _gathered(mine: torch.Tensor, group, n: int) -> torch.Tensor:
+    """Every member's folded slice gathered back, in member order: the first ``n`` elements."""
+    whole = _all_gather_rows(mine.view(1, -1), group).view(-1) if dist.get_world_size(group=group) > 1 else mine
+    return whole[:n]
 
 
 class _Done:
@@ -360,11 +383,8 @@ def fold_bucket_slices(bucket_group, sharded: bool, picks) -> None:
     (distributed optimizer). Averaging divides by the group's size, as megatron's collective does."""
     world = dist.get_world_size(group=_sync_group(bucket_group))
     for bucket in bucket_group.buckets:
-        data = bucket.grad_data
-        n = data.numel()
-        per = -(-n // world)
-        flat = data if per * world == n else torch.cat([data, data.new_zeros(per * world - n)])
-        _fold_moved_slices(bucket_group, bucket, flat.view(1, per * world), [(p, 0) for p in picks], sharded)
+        flat = _padded(bucket.grad_data, world)
+        _fold_moved_slices(bucket_group, bucket, flat.view(1, -1), [(p, 0) for p in picks], sharded)
     if bucket_group.ddp_config.overlap_grad_reduce:
         bucket_group.grad_reduce_handle = _Done()
 
@@ -378,19 +398,15 @@ def _fold_moved_slices(bucket_group, bucket, leaves, order, sharded: bool) -> No
     group = _sync_group(bucket_group)
     world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
     data = bucket.grad_data
-    count, per = leaves.shape[0], leaves.shape[1] // world
     if bucket.gradient_scaling_factor != 1.0:
         leaves *= bucket.gradient_scaling_factor
-    send = leaves.view(count, world, per).transpose(0, 1).reshape(world, count * per)
-    received = _all_to_all_rows(send, group).view(world, count, per) if world > 1 else send.view(1, count, per)
-    mine = tree_fold(torch.stack([received[member, leaf] for member, leaf in order]), dim=0)
+    mine = _fold_slices(leaves, group, order)
     if bucket_group.ddp_config.average_in_collective:
         mine /= world
     if sharded:
-        data.view(world, per)[rank].copy_(mine)
+        data.view(world, -1)[rank].copy_(mine)
     else:
-        data.copy_(_all_gather_rows(mine.view(1, per), group).view(-1)[:data.numel()] if world > 1
-                   else mine[:data.numel()])
+        data.copy_(_gathered(mine, group, data.numel()))
 
 
 def reset() -> None:

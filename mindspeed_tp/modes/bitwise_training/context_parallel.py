@@ -22,11 +22,8 @@ two chunks the two halves. Packed (thd) sequences stay refused (``bitwise_contex
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
-from ...contract.tree import tree_fold
 from ...kernels import context_parallel as cp
 from ...kernels.collectives import _all_gather_rows, gather_along_rank, group_rank, group_size
 from ...kernels.linear import InvariantBackward
@@ -134,6 +131,13 @@ def _dp_cp_coordinates(group):
     return gather_along_rank(mine, group).tolist()
 
 
+def cp_copy_members(group, dp_order) -> list:
+    """The members of the DP x CP ``group`` whose copy of a gradient every CP rank holds whole is the
+    one taken: the CP-rank-0 member of each DP rank, in ``dp_order``."""
+    source = {d: i for i, (d, c) in enumerate(_dp_cp_coordinates(group)) if c == 0}
+    return [source[d] for d in dp_order]
+
+
 def reduce_over_dp_cp(bucket_group, sharded: bool, dp_order) -> None:
     """The DP x CP gradient sync when every CP rank holds its DP replica's whole gradient: the
     CP-rank-0 copy of every DP rank's slice folded in the tree's DP order (``dp_order``: the DP ranks
@@ -141,19 +145,7 @@ def reduce_over_dp_cp(bucket_group, sharded: bool, dp_order) -> None:
     reduction over the DP x CP group, which would add the CP copies."""
     from .accumulation import _sync_group, fold_bucket_slices
 
-    coords = _dp_cp_coordinates(_sync_group(bucket_group))
-    source = {d: i for i, (d, c) in enumerate(coords) if c == 0}
-    fold_bucket_slices(bucket_group, sharded, [source[d] for d in dp_order])
-
-
-def reduce_replicated(tensor: torch.Tensor, group, dp_order) -> Optional[torch.Tensor]:
-    """A gradient held whole by every member of the DP x CP ``group`` (CP copies equal) -> the fold
-    of the DP ranks' values in ``dp_order`` (one CP copy each), on every member: moved, then folded."""
-    coords = _dp_cp_coordinates(group)
-    source = {d: i for i, (d, c) in enumerate(coords) if c == 0}
-    everyone = gather_along_rank(tensor.contiguous(), group)
-    leaves = everyone[[source[d] for d in dp_order]]
-    return leaves[0].clone() if len(dp_order) == 1 else tree_fold(leaves, dim=0)
+    fold_bucket_slices(bucket_group, sharded, cp_copy_members(_sync_group(bucket_group), dp_order))
 
 
 class WholeSequenceBackward(InvariantBackward):
