@@ -24,7 +24,7 @@ import importlib
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 from .errors import PatchImportError, PatchTargetError
 

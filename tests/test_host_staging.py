@@ -5,7 +5,6 @@ every result reaches the caller only through the wrapper's copy back), and ``--d
 without CUDA must be a clear usage error. That NCCL-free runs on a real shared GPU give the
 checker's bitwise results is for scripts/device_check.sh to show.
 """
-import sys
 
 from conftest import explain, run_python, run_torchrun
 

@@ -1,10 +1,8 @@
 """tiny-dense on real megatron-core GPTModel: every TP x SP x PP layout gives logprobs bitwise
 equal to the single-device run with mindspeed-tp, and vanilla megatron-core does not (bf16)."""
 import json
-import os
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from conftest import bits_equal, explain, full_matrix, run_cli

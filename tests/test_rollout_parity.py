@@ -4,7 +4,6 @@ response tokens' logprobs are bitwise equal. Vanilla Megatron scoring the same r
 import json
 
 import pytest
-import torch
 import yaml
 from safetensors.torch import load_file
 

@@ -1,6 +1,5 @@
 """megatron-core tensor-parallel layers under the patches, TP=2/4 vs TP=1, bit for bit."""
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from conftest import bits_equal, explain, run_torchrun

@@ -126,7 +126,6 @@ def test_activation_recomputation_gives_the_same_bits(recompute_runs, recompute)
 def test_the_same_state_is_written_as_the_same_bytes(tmp_path):
     """safetensors orders its metadata map differently from one write to the next (5 writes gave 5
     different files before): the state file sorts its header, so two runs compare file to file."""
-    import torch
 
     from mindspeed_tp.check.train.state_file import read_state, write_atomically
 

@@ -316,7 +316,6 @@ def routing_mismatch(routing, reference, batch) -> float:
 
 
 def run(ns: argparse.Namespace) -> int:
-    import torch
     import torch.distributed as dist
 
 

@@ -6,8 +6,6 @@ are folded locally in rank order after an all-to-all of row slices. Bytes moved 
 ring all-reduce: an fp32 all-to-all, plus an all-gather of the cast result when every rank needs
 all rows.
 """
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 

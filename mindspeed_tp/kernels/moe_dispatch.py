@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import List
 
 import torch
-import torch.distributed as dist
 
 from .collectives import _all_to_all_rows, all_to_all_split, group_size
 

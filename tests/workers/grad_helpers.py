@@ -4,8 +4,6 @@ Gradients go through megatron-core's own machinery: the model is wrapped in its
 DistributedDataParallel (whose hooks accumulate each gradient into ``main_grad``), and
 ``finalize_model_grads`` reduces them (over DP, the SP-replicated norms over TP, embeddings over PP).
 """
-import torch
-
 from mindspeed_tp.check.harness import _logprobs_from_logits, _pipeline_forward
 
 

@@ -12,7 +12,6 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 import mindspeed_tp
-from mindspeed_tp import state
 from mindspeed_tp.devices.cpu_shims import install_cpu_shims
 from mindspeed_tp.check.batch import make_batch
 from mindspeed_tp.check.harness import _setup_parallel_state, init_distributed

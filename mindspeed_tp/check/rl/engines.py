@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import tempfile
 import time
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist

@@ -9,8 +9,6 @@ every iteration's training logprobs bitwise equal to the rollout's (mindspeed-tp
 from __future__ import annotations
 
 import argparse
-import json
-import os
 from typing import List, NamedTuple, Optional
 
 from ...compat import vanilla_layout_problem

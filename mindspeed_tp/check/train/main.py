@@ -10,9 +10,7 @@ or usage, 3 the run crashed.
 from __future__ import annotations
 
 import argparse
-import math
 import os
-from functools import reduce
 from typing import Dict, List, NamedTuple, Optional
 
 from ...contract.refusals import refuse
