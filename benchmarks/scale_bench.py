@@ -579,6 +579,10 @@ def _median(values) -> Optional[float]:
     return None if any(v is None for v in values) else statistics.median(values)
 
 
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(64 << 20)}  # see run_case
+MALLOC_NOTE = "glibc malloc: mmap threshold 32 MiB, trim threshold 64 MiB, the heap trimmed before each mode"
+
+
 def run_case(case: Case, rounds: int, repeats: int, timeout: Optional[float], forward_only: bool = False,
              profile_dir: Optional[str] = None) -> Dict:
     from mindspeed_tp.models.layout import Layout
@@ -590,8 +594,7 @@ def run_case(case: Case, rounds: int, repeats: int, timeout: Optional[float], fo
     # (_release_free_heap). A lower threshold (1 MiB before) makes every temporary of a blocked
     # kernel an mmap, page faults and munmap: at 4k tokens our attention's 1 MiB score tiles took
     # 2.8x their time under glibc's defaults, vanilla's few large buffers are mmapped either way.
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               MALLOC_MMAP_THRESHOLD_=str(32 << 20), MALLOC_TRIM_THRESHOLD_=str(64 << 20),
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **MALLOC_ENV,
                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "runs.json")
@@ -765,7 +768,7 @@ def main(argv=None) -> int:
     report = {"cases": rows, "components": components, "cpu": cpu, "commit": commit(), "notes": notes,
               "settings": {"rounds": rounds, "repeats": repeats, "lm_head_tokens": ns.lm_head_tokens,
                            "component_threads": COMPONENT_THREADS, "quick": ns.quick, "smoke": ns.smoke,
-                           "forward_only": ns.forward_only}}
+                           "forward_only": ns.forward_only, "allocator": MALLOC_NOTE}}
     if ns.json:
         from mindspeed_tp.check.report import write_json_atomic
 

@@ -197,7 +197,8 @@ def render_scale(report: Dict) -> List[str]:
            "step); bytes: sent per rank through collectives in one step. "
            "Ratios are mode / vanilla megatron-core. Modes: default profile, rollout-layout profile (rollout-tp1), "
            "bitwise training (-g1: one micro-batch group), engine (the real-engine profile vllm-cpu-tp2, forward "
-           "only)." + (" Forward only: no training steps." if st.get("forward_only") else ""), ""]
+           "only)." + (" Forward only: no training steps." if st.get("forward_only") else "")
+           + (f" Allocator: {st['allocator']}." if st.get("allocator") else ""), ""]
     for case in report["cases"]:
         if case.get("vanilla_layout"):
             out.append(f"- {case['name']}: vanilla ran at {case['vanilla_layout']} (the CP ranks as DP ranks).")
@@ -392,7 +393,11 @@ REPORTS = [
             "--json", OUT], render_scale, exit_codes=(0, 1), cost="real dimensions, 4 ranks: tens of minutes on 2 cores"),
     Report("scale-4k", "Costs at scale: Qwen3-1.7B dimensions at tp2-sp, 4k tokens",
            "benchmarks/scale_bench.py: qwen3-1.7b-2layer at tp2-sp, fp32, 2 sequences of 4096 tokens; vanilla, the "
-           "default profile and bitwise training; one round (a 4k-token step takes minutes per mode here).",
+           "default profile and bitwise training; one round (a 4k-token step takes minutes per mode here). Run with "
+           "glibc's allocator at its settled thresholds (mmap 32 MiB, trim 64 MiB, since 1521c21); under the 1 MiB "
+           "mmap threshold scale_bench set before, every 1 MiB score tile of the blocked attention was an mmap, "
+           "page faults and an munmap, and the same case read default forward 1.38x, step 1.25x, peak 1.01x; "
+           "bitwise forward 1.44x, step 1.41x, peak 1.01x.",
            [PY, "benchmarks/scale_bench.py", "--cases", "qwen3-1.7b-2layer-tp2-sp-4k-fp32", "--rounds", "1",
             "--no-components", "--json", OUT], render_scale, exit_codes=(0, 1), cost="real dimensions, 4k tokens: tens of minutes on 2 cores"),
     Report("scale-bf16", "Costs at scale: Qwen3-1.7B dimensions at tp2-sp, 1k tokens, bf16",
