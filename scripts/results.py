@@ -382,9 +382,10 @@ REPORTS = [
            cost="needs .venv-vllm; real dimensions, forwards only: minutes on 2 cores"),
     Report("scale-8b", "Costs at scale: Qwen3-8B dimensions (hidden 4096, untied), tp2-sp, 1k tokens",
            "benchmarks/scale_bench.py: qwen3-8b-2layer at tp2-sp, fp32, 2 sequences of 1024 tokens; vanilla, the "
-           "default profile and bitwise training (the step: plain SGD, Adam's moments do not fit this machine).",
+           "default profile and bitwise training (the step: plain SGD, Adam's moments do not fit this machine); one "
+           "round.",
            [PY, "benchmarks/scale_bench.py", "--cases", "qwen3-8b-2layer-tp2-sp-1k-fp32", "--optimizer", "sgd",
-            "--no-components", "--json", OUT], render_scale, exit_codes=(0, 1),
+            "--rounds", "1", "--no-components", "--json", OUT], render_scale, exit_codes=(0, 1),
            cost="real dimensions, 17 GB: tens of minutes on 2 cores"),
     Report("scale-dp2", "Costs at scale: Qwen3-1.7B dimensions at tp2-sp-dp2, 1k tokens",
            "benchmarks/scale_bench.py: qwen3-1.7b-2layer at tp2-sp-dp2 (4 ranks), fp32, 2 sequences of 1024 tokens "
