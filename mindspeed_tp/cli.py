@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Dict, List, Optional
 
 from . import integrations, patches
@@ -127,7 +128,8 @@ def _check(argv: List[str]) -> int:
         cmd += ["-m", "mindspeed_tp.check", *rest, "--status-file", status]
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
-        proc = subprocess.run(cmd, env=env)
+        returncode = _run_torchrun(cmd, env, [os.path.join(tmp, f"status.{local}") for local in range(nproc)],
+                                   float(ns.timeout))
         codes, messages, missing = _read_statuses(tmp, nproc)
         if 2 in codes:
             return 2
@@ -136,10 +138,36 @@ def _check(argv: List[str]) -> int:
         if missing:
             print(f"mindspeed-tp check: error: local rank(s) {missing} of this node exited without a report "
                   f"(killed, crashed, or stopped by torchrun after another rank failed; torchrun exit code "
-                  f"{proc.returncode})", file=sys.stderr)
+                  f"{returncode})", file=sys.stderr)
         if missing or 3 in codes:
             return 3
         return max(codes)
+
+
+def _run_torchrun(cmd: List[str], env: Dict[str, str], status_files: List[str], grace_s: float) -> int:
+    """torchrun's exit code, waited for until it exits or until ``grace_s`` (the run's --timeout) after
+    every local rank wrote its status: this node's outcome is decided then, and torchrun's agent waits
+    in its exit barrier for every other node's agent (300 s), however long one that already left
+    (its worker killed, or crashed on exit) leaves it waiting. Then torchrun is stopped."""
+    proc = subprocess.Popen(cmd, env=env)
+    reported_at = None
+    while True:
+        try:
+            return proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            pass
+        if reported_at is None:
+            if all(os.path.exists(path) for path in status_files):
+                reported_at = time.monotonic()
+        elif time.monotonic() - reported_at > grace_s:
+            print(f"mindspeed-tp: every rank of this node reported {grace_s:g} s ago (--timeout) and torchrun is "
+                  "still waiting for another node's launcher; stopping it", file=sys.stderr)
+            proc.terminate()
+            try:
+                return proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                return proc.wait()
 
 
 def _launch_world(module: str, nproc: int, args: List[str], tmp: str, name: str):

@@ -1,7 +1,10 @@
 """Two "nodes" on this machine: two `mindspeed-tp check` launches (each its own torchrun) meeting
 on loopback through --nnodes/--node-rank/--rdzv-endpoint, one process each (world 2)."""
 import json
+import os
 import shutil
+import signal
+import sys
 
 import pytest
 
@@ -40,3 +43,18 @@ def test_two_nodes_save_then_ship_the_reference(tmp_path):
 def test_bad_launcher_flags_exit_2_before_launching(args, needle):
     proc = run_cli("check", *args)
     assert proc.returncode == 2 and needle in proc.stderr, explain(proc)
+
+
+def test_the_launcher_stops_torchrun_left_waiting_after_its_ranks_reported(tmp_path, capsys):
+    """torchrun's agent waits in its exit barrier for every other node's agent (300 s; seen in CI when
+    the other node's launcher had already left): once every local rank has reported, the launcher gives
+    torchrun --timeout more, then stops it. A stand-in for torchrun (a process that reports, then waits
+    for ever) shows the bound; one that exits by itself keeps its own exit code."""
+    from mindspeed_tp.cli import _run_torchrun
+
+    status = tmp_path / "status.0"
+    waits = [sys.executable, "-c", f"open({str(status)!r}, 'w').write('{{}}'); import time; time.sleep(600)"]
+    assert _run_torchrun(waits, dict(os.environ), [str(status)], grace_s=1.0) == -signal.SIGTERM
+    assert "stopping it" in capsys.readouterr().err
+    exits = [sys.executable, "-c", "import sys; sys.exit(7)"]
+    assert _run_torchrun(exits, dict(os.environ), [str(tmp_path / "never")], grace_s=1.0) == 7
