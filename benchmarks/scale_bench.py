@@ -580,7 +580,8 @@ def _median(values) -> Optional[float]:
 
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(64 << 20)}  # see run_case
-MALLOC_NOTE = "glibc malloc: mmap threshold 32 MiB, trim threshold 64 MiB, the heap trimmed before each mode"
+MALLOC_NOTE = (f"glibc malloc: mmap threshold {int(MALLOC_ENV['MALLOC_MMAP_THRESHOLD_']) >> 20} MiB, trim threshold "
+               f"{int(MALLOC_ENV['MALLOC_TRIM_THRESHOLD_']) >> 20} MiB, the heap trimmed before each mode")
 
 
 def run_case(case: Case, rounds: int, repeats: int, timeout: Optional[float], forward_only: bool = False,
