@@ -26,6 +26,9 @@ megatron's vocab-parallel cross entropy), the training step as train-check runs 
 distributed optimizer, schedules, Adam with clipping; ``check/train/loop.py``), the peak memory
 (the largest rank's peak RSS above its RSS before the model is built: the kernel's peak counter is
 reset per mode; ``forward_peak_mb`` the same up to the end of the forwards, before any step) and the bytes a rank sends through collectives in one step (``comm_counter.py``).
+RSS counts what the C library keeps, so it depends on what ran before; ``--live-memory`` adds the live
+tensors' peak (``forward_live_mb``, ``step_live_mb``: the most bytes torch's allocator held during one
+more forward and step, above what it held when the call began), which does not.
 Times: the median of the timed repeats after one warm-up, the slowest rank. Then the component
 rows, one process, one thread, each against its reference on the same inputs:
 
@@ -204,7 +207,7 @@ def mode_profile(mode: str):
 
 
 def measure_mode(case: Case, mode: str, repeats: int, quiet: bool = False, forward_only: bool = False,
-                 profile_dir: Optional[str] = None) -> Dict:
+                 profile_dir: Optional[str] = None, live_memory: bool = False) -> Dict:
     from functools import partial
 
     import torch
@@ -319,8 +322,15 @@ def measure_mode(case: Case, mode: str, repeats: int, quiet: bool = False, forwa
         if steps:
             model.train()
             _profiled(step, os.path.join(profile_dir, f"{case.name}-{mode}-step.txt"))
-    out = torch.tensor([statistics.median(forward_s), statistics.median(step_s), peak, step_bytes, forward_peak],
-                       dtype=torch.float64)
+    live = [-1.0, -1.0]  # not measured (absent from the report)
+    if live_memory:  # after the timed runs and the RSS peaks: the profiler slows both and holds memory
+        model.eval()
+        live[0] = _live_peak_mb(forward)
+        if steps:
+            model.train()
+            live[1] = _live_peak_mb(step)
+    out = torch.tensor([statistics.median(forward_s), statistics.median(step_s), peak, step_bytes, forward_peak,
+                        *live], dtype=torch.float64)
     dist.all_reduce(out, op=dist.ReduceOp.MAX)  # the slowest rank, the largest rank
     if not quiet and steps:
         _progress(f"{case.name} {mode}: step {float(out[1]):.2f} s, RSS before the build {base:.0f} MB, "
@@ -331,9 +341,36 @@ def measure_mode(case: Case, mode: str, repeats: int, quiet: bool = False, forwa
     _teardown_parallel_state()
     disable()
     gc.collect()
-    return {"forward_s": float(out[0]), "forward_peak_mb": float(out[4]),
-            "step_s": float(out[1]) if steps else None, "peak_mb": float(out[2]) if steps else None,
-            "step_bytes": int(out[3]) if steps else None}
+    row = {"forward_s": float(out[0]), "forward_peak_mb": float(out[4]),
+           "step_s": float(out[1]) if steps else None, "peak_mb": float(out[2]) if steps else None,
+           "step_bytes": int(out[3]) if steps else None}
+    if live_memory:
+        row.update(forward_live_mb=float(out[5]), step_live_mb=float(out[6]) if steps else None)
+    return row
+
+
+def _live_peak_mb(fn: Callable[[], None]) -> float:
+    """The most bytes torch's CPU allocator held at once during one call of ``fn`` above what it held
+    when the call began (activations, saved tensors, temporaries, gradients first written): live
+    tensors only, whatever the C library keeps cached, fragmented or mapped. From the allocation
+    events of torch's profiler (profile_memory), in time order; gloo's own buffers are not in it."""
+    import torch
+    from torch._C._profiler import _ExtraFields_Allocation
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    sizes, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        fields = event.extra_fields
+        if isinstance(fields, _ExtraFields_Allocation) and fields.device.type == "cpu":
+            sizes.append((event.start_time_ns, fields.alloc_size))
+    held = peak = 0
+    for _, size in sorted(sizes):
+        held += size
+        peak = max(peak, held)
+    return peak / 2 ** 20
 
 
 def _profiled(fn: Callable[[], None], path: str) -> None:
@@ -380,7 +417,8 @@ def worker(ns) -> None:
     for r in range(ns.rounds):
         for mode in case.modes if r % 2 == 0 else tuple(reversed(case.modes)):  # against drift
             runs[mode].append(measure_mode(case, mode, ns.repeats, forward_only=forward_only,
-                                           profile_dir=ns.worker_profile if r == 0 else None))
+                                           profile_dir=ns.worker_profile if r == 0 else None,
+                                           live_memory=ns.worker_live_memory == "1"))
             if dist.get_rank() == 0:  # after every mode: a later mode's failure keeps these
                 with open(ns.out + ".tmp", "w") as f:
                     json.dump({m: rs for m, rs in runs.items() if rs}, f)
@@ -585,7 +623,7 @@ MALLOC_NOTE = (f"glibc malloc: mmap threshold {int(MALLOC_ENV['MALLOC_MMAP_THRES
 
 
 def run_case(case: Case, rounds: int, repeats: int, timeout: Optional[float], forward_only: bool = False,
-             profile_dir: Optional[str] = None) -> Dict:
+             profile_dir: Optional[str] = None, live_memory: bool = False) -> Dict:
     from mindspeed_tp.models.layout import Layout
 
     world = Layout.parse(case.layout).world_size
@@ -602,7 +640,8 @@ def run_case(case: Case, rounds: int, repeats: int, timeout: Optional[float], fo
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                os.path.abspath(__file__), "--worker", "--model", case.model, "--layout", case.layout,
                "--seq-length", str(case.seq_length), "--dtype", case.dtype, "--sequences", str(case.sequences), "--optimizer", case.optimizer,
-               "--worker-forward-only", "1" if forward_only else "0", "--worker-modes", ",".join(case.modes), "--rounds", str(rounds), "--repeats", str(repeats), "--out", out]
+               "--worker-forward-only", "1" if forward_only else "0",
+               "--worker-live-memory", "1" if live_memory else "0", "--worker-modes", ",".join(case.modes), "--rounds", str(rounds), "--repeats", str(repeats), "--out", out]
         if profile_dir:
             cmd += ["--worker-profile", os.path.abspath(profile_dir)]
         with tempfile.TemporaryFile("w+") as err:
@@ -655,6 +694,13 @@ def print_case(row: Dict) -> None:
               flush=True)
     for mode in row.get("failed", {}).get("modes_not_measured", []):
         print(f"{row['name']:<40}{mode:<11}not measured: the case failed (exit {row['failed']['exit_code']})")
+    for mode, m in row["modes"].items():  # --live-memory
+        if "forward_live_mb" in m:
+            q = row["ratios"].get(mode, {})
+            print(f"{'':<40}{mode:<11}live tensors: forward {_cell(m['forward_live_mb'], 0, 0).strip()} MB, step "
+                  f"{_cell(m['step_live_mb'], 0, 0).strip()} MB above the call's start"
+                  + (f" ({_cell(q.get('forward_live_mb'), 0, 2).strip()}x, {_cell(q.get('step_live_mb'), 0, 2).strip()}x)"
+                     if q else ""), flush=True)
 
 
 HEADER = (f"{'case':<40}{'mode':<11}{'fwd s':>9}{'fwd MB':>9}{'step s':>9}{'peak MB':>9}{'step MiB':>10}"
@@ -684,10 +730,13 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the report here")
     p.add_argument("--profile", metavar="DIR", help="after the timed runs of the first round, one more forward and "
                    "step per mode under torch's profiler: rank 0's ops by self CPU time into DIR/CASE-MODE-*.txt")
+    p.add_argument("--live-memory", action="store_true", help="after the timed runs, one more forward and step per "
+                   "mode under torch's memory profiler: the most bytes of live tensors above the call's start "
+                   "(forward_live_mb, step_live_mb), free of the C library's caching and fragmentation")
     # the worker's arguments
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for flag in ("--model", "--layout", "--dtype", "--worker-modes", "--worker-forward-only", "--worker-profile",
-                 "--out"):
+                 "--worker-live-memory", "--out"):
         p.add_argument(flag, help=argparse.SUPPRESS)
     for flag in ("--seq-length", "--sequences"):
         p.add_argument(flag, type=int, help=argparse.SUPPRESS)
@@ -755,7 +804,7 @@ def main(argv=None) -> int:
     print(HEADER, flush=True)
     rows = []
     for case in cases:
-        rows.append(run_case(case, rounds, repeats, ns.timeout, ns.forward_only, ns.profile))
+        rows.append(run_case(case, rounds, repeats, ns.timeout, ns.forward_only, ns.profile, ns.live_memory))
         print_case(rows[-1])
     failed = [r["name"] for r in rows if "failed" in r]
     components = []
@@ -769,7 +818,8 @@ def main(argv=None) -> int:
     report = {"cases": rows, "components": components, "cpu": cpu, "commit": commit(), "notes": notes,
               "settings": {"rounds": rounds, "repeats": repeats, "lm_head_tokens": ns.lm_head_tokens,
                            "component_threads": COMPONENT_THREADS, "quick": ns.quick, "smoke": ns.smoke,
-                           "forward_only": ns.forward_only, "allocator": MALLOC_NOTE}}
+                           "forward_only": ns.forward_only, "live_memory": ns.live_memory,
+                           "allocator": MALLOC_NOTE}}
     if ns.json:
         from mindspeed_tp.check.report import write_json_atomic
 

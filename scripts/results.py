@@ -222,6 +222,16 @@ def render_scale(report: Dict) -> List[str]:
             rows.append([case["name"], mode, f"not measured: {why}"] + [""] * 9)
     out += _table(["case", "mode", "forward s", "forward peak MB", "step s", "peak MB", "step MiB sent", "forward ×",
                    "forward peak ×", "step ×", "peak ×", "bytes ×"], rows, "llrrrrrrrrrr")
+    live = [[case["name"], mode, _number(m["forward_live_mb"], 0), _number(m.get("step_live_mb"), 0),
+             _ratio(case["ratios"].get(mode, {}).get("forward_live_mb")) if mode != "vanilla" else "-",
+             _ratio(case["ratios"].get(mode, {}).get("step_live_mb")) if mode != "vanilla" else "-"]
+            for case in report["cases"] for mode, m in sorted(case["modes"].items(), key=lambda i: SCALE_MODES.index(i[0]))
+            if "forward_live_mb" in m]
+    if live:
+        out += ["", "Live tensors (`--live-memory`: one more forward and step per mode under torch's memory profiler; "
+                "the most bytes torch's allocator held during the call above what it held when the call began, "
+                "whatever the C library caches):", ""]
+        out += _table(["case", "mode", "forward MB", "step MB", "forward ×", "step ×"], live, "llrrrr")
     if report.get("components"):
         out += ["", "Components (one thread; ours against the reference on the same inputs):", ""]
         out += _table(["component", "ours s", "reference s", "ratio"],
@@ -401,6 +411,14 @@ REPORTS = [
            "bitwise forward 1.44x, step 1.41x, peak 1.01x.",
            [PY, "benchmarks/scale_bench.py", "--cases", "qwen3-1.7b-2layer-tp2-sp-4k-fp32", "--rounds", "1",
             "--no-components", "--json", OUT], render_scale, exit_codes=(0, 1), cost="real dimensions, 4k tokens: tens of minutes on 2 cores"),
+    Report("scale-4k-live", "Costs at scale: Qwen3-1.7B dimensions at tp2-sp, 4k tokens, with live-tensor peaks",
+           "benchmarks/scale_bench.py --live-memory: the scale-4k case (qwen3-1.7b-2layer at tp2-sp, fp32, 2 "
+           "sequences of 4096 tokens; one round), plus one more forward and step per mode under torch's memory "
+           "profiler, so the peak is given twice: as RSS (what the process holds, the C library's cache and "
+           "fragmentation included) and as live tensors (what torch's allocator holds).",
+           [PY, "benchmarks/scale_bench.py", "--cases", "qwen3-1.7b-2layer-tp2-sp-4k-fp32", "--rounds", "1",
+            "--live-memory", "--no-components", "--json", OUT], render_scale, exit_codes=(0, 1),
+           cost="real dimensions, 4k tokens, every mode's forward and step twice: tens of minutes on 2 cores"),
     Report("scale-bf16", "Costs at scale: Qwen3-1.7B dimensions at tp2-sp, 1k tokens, bf16",
            "benchmarks/scale_bench.py: qwen3-1.7b-2layer at tp2-sp, bf16 parameters (fp32 main gradients), 2 "
            "sequences of 1024 tokens; vanilla, the default profile and bitwise training. On a CPU without native "
