@@ -120,7 +120,8 @@ def test_scale_bench_engine_mode_refusals_name_the_fix(monkeypatch, capsys):
 def test_scale_bench_smoke_writes_the_documented_report(tmp_path):
     report = tmp_path / "scale.json"
     profiles = tmp_path / "profiles"
-    proc = _run("benchmarks/scale_bench.py", "--smoke", "--json", str(report), "--profile", str(profiles))
+    proc = _run("benchmarks/scale_bench.py", "--smoke", "--json", str(report), "--profile", str(profiles),
+                "--live-memory")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     data = json.loads(report.read_text())
     assert {"cases", "components", "cpu", "commit"} <= set(data)
@@ -130,11 +131,14 @@ def test_scale_bench_smoke_writes_the_documented_report(tmp_path):
     assert {"name", "model", "layout", "seq_length", "dtype", "modes", "ratios"} <= set(case)
     assert set(case["modes"]) == {"vanilla", "default", "bitwise"}
     assert set(case["ratios"]) == {"default", "bitwise"}
+    live_keys = {"forward_live_mb", "step_live_mb"}  # --live-memory
     for mode, ratios in case["ratios"].items():
-        assert set(ratios) == set(case["modes"][mode]) == SCALE_KEYS
-        for key in SCALE_KEYS:
+        assert set(ratios) == set(case["modes"][mode]) == SCALE_KEYS | live_keys
+        for key in SCALE_KEYS | live_keys:
             assert ratios[key] == case["modes"][mode][key] / case["modes"]["vanilla"][key]
     assert all(case["modes"][m]["step_bytes"] > 0 and case["modes"][m]["step_s"] > 0 for m in case["modes"])
+    assert all(case["modes"][m][k] > 0 for m in case["modes"] for k in live_keys)
+    assert data["settings"]["live_memory"] is True and "live tensors: forward" in proc.stdout
     names = [c["name"] for c in data["components"]]
     assert [n.split(" ")[0] for n in names] == ["LM-head", "exact", "attention", "attention"], names
     assert "megatron-core's local DotProductAttention" in names[2] and "SDPA" in names[3], names
@@ -145,6 +149,26 @@ def test_scale_bench_smoke_writes_the_documented_report(tmp_path):
     written = sorted(p.name for p in profiles.iterdir())  # --profile: one forward and one step per mode
     assert written == sorted(f"{case['name']}-{m}-{part}.txt" for m in case["modes"] for part in ("forward", "step"))
     assert all("Self CPU" in (profiles / name).read_text() for name in written)
+
+
+def test_live_peak_is_the_most_bytes_torch_held_at_once_during_the_call():
+    """--live-memory's measure: 4 MB, 4 MB more, the first freed, 8 MB more: 12 MB held at once at the
+    most (a sum of every allocation would say 16, the end state 12 then 0 once returned)."""
+    import torch
+
+    import scale_bench
+
+    mb = 2 ** 20
+
+    def call():
+        a = torch.empty(mb, dtype=torch.float32)  # 4 MiB
+        b = torch.empty(mb, dtype=torch.float32)
+        del a
+        c = torch.empty(2 * mb, dtype=torch.float32)  # 8 MiB
+        return b, c
+
+    peak = scale_bench._live_peak_mb(call)
+    assert 12.0 <= peak < 12.1, peak
 
 
 def test_scale_bench_cases_are_the_issues_matrix():
