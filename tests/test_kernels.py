@@ -556,6 +556,49 @@ def test_logprob_gradient_padded_and_bf16():
     torch.testing.assert_close(x.grad[:, :vocab].float(), y.grad, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("chunk", [1, 3 * 5 * 1024, 1 << 24], ids=["row", "three-rows", "whole"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprob_exponentials_in_runs_of_rows_are_the_whole_tensors_bits(monkeypatch, chunk, temperature):
+    """The forward sums exp(logits - max) in runs of rows and the backward recomputes them from the
+    saved logits: the logprobs and gradients are the bits of the one-buffer computation (written out
+    here: every exponential at once, kept for the backward), for any run length, padded columns too."""
+    from mindspeed_tp.kernels import logprob as lp
+
+    vocab, padded = 1000, 1024
+    logits = _randn(7, 5, padded, seed=71, scale=4.0)
+    target = torch.randint(0, vocab, (7, 5), generator=_gen(72))
+    upstream = _randn(7, 5, seed=73)
+    lf = logits / temperature if temperature != 1.0 else logits
+    lmax = lf[..., :vocab].amax(-1)
+    e = torch.sub(lf, lmax.unsqueeze(-1)).exp_()
+    e[..., vocab:] = 0.0
+    width = lp.vocab_leaf_width(vocab, 8, 128)
+    total = lp.tree_fold(lp._leaf_sums(e.reshape(7, 5, padded // width, width)), dim=-1)
+    want = (lf.gather(-1, target[..., None]).squeeze(-1) - lmax) - torch.log(total)
+    want_grad = -(e / total.unsqueeze(-1)) * upstream.unsqueeze(-1)
+    want_grad.scatter_add_(-1, target[..., None], upstream[..., None])
+    if temperature != 1.0:
+        want_grad = want_grad / temperature
+    monkeypatch.setattr(lp, "EXP_CHUNK_ELEMENTS", chunk)
+    x = logits.clone().requires_grad_()
+    got = vocab_parallel_logprob(x, target, None, 8, vocab_size=vocab, temperature=temperature)
+    (got * upstream).sum().backward()
+    assert bits_equal(got.detach(), want)
+    assert bits_equal(x.grad, want_grad)
+
+
+def test_logprob_refuses_logits_changed_in_place_before_its_backward():
+    """The backward recomputes the exponentials from the caller's fp32 logits (no copy): a caller that
+    changes them in place before the backward gets autograd's error, never a gradient of other logits."""
+    x = _randn(4, 1024, seed=74).requires_grad_()
+    logits = x * 1.0
+    out = vocab_parallel_logprob(logits, torch.zeros(4, dtype=torch.long), None, 8)
+    with torch.no_grad():
+        logits.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
 @pytest.mark.parametrize("width", [1001, 1020, 12])
 def test_logprob_rejects_vocab_not_divisible(width):
     logits = torch.randn(2, width)
