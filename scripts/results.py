@@ -422,7 +422,7 @@ REPORTS = [
            "the same case building each mode and running one forward, vanilla then default in one process "
            "without the warm-ups and the step in between, read the forward's RSS peak in the LM head's output "
            "for both, 6669 / 6581 MB (vanilla, ranks 0 / 1) and 6592 / 6488 MB (default): 0.99x; vanilla's "
-           "attention peaked at 4.2 GB, ours at 2.3 GB. The benchmark's forward peak RSS ratio depends on what "
+           "attention peaked at 4.2 GB, ours at 2.1 GB. The benchmark's forward peak RSS ratio depends on what "
            "its process ran before the mode.",
            [PY, "benchmarks/scale_bench.py", "--cases", "qwen3-1.7b-2layer-tp2-sp-4k-fp32", "--rounds", "1",
             "--live-memory", "--no-components", "--json", OUT], render_scale, exit_codes=(0, 1),
