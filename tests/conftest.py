@@ -139,6 +139,54 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "version_lines: touches a megatron-core version difference; scripts/test.sh runs only these on "
                    "the 0.12.x line")
+    config.addinivalue_line(
+        "markers", "full_tier(covered_by, why): runs only in the full tier (scripts/test.sh --full); covered_by "
+                   "names the CI-tier test of the same rule (docs/TESTS.md lists them)")
+
+
+TIER_ENV = "MINDSPEED_TP_TEST_TIER"
+
+
+def test_tier() -> str:
+    """``full`` (the default: pytest by hand runs everything) or ``ci`` (scripts/test.sh without
+    --full): the CI tier leaves out the tests marked ``full_tier`` and runs each matrix's CI cases."""
+    value = os.environ.get(TIER_ENV, "full")
+    if value not in ("full", "ci"):
+        raise pytest.UsageError(f"{TIER_ENV}={value!r}: use 'full' (default) or 'ci'")
+    return value
+
+
+test_tier.__test__ = False  # a helper, not a test
+
+
+def full_tier(covered_by: str, why: str):
+    """The mark of a test (or a parameter, with ``pytest.param(..., marks=full_tier(...))``) that runs
+    only in the full tier; ``covered_by`` is the node id of the CI-tier test proving the same rule."""
+    return pytest.mark.full_tier(covered_by=covered_by, why=why)
+
+
+# name -> (CI-tier cases, full-tier cases, why the CI cases cover the rest): docs/TESTS.md lists them
+TIERED_MATRICES = {}
+
+
+def tiered(name: str, ci: list, full: list, why: str) -> list:
+    """A matrix's cases (layouts of one launch, dtypes, ...): all of ``full`` in the full tier, the
+    subset ``ci`` in the CI tier; ``name`` and ``why`` go to docs/TESTS.md."""
+    missing = [c for c in ci if c not in full]
+    assert not missing, f"{name}: CI-tier cases outside the full matrix: {missing}"
+    TIERED_MATRICES[name] = (list(ci), list(full), why)
+    return list(full) if test_tier() == "full" else list(ci)
+
+
+def pytest_collection_modifyitems(config, items):
+    if test_tier() != "ci":
+        return
+    keep, drop = [], []
+    for item in items:
+        (drop if item.get_closest_marker("full_tier") else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 def host_cpu() -> str:
