@@ -135,6 +135,9 @@ if _importlib_util.find_spec("verl") is None:
     collect_ignore += ["test_verl_entry.py", "test_rl_check.py", "test_rl_vllm.py"]
 
 
+pytest_plugins = ["pytester"]  # tests/test_tests_doc.py runs the tier mechanism on a suite of its own
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "version_lines: touches a megatron-core version difference; scripts/test.sh runs only these on "
@@ -175,7 +178,7 @@ def tiered(name: str, ci: list, full: list, why: str) -> list:
     missing = [c for c in ci if c not in full]
     assert not missing, f"{name}: CI-tier cases outside the full matrix: {missing}"
     TIERED_MATRICES[name] = (list(ci), list(full), why)
-    return list(full) if test_tier() == "full" else list(ci)
+    return list(full) if full_matrix() else list(ci)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -218,10 +221,16 @@ MATRIX_ENV = "MINDSPEED_TP_TEST_MATRIX"
 
 
 def full_matrix() -> bool:
-    """The whole layout x dtype matrices (the main line, the default), or a representative subset
-    (``MINDSPEED_TP_TEST_MATRIX=lines``: scripts/test.sh on the other megatron-core lines, where the
-    version-sensitive code is the same patch set and only its targets differ)."""
+    """The whole layout x dtype matrices (the main line in the full tier), or their CI cases: in the CI
+    tier, and on the other megatron-core lines in both tiers (``MINDSPEED_TP_TEST_MATRIX=lines``,
+    scripts/test.sh), where the version-sensitive code is the same patch set and only its targets differ."""
     value = os.environ.get(MATRIX_ENV, "full")
     if value not in ("full", "lines"):
         raise pytest.UsageError(f"{MATRIX_ENV}={value!r}: use 'full' (default) or 'lines'")
-    return value == "full"
+    return value == "full" and test_tier() == "full"
+
+
+def main_line() -> bool:
+    """This run is the main megatron-core line's (not ``MINDSPEED_TP_TEST_MATRIX=lines``): its shared
+    launches run there in both tiers, and a version-line test reads their rows instead of launching."""
+    return os.environ.get(MATRIX_ENV, "full") == "full"

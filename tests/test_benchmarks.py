@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, _env, run_torchrun
+from conftest import ROOT, _env, full_tier, run_torchrun
 
 BENCH = os.path.join(ROOT, "benchmarks")
 sys.path.insert(0, BENCH)
@@ -70,6 +70,8 @@ def test_gpu_bench_without_cuda_says_how_to_dry_run(monkeypatch):
             gpu_bench.main(argv)
 
 
+@full_tier(covered_by="tests/test_benchmarks.py::test_scale_bench_smoke_writes_the_documented_report",
+           why="scale_bench's modes and report run in the smoke case; this adds a CP case and every mode")
 def test_scale_bench_runs_any_bundled_model_at_a_cp_layout_in_every_mode(tmp_path):
     """A case named MODEL-LAYOUT-SEQ-DTYPE outside the catalogue, at a CP layout (vanilla there runs the
     CP ranks as DP ranks, and the report says so), in every mode: what the retired consistency_cost,

@@ -5,7 +5,7 @@ import json
 import torch
 from safetensors.torch import load_file
 
-from conftest import bits_equal, explain, run_cli
+from conftest import bits_equal, explain, full_tier, run_cli
 
 FAULT = "MINDSPEED_TP_TEST_FAULT"
 
@@ -41,6 +41,9 @@ def test_perturbed_weight_is_named_as_kernel_across_tp_sp_pp(tmp_path):
     assert dump[f"test/{name}/output"].shape == (4, 64, 128)
 
 
+@full_tier(covered_by="tests/test_bisect.py::test_classification_rules",
+           why="the framework verdict for inputs that differ is the classification's rule, tested in-process; the "
+               "launched bisect runs in test_perturbed_weight_is_named_as_kernel_across_tp_sp_pp")
 def test_different_inputs_are_named_as_framework_and_reference_file_keeps_modules(tmp_path):
     """The framework hands layer 1's pre-MLP norm a different input: framework. The same answer
     comes from a reference file saved with --bisect (computed once, shipped)."""
@@ -56,6 +59,8 @@ def test_different_inputs_are_named_as_framework_and_reference_file_keeps_module
         assert "inputs already differ" in first["reason"]
 
 
+@full_tier(covered_by="tests/test_bisect.py::test_classification_rules",
+           why="flipped routing is classified as framework by the same rules, tested in-process")
 def test_flipped_routing_is_named_as_framework_moe():
     """A router weight that differs in the EP=2 run flips an expert choice of layer 1: the first
     divergence is the router's decision, classed framework."""

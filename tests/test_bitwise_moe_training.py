@@ -12,14 +12,21 @@ import os
 import pytest
 import torch
 
-from conftest import bits_equal, explain, full_matrix, run_cli, run_train_check, train_check_rows
+from conftest import (bits_equal, explain, full_tier, main_line, run_cli, run_train_check, tiered,
+                      train_check_rows)
 
-LAYOUTS = ["tp2-sp-ep2", "tp1-ep4", "tp1-ep2-dp2", "tp2-sp-ep2-etp2", "tp2-sp-pp2-ep2", "tp1-ep2-pp2-dp2"]
+# The CI tier: EP with TP+SP, EP across DP (the version-line test's layouts) and EP with a pipeline.
+LAYOUTS = tiered("test_bitwise_moe_training.py: bf16 launch's layouts", ["tp2-sp-ep2", "tp1-ep2-dp2", "tp2-sp-pp2-ep2"],
+                 ["tp2-sp-ep2", "tp1-ep4", "tp1-ep2-dp2", "tp2-sp-ep2-etp2", "tp2-sp-pp2-ep2", "tp1-ep2-pp2-dp2"],
+                 "EP with TP+SP, across DP and with a pipeline; EP 4 and expert-TP: the fp32 launch")
 RUNS = {
     "bf16": ("tiny-moe-aux", LAYOUTS, ["--distributed-optimizer", "--overlap", "--recompute", "full",
                                        "--compare-vanilla"]),
-    "fp32": ("tiny-moe-shared+losses", ["tp1-ep4", "tp2-sp-ep2-etp2"], ["--dispatcher", "allgather", "--recompute",
-                                                                        "selective"]),
+    "fp32": ("tiny-moe-shared+losses", tiered("test_bitwise_moe_training.py: fp32 launch's layouts",
+                                              ["tp2-sp-ep2-etp2"], ["tp1-ep4", "tp2-sp-ep2-etp2"],
+                                              "expert-TP with EP and SP: the allgather dispatcher, the shared "
+                                              "expert and both optimizers' groups; EP 4 alone moves rows only"),
+             ["--dispatcher", "allgather", "--recompute", "selective"]),
 }
 # tiny-moe-shared with megatron's router losses on (its sigmoid scores feed them)
 ROUTER_LOSSES = "moe_aux_loss_coeff: 0.01\nmoe_router_load_balancing_type: aux_loss\nmoe_z_loss_coeff: 0.001\n"
@@ -92,6 +99,10 @@ def test_vanilla_moe_training_differs_in_every_layout(tmp_path_factory):
         assert any(s["grads_differ"] for s in row["steps"]), name
 
 
+@full_tier(covered_by="tests/test_bitwise_training.py::"
+                      "test_a_killed_rank_ends_the_run_and_it_resumes_on_another_layout_with_the_same_bits",
+           why="resharding a saved state onto another layout (the same --save-state / --load-state file); "
+               "the MoE-specific part, experts gathered from their EP ranks, is what only this test adds")
 def test_moe_state_saved_at_ep4_continues_at_tp2_sp_ep2_as_one_device(tmp_path):
     """Resharding: 2 steps at tp1-ep4 (DP 4), --save-state (expert weights gathered from their EP
     ranks, the routers' expert biases included), 2 steps at tp2-sp-ep2 (DP 1) from it: the final
@@ -125,7 +136,7 @@ def test_bitwise_moe_training_on_this_megatron_line(tmp_path, tmp_path_factory):
     the bf16 launch runs these layouts with these flags among others: its rows are checked, no launch
     of its own."""
     layouts, flags = ["tp2-sp-ep2", "tp1-ep2-dp2"], ["--distributed-optimizer"]
-    if full_matrix():
+    if main_line():
         _, proc, data = _report("bf16", tmp_path_factory)
         assert set(layouts) <= set(LAYOUTS) and set(flags) <= set(RUNS["bf16"][2])
     else:

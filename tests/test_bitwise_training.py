@@ -16,15 +16,22 @@ from fractions import Fraction
 import pytest
 import torch
 
-from conftest import bits_equal, explain, full_matrix, run_cli, run_train_check, train_check_rows
+from conftest import bits_equal, explain, full_tier, main_line, run_cli, run_train_check, tiered, train_check_rows
 
-LAYOUTS = ["tp2", "tp2-sp", "tp4-sp", "tp1-pp2", "tp1-dp2", "tp2-sp-pp2", "tp2-sp-dp2", "tp2-pp2-vpp2", "tp4-sp-pp2",
-           "tp2-sp-pp2-dp2"]
-# dtype: (layouts, flags). fp32 runs one world of 4 (and the one-device run): the fp32 GEMM and the
-# plain optimizer in every kind of split, TP 4, TP x DP and interleaved PP.
+# The CI tier: TP+SP, DP and PP (with TP+SP) in one world of 4; the version-line test's layouts among them.
+LAYOUTS = tiered("test_bitwise_training.py: bf16 launch's layouts", ["tp2-sp", "tp1-dp2", "tp2-sp-pp2"],
+                 ["tp2", "tp2-sp", "tp4-sp", "tp1-pp2", "tp1-dp2", "tp2-sp-pp2", "tp2-sp-dp2", "tp2-pp2-vpp2",
+                  "tp4-sp-pp2", "tp2-sp-pp2-dp2"],
+                 "TP+SP, DP and a pipeline each split the sums; TP 4, interleaved PP and the crossings are the same "
+                 "folds (TP 4 and interleaved PP: the fp32 launch's full cases; DP 4 and CP: the tied-embedding launch)")
+# dtype: (layouts, flags). fp32: the fp32 GEMM and the plain optimizer in every kind of split, TP 4,
+# TP x DP and interleaved PP (one world of 4, and the one-device run).
 RUNS = {
     "bf16": (LAYOUTS, ["--distributed-optimizer", "--overlap", "--recompute", "full", "--compare-vanilla"]),
-    "fp32": (["tp4-sp", "tp2-sp-dp2", "tp2-pp2-vpp2"], ["--recompute", "selective"]),
+    "fp32": (tiered("test_bitwise_training.py: fp32 launch's layouts", ["tp2-sp-dp2"],
+                    ["tp4-sp", "tp2-sp-dp2", "tp2-pp2-vpp2"],
+                    "TP x DP with SP: the fp32 GEMM's split sums and the plain optimizer over DP; the layouts "
+                    "themselves run in bf16"), ["--recompute", "selective"]),
 }
 VERDICTS = ("loss_bitwise_equal", "grads_bitwise_equal", "params_bitwise_equal", "optimizer_state_bitwise_equal")
 # Layouts splitting a sum over TP or DP ranks (tp1-pp2 splits none; vanilla may or may not match there).
@@ -433,6 +440,10 @@ def test_dyadic_blocks_partition_a_range_into_subtrees():
 DP4_LAYOUTS = ["tp1-dp4", "tp1-dp2", "tp2-sp-dp2", "tp1-pp2-dp4"]
 
 
+@full_tier(covered_by="tests/test_bitwise_training.py::"
+                      "test_tied_embeddings_and_a_non_power_of_two_run_of_vocab_leaves_every_step_bitwise",
+           why="DP 4 with microbatch_groups 4 (the DP levels folded by moving bucket slices) runs in the "
+               "tied-embedding launch (tp1-dp4, same profile, distributed optimizer)")
 def test_four_dp_ranks_fold_the_tree_by_moving_data(tmp_path):
     """microbatch_groups: 4 and DP=4: the DP levels are folded by an all-to-all of bucket slices and
     local adds (ranks in the tree's order), not by the collective's sum; DP=2 then folds two groups
@@ -444,7 +455,12 @@ def test_four_dp_ranks_fold_the_tree_by_moving_data(tmp_path):
                                             "--distributed-optimizer", "--overlap", global_batch="8"))
 
 
-TIED_LAYOUTS = ["tp2-sp", "tp4-sp", "tp1-dp4", "tp1-cp2-dp2", "tp1-pp2", "tp2-sp-pp2-dp2"]
+TIED_LAYOUTS = tiered("test_bitwise_training.py: tied-embedding launch's layouts",
+                      ["tp2-sp", "tp1-dp4", "tp1-cp2-dp2", "tp1-pp2"],
+                      ["tp2-sp", "tp4-sp", "tp1-dp4", "tp1-cp2-dp2", "tp1-pp2", "tp2-sp-pp2-dp2"],
+                      "the tied rows folded over DP 4 and under CP, the tied weight across a pipeline, a vocab "
+                      "range off a subtree's edge at TP 2 (6 leaves from leaf 6); TP 4 and the crossing of all "
+                      "four are the full cases")
 
 
 def test_tied_embeddings_and_a_non_power_of_two_run_of_vocab_leaves_every_step_bitwise(tmp_path):
@@ -477,7 +493,7 @@ def test_bitwise_training_on_this_megatron_line(tmp_path, tmp_path_factory):
     (the main line) the bf16 launch runs these layouts with these flags among others: its rows are
     checked, no launch of its own."""
     layouts, flags = ["tp2-sp", "tp1-dp2"], ["--distributed-optimizer", "--overlap"]
-    if full_matrix():
+    if main_line():
         _, proc, data = _report("bf16", tmp_path_factory)
         assert proc.returncode == 0, explain(proc)
         assert set(layouts) <= set(RUNS["bf16"][0]) and set(flags) <= set(RUNS["bf16"][1])

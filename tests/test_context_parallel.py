@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import bits_equal, explain, run_cli, run_python
+from conftest import bits_equal, explain, full_tier, run_cli, run_python, tiered
 
 from mindspeed_tp.kernels import consistent_attention, packed_attention
 from mindspeed_tp.kernels import context_parallel as cp
@@ -144,11 +144,17 @@ def test_bitwise_training_with_cp_is_planned_and_packed_cp_is_refused_by_name():
 
 # (model, dtype, packed) -> layouts of one checker launch (world 4). Padded and packed batches on the
 # dense model (attention is where they differ), MoE with CP packed (its experts see the same rows).
-CHECKS = {
+ALL_CHECKS = {
     ("tiny-dense", "bf16", False): ["cp2", "cp4", "tp2-sp-cp2", "tp1-cp2-pp2"],
     ("tiny-dense", "fp32", True): ["cp2", "tp2-sp-cp2", "tp1-cp2-pp2"],
     ("tiny-moe", "bf16", True): ["tp1-ep2-cp2", "tp2-sp-ep2-cp2"],
 }
+CHECKS = {key: ALL_CHECKS[key] for key in tiered(
+    "test_context_parallel.py: (model, dtype, packed) checker launches",
+    [("tiny-dense", "bf16", False), ("tiny-moe", "bf16", True)], list(ALL_CHECKS),
+    "padded CP (CP 2 and 4, with TP+SP, with PP) and packed CP (with EP, with TP+SP and EP): the chunking "
+    "of packed sequences is the model's attention input, the same for the dense model; fp32 changes the "
+    "kernels, not the chunks")}
 _launched = {}
 
 
@@ -193,6 +199,9 @@ def test_vanilla_is_compared_without_cp_and_the_report_says_so(tmp_path_factory)
     assert all(r["bitwise_equal_fraction"] < 1.0 for r in vanilla if r["ran_as"] == "tp2-sp")
 
 
+@full_tier(covered_by="tests/test_context_parallel.py::test_bitwise_training_at_cp_every_step_bitwise",
+           why="the same CP layouts through megatron's schedule, DDP over DP x CP and Adam; the bitwise-training "
+               "launch checks step 1's loss and in-step logprobs there and every later step too")
 def test_train_check_step_one_loss_bitwise_at_cp(tmp_path):
     """Default mode: megatron's own schedule, DDP over DP x CP and Adam; the step-1 loss and the
     in-step logprobs bitwise equal to one device (later steps: the plain backward, within round-off)."""

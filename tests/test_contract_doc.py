@@ -25,36 +25,46 @@ def _module_exists(path: str, last_dir: str) -> bool:
     return any(os.path.exists(c) for c in candidates)
 
 
-def test_every_path_and_test_the_contract_cites_exists():
+def contract_rows() -> list:
     with open(CONTRACT) as f:
-        rows = [line for line in f if line.startswith("|")]
+        return [line for line in f if line.startswith("|")]
+
+
+def citations(row: str):
+    """(kind, token, test file, test name, prefix) of each citation of a row, in order: kind "test"
+    (a test file, or a test of the file cited before it; name None for a whole file) or "module"."""
+    test_file = None
+    for token in re.findall(r"`([^`]+)`", row):
+        token = token.strip()
+        m = TEST_FILE.match(token)
+        if m:
+            test_file = m.group(1)
+            yield "test", token, test_file, m.group(2), bool(m.group(3))
+            continue
+        m = TEST_NAME.match(token)
+        if m:
+            yield "test", token, test_file, m.group(1), bool(m.group(2))
+            continue
+        if MODULE.match(token) and not token.startswith("."):
+            yield "module", token, None, None, False
+
+
+def test_every_path_and_test_the_contract_cites_exists():
     missing, cited = [], 0
-    for row in rows:
-        test_file, last_dir = None, os.path.join(ROOT, "mindspeed_tp")
-        for token in re.findall(r"`([^`]+)`", row):
-            token = token.strip()
-            m = TEST_FILE.match(token)
-            if m:
-                cited += 1
-                test_file = m.group(1)
-                if not os.path.exists(os.path.join(ROOT, "tests", test_file)):
-                    missing.append(token)
-                elif m.group(2) and not _defined(test_file, m.group(2), bool(m.group(3))):
-                    missing.append(token)
-                continue
-            m = TEST_NAME.match(token)
-            if m:
-                cited += 1
-                if test_file is None or not _defined(test_file, m.group(1), bool(m.group(2))):
-                    missing.append(f"{test_file}{token}")
-                continue
-            if MODULE.match(token) and not token.startswith("."):
-                cited += 1
-                if not _module_exists(token, last_dir):
-                    missing.append(token)
-                else:
-                    for base in (ROOT, os.path.join(ROOT, "mindspeed_tp")):
-                        if os.path.exists(os.path.join(base, token)):
-                            last_dir = os.path.dirname(os.path.join(base, token.rstrip("/")))
+    for row in contract_rows():
+        last_dir = os.path.join(ROOT, "mindspeed_tp")
+        for kind, token, test_file, name, prefix in citations(row):
+            cited += 1
+            if kind == "test":
+                if test_file is None or not os.path.exists(os.path.join(ROOT, "tests", test_file)):
+                    missing.append(f"{test_file}{token}" if token.startswith("::") else token)
+                elif name and not _defined(test_file, name, prefix):
+                    missing.append(f"{test_file}{token}" if token.startswith("::") else token)
+            elif not _module_exists(token, last_dir):
+                missing.append(token)
+            else:
+                for base in (ROOT, os.path.join(ROOT, "mindspeed_tp")):
+                    if os.path.exists(os.path.join(base, token)):
+                        last_dir = os.path.dirname(os.path.join(base, token.rstrip("/")))
     assert cited > 100, f"only {cited} citations parsed: the table format changed?"
     assert missing == [], f"docs/CONTRACT.md cites what does not exist: {missing}"

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import bits_equal, explain, run_cli, run_torchrun
+from conftest import bits_equal, explain, full_tier, run_cli, run_torchrun
 from hf_models import make_qwen3, make_qwen3_moe, save_word_tokenizer, transformers_logprobs
 from mindspeed_tp.errors import ConfigError
 from mindspeed_tp.hf import SafetensorsCheckpoint, open_hf_model
@@ -65,7 +65,10 @@ def _prompts_file(path, spec_vocab, text=False):
 
 @pytest.mark.parametrize("kind,layouts,nproc", [
     ("dense", "tp2-sp,tp1-pp2,tp2-sp-pp2", 4),
-    ("moe", "tp2-sp-ep2,tp1-ep2,tp1-pp2,tp2-sp-ep2-etp2", 4),
+    pytest.param("moe", "tp2-sp-ep2,tp1-ep2,tp1-pp2,tp2-sp-ep2-etp2", 4, marks=full_tier(
+        covered_by="tests/test_hf_checkpoint.py::test_rollout_from_checkpoint_prompts",
+        why="the MoE checkpoint's sliced loading at tp2-sp-ep2 is scored bitwise there (against the reference "
+            "engine's rollouts); the layouts themselves: test_parity_moe.py")),
 ])
 def test_layouts_from_checkpoint_bitwise_bf16(checkpoints, tmp_path, kind, layouts, nproc):
     prompts = _prompts_file(tmp_path / "p.jsonl", 1000, text=kind == "dense")
@@ -82,7 +85,10 @@ def test_layouts_from_checkpoint_bitwise_bf16(checkpoints, tmp_path, kind, layou
     assert all(r["tokens"] == expected_tokens for r in report["results"])
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("kind", ["dense", pytest.param("moe", marks=full_tier(
+    covered_by="tests/test_hf_checkpoint.py::test_rollout_from_checkpoint_prompts",
+    why="the MoE mapping: the reference model matches transformers (test_reference_model_matches_transformers_fp32"
+        "[moe]) and Megatron's forward of the same checkpoint matches the reference engine bit for bit"))])
 def test_megatron_single_device_matches_transformers_fp32(checkpoints, tmp_path, kind):
     """The checker's own TP=1 Megatron run (the reference every layout is compared with)."""
     prompts = _prompts_file(tmp_path / "p.jsonl", 1000)
@@ -106,7 +112,10 @@ def test_rollout_from_checkpoint_prompts(checkpoints, tmp_path):
 
 @pytest.mark.parametrize("kind,layout,nproc,shard_bytes", [
     ("moe", "tp2-sp-ep2", 4, "300000"),   # sharded export with an index
-    ("dense", "tp2-sp-pp2", 4, "1000000000"),  # tied embeddings across pipeline stages, one file
+    pytest.param("dense", "tp2-sp-pp2", 4, "1000000000", marks=full_tier(  # tied embeddings across stages, one file
+        covered_by="tests/test_hf_checkpoint.py::test_export_round_trip_bitwise",
+        why="the export's gather of TP, SP and EP shards and its index; the tied weight across a pipeline is the "
+            "dense case's addition")),
 ])
 def test_export_round_trip_bitwise(checkpoints, tmp_path, kind, layout, nproc, shard_bytes):
     out = tmp_path / "exported"

@@ -5,15 +5,18 @@ import json
 import pytest
 from safetensors.torch import load_file
 
-from conftest import bits_equal, explain, full_matrix, run_cli
+from conftest import bits_equal, explain, run_cli, tiered
 
 pytestmark = pytest.mark.version_lines  # also run on megatron-core 0.12.x (scripts/test.sh)
 
 ALL_LAYOUTS = ["tp1", "tp2", "tp2-sp", "tp4", "tp4-sp", "tp1-pp2", "tp2-pp2", "tp2-sp-pp2", "tp4-pp2", "tp4-sp-pp2"]
-# On the other megatron-core lines (full_matrix() false): TP 2 and 4, SP, a pipeline.
-LAYOUTS = ALL_LAYOUTS if full_matrix() else ["tp2-sp", "tp4", "tp1-pp2", "tp2-sp-pp2"]  # one world of 4
-# ... in bf16 only there: what differs between lines is where the patches attach, not the dtype.
-DTYPES = ["fp32", "bf16"] if full_matrix() else ["bf16"]
+# The CI tier and the other megatron-core lines: TP 2 and 4, SP, a pipeline (one world of 4), bf16.
+LAYOUTS = tiered("test_parity_dense.py: layouts of the checker launch", ["tp2-sp", "tp4", "tp1-pp2", "tp2-sp-pp2"],
+                 ALL_LAYOUTS, "TP 2 and 4, SP and a pipeline, alone and combined: every kind of split the other "
+                 "layouts combine; the tree makes TP 1, 2 and 4 the same by construction")
+DTYPES = tiered("test_parity_dense.py: dtypes", ["bf16"], ["fp32", "bf16"],
+                "fp32 scoring across layouts in the CI tier: test_gemm_invariance.py::"
+                "test_non_power_of_two_hidden_and_ffn_are_bitwise_in_fp32 (tp1, tp2, tp2-sp-pp2)")
 REQUIRED_KEYS = {"max_abs_logdiff", "mean_abs_logdiff", "bitwise_equal_fraction", "max_abs_probdiff", "pearson",
                  "tokens", "layout", "profile", "vanilla", "megatron_core_version"}
 

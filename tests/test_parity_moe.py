@@ -8,23 +8,27 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import bits_equal, explain, full_matrix, run_cli
+from conftest import bits_equal, explain, run_cli, tiered
 
 pytestmark = pytest.mark.version_lines  # also run on megatron-core 0.12.x (scripts/test.sh)
 
 ALL_LAYOUTS = ["tp2-sp", "tp2-sp-etp2", "tp1-ep2", "tp1-ep4", "tp1-ep2-etp2", "tp2-sp-ep2", "tp2-sp-ep4",
                "tp2-sp-ep2-etp2", "tp1-ep2-pp2", "tp2-sp-ep2-pp2"]
-# On the other megatron-core lines (full_matrix() false): TP+SP (where 0.12's vanilla MoE fails),
-# EP alone, ETP with EP, and a pipeline, for both dispatchers, in bf16 (what differs between lines is
-# where the patches attach, not the dtype).
-LAYOUTS = ALL_LAYOUTS if full_matrix() else ["tp2-sp", "tp1-ep4", "tp2-sp-ep2-etp2", "tp2-sp-ep2-pp2"]
+# The CI tier and the other megatron-core lines: TP+SP (where 0.12's vanilla MoE fails), EP alone,
+# ETP with EP, and a pipeline, for both dispatchers, in bf16.
+LAYOUTS = tiered("test_parity_moe.py: layouts of each checker launch",
+                 ["tp2-sp", "tp1-ep4", "tp2-sp-ep2-etp2", "tp2-sp-ep2-pp2"], ALL_LAYOUTS,
+                 "TP+SP, EP alone, expert-TP with EP and a pipeline with EP: the splits the other layouts combine")
 # Layouts where vanilla Megatron has a cross-rank or TP-split sum (EP alone only moves rows).
 VANILLA_DIFFERS = [l for l in LAYOUTS if "tp2" in l or "etp2" in l]
 # Each dispatcher once per model kind in bf16 (the shared expert runs beside the dispatcher, not
 # through it), and the shared-expert model in fp32 (the dtype changes the kernels, not the routing).
-CASES = [("tiny-moe", "alltoall", "bf16"), ("tiny-moe-shared", "allgather", "bf16")]
-if full_matrix():
-    CASES += [("tiny-moe-shared", "alltoall", "fp32")]
+CASES = tiered("test_parity_moe.py: (model, dispatcher, dtype) launches",
+               [("tiny-moe", "alltoall", "bf16"), ("tiny-moe-shared", "allgather", "bf16")],
+               [("tiny-moe", "alltoall", "bf16"), ("tiny-moe-shared", "allgather", "bf16"),
+                ("tiny-moe-shared", "alltoall", "fp32")],
+               "the dtype changes the kernels, not the routing: fp32 MoE training is bitwise in the CI tier "
+               "(test_bitwise_moe_training.py fp32 launch), both dispatchers run in bf16")
 
 
 def _check(tmp, *args):

@@ -7,14 +7,17 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from conftest import bits_equal, explain, run_cli
+from conftest import bits_equal, explain, run_cli, tiered
 
-CASES = [
+_ALL_CASES = [
     ("tiny-dense", "tp2-sp,tp2-sp-pp2", "0"),
     ("tiny-dense", "tp2-sp,tp2-sp-pp2", "0.7"),
     ("tiny-moe", "tp2-sp-ep2,tp2-sp-ep2-pp2", "0"),
     ("tiny-moe", "tp2-sp-ep2,tp2-sp-ep2-pp2", "0.7"),
 ]
+CASES = tiered("test_rollout_parity.py: (model, layouts, temperature) launches", [_ALL_CASES[1], _ALL_CASES[2]],
+               _ALL_CASES, "each model once, sampled (dense) and greedy (MoE): the engine's decode and the "
+               "training forward are the same whatever picks the tokens")
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{m}-T{t}" for m, _, t in CASES])

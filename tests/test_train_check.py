@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import bits_equal, explain, run_cli, run_torchrun
+from conftest import bits_equal, explain, run_cli, run_torchrun, tiered
 
 STEP_KEYS = {"step", "loss", "loss_bitwise_equal", "logprobs_bitwise_equal", "grads_bitwise_equal",
              "params_bitwise_equal", "optimizer_state_bitwise_equal", "grad_norm", "grad_norm_bitwise_equal",
@@ -26,7 +26,10 @@ RUNS = {
 VANILLA_DIFFERS = {"tp2-sp-pp2", "tp2-pp2-vpp2", "tp2-sp-dp2", "tp2-sp-ep2"}
 
 
-@pytest.fixture(scope="module", params=sorted(RUNS))
+@pytest.fixture(scope="module", params=tiered(
+    "test_train_check.py: train-check launches (model)", ["dense"], sorted(RUNS),
+    "megatron's training machinery (DDP, distributed optimizer, the three schedules, DP) runs in the dense "
+    "launch; MoE layouts train bitwise in every step in the CI tier (test_bitwise_moe_training.py)"))
 def report(request, tmp_path_factory):
     model, layouts = RUNS[request.param]
     path = tmp_path_factory.mktemp("train") / "report.json"
