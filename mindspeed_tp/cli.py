@@ -25,6 +25,7 @@ import time
 from typing import Dict, List, Optional
 
 from . import integrations, patches
+from .check import library_warnings
 from .check.main import build_parser, plan, required_world_size, resolve_args
 from .contract.refusals import refusals_page
 from .devices.cpu_shims import shim_registry
@@ -108,7 +109,7 @@ def _read_statuses(directory: str, nproc: int, prefix: str = "status"):
     return codes, messages, missing
 
 
-def _check(argv: List[str]) -> int:
+def _check(argv: List[str], warnings_dir: str) -> int:
 
     try:
         launch, rest = _split_launch_flags(argv)
@@ -126,22 +127,34 @@ def _check(argv: List[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="mindspeed-tp-") as tmp:
         status = os.path.join(tmp, "status")
         cmd += ["-m", "mindspeed_tp.check", *rest, "--status-file", status]
-        env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", "1")
-        returncode = _run_torchrun(cmd, env, [os.path.join(tmp, f"status.{local}") for local in range(nproc)],
-                                   float(ns.timeout))
-        codes, messages, missing = _read_statuses(tmp, nproc)
-        if 2 in codes:
-            return 2
-        for message in messages:
-            print(f"mindspeed-tp check: error: {message}", file=sys.stderr)
-        if missing:
-            print(f"mindspeed-tp check: error: local rank(s) {missing} of this node exited without a report "
-                  f"(killed, crashed, or stopped by torchrun after another rank failed; torchrun exit code "
-                  f"{returncode})", file=sys.stderr)
-        if missing or 3 in codes:
-            return 3
-        return max(codes)
+        status_files = [os.path.join(tmp, f"status.{local}") for local in range(nproc)]
+        returncode = _run_torchrun(cmd, _worker_env(), status_files, float(ns.timeout))
+        code = _check_outcome(tmp, nproc, returncode)
+        library_warnings.report(warnings_dir, ns, "mindspeed-tp check", finished=code in (0, 1))
+        return code
+
+
+def _check_outcome(tmp: str, nproc: int, returncode: int) -> int:
+    """The exit code of ``check`` from its ranks' status files (errors printed)."""
+    codes, messages, missing = _read_statuses(tmp, nproc)
+    if 2 in codes:
+        return 2
+    for message in messages:
+        print(f"mindspeed-tp check: error: {message}", file=sys.stderr)
+    if missing:
+        print(f"mindspeed-tp check: error: local rank(s) {missing} of this node exited without a report "
+              f"(killed, crashed, or stopped by torchrun after another rank failed; torchrun exit code "
+              f"{returncode})", file=sys.stderr)
+    if missing or 3 in codes:
+        return 3
+    return max(codes)
+
+
+def _worker_env() -> Dict[str, str]:
+    """The torchrun workers' environment (library_warnings.ENV included): one thread per rank unless set."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
 
 
 def _run_torchrun(cmd: List[str], env: Dict[str, str], status_files: List[str], grace_s: float) -> int:
@@ -175,9 +188,7 @@ def _launch_world(module: str, nproc: int, args: List[str], tmp: str, name: str)
     status = os.path.join(tmp, f"status-{name}")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone",
            "-m", module, *args, "--status-file", status]
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    proc = subprocess.run(cmd, env=env)
+    proc = subprocess.run(cmd, env=_worker_env())
     codes, messages, missing = _read_statuses(tmp, nproc, prefix=f"status-{name}")
     if 2 in codes:
         return 2, []
@@ -205,9 +216,8 @@ def _plan_or_exit(command: str, argv: List[str], main_module, launcher_flags: st
     return ns, pl
 
 
-def _train_check(argv: List[str]) -> int:
-    from .check.train import main as train_main, report
-    from .check.train.main import worlds
+def _train_check(argv: List[str], warnings_dir: str) -> int:
+    from .check.train import main as train_main
 
     planned = _plan_or_exit("train-check", argv, train_main, "--reference / --save-reference (the one-device "
                             "reference is run by train-check itself)",
@@ -216,25 +226,34 @@ def _train_check(argv: List[str]) -> int:
         return planned
     ns, pl = planned
     with tempfile.TemporaryDirectory(prefix="mindspeed-tp-train-") as tmp:
-        reference = os.path.join(tmp, "reference.safetensors")
-        parts, summary = [], {}
-        for world, layouts in worlds(pl.layouts).items():
-            results = os.path.join(tmp, f"results-{world}.json")
-            extra = ["--launch-layouts", ",".join(l.name for l in layouts), "--results", results]
-            extra += ["--save-reference", reference] if world == 1 else ["--reference", reference]
-            code, messages = _launch_world("mindspeed_tp.check.train", world, argv + extra, tmp, f"w{world}")
-            for message in messages:
-                print(f"mindspeed-tp train-check: error: {message}", file=sys.stderr)
-            if code:
-                return code
-            part = report.read_part(results)
-            parts.append(part["results"])
-            summary = summary or part["reference"]
-        return report.finish(parts, summary, pl, ns)
+        code = _train_worlds(argv, pl, ns, tmp)
+        library_warnings.report(warnings_dir, ns, "mindspeed-tp train-check", finished=code in (0, 1))
+        return code
 
 
-def _rl_check(argv: List[str]) -> int:
-    from .check.rl import main as rl_main, report
+def _train_worlds(argv: List[str], pl, ns, tmp: str) -> int:
+    from .check.train import report
+    from .check.train.main import worlds
+
+    reference = os.path.join(tmp, "reference.safetensors")
+    parts, summary = [], {}
+    for world, layouts in worlds(pl.layouts).items():
+        results = os.path.join(tmp, f"results-{world}.json")
+        extra = ["--launch-layouts", ",".join(l.name for l in layouts), "--results", results]
+        extra += ["--save-reference", reference] if world == 1 else ["--reference", reference]
+        code, messages = _launch_world("mindspeed_tp.check.train", world, argv + extra, tmp, f"w{world}")
+        for message in messages:
+            print(f"mindspeed-tp train-check: error: {message}", file=sys.stderr)
+        if code:
+            return code
+        part = report.read_part(results)
+        parts.append(part["results"])
+        summary = summary or part["reference"]
+    return report.finish(parts, summary, pl, ns)
+
+
+def _rl_check(argv: List[str], warnings_dir: str) -> int:
+    from .check.rl import main as rl_main
 
     planned = _plan_or_exit("rl-check", argv, rl_main, "--results / --launch-layout / --load-state / --state-out",
                             lambda ns: ns.results or ns.launch_layout or ns.load_state or ns.state_out)
@@ -242,23 +261,31 @@ def _rl_check(argv: List[str]) -> int:
         return planned
     ns, pl = planned
     with tempfile.TemporaryDirectory(prefix="mindspeed-tp-rl-") as tmp:
-        parts, handover = [], None
-        for i, (layout, first, last) in enumerate(pl.segments):  # resharded: A's world, then B's
-            results = os.path.join(tmp, f"results-{i}.json")
-            extra = ["--launch-layout", layout.name, "--first-iteration", str(first), "--last-iteration", str(last),
-                     "--results", results]
-            if handover:
-                extra += ["--load-state", handover]
-            if i + 1 < len(pl.segments):
-                handover = os.path.join(tmp, f"state-{i}.safetensors")
-                extra += ["--state-out", handover]
-            code, messages = _launch_world("mindspeed_tp.check.rl", layout.world_size, argv + extra, tmp, f"s{i}")
-            for message in messages:
-                print(f"mindspeed-tp rl-check: error: {message}", file=sys.stderr)
-            if code:
-                return code
-            parts.append(report.read_part(results))
-        return report.finish(parts, pl, ns)
+        code = _rl_worlds(argv, pl, ns, tmp)
+        library_warnings.report(warnings_dir, ns, "mindspeed-tp rl-check", finished=code in (0, 1))
+        return code
+
+
+def _rl_worlds(argv: List[str], pl, ns, tmp: str) -> int:
+    from .check.rl import report
+
+    parts, handover = [], None
+    for i, (layout, first, last) in enumerate(pl.segments):  # resharded: A's world, then B's
+        results = os.path.join(tmp, f"results-{i}.json")
+        extra = ["--launch-layout", layout.name, "--first-iteration", str(first), "--last-iteration", str(last),
+                 "--results", results]
+        if handover:
+            extra += ["--load-state", handover]
+        if i + 1 < len(pl.segments):
+            handover = os.path.join(tmp, f"state-{i}.safetensors")
+            extra += ["--state-out", handover]
+        code, messages = _launch_world("mindspeed_tp.check.rl", layout.world_size, argv + extra, tmp, f"s{i}")
+        for message in messages:
+            print(f"mindspeed-tp rl-check: error: {message}", file=sys.stderr)
+        if code:
+            return code
+        parts.append(report.read_part(results))
+    return report.finish(parts, pl, ns)
 
 
 def _patches(argv: List[str]) -> int:
@@ -280,10 +307,14 @@ def _refusals(argv: List[str]) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"check": _check, "train-check": _train_check, "rl-check": _rl_check, "patches": _patches, "refusals": _refusals}
+    checkers = {"check": _check, "train-check": _train_check, "rl-check": _rl_check}
+    commands = {**checkers, "patches": _patches, "refusals": _refusals}
     if not argv or argv[0] not in commands:
         print(f"usage: mindspeed-tp {{{','.join(commands)}}} [flags]   (mindspeed-tp check --help)", file=sys.stderr)
         return 2
+    if argv[0] in checkers:  # library warnings recorded here and in the workers, reported after the result
+        with library_warnings.recorded() as warnings_dir:
+            return checkers[argv[0]](argv[1:], warnings_dir)
     return commands[argv[0]](argv[1:])
 
 

@@ -14,7 +14,6 @@ import json
 import math
 import os
 import sys
-import warnings
 from functools import reduce
 from typing import Dict, List, NamedTuple, Optional
 
@@ -31,6 +30,7 @@ from ..kernels.collectives import gather_along_rank
 from . import bisect, hooks
 from .batch import make_batch
 from .harness import init_distributed, layout_logprobs, run_device
+from .library_warnings import add_verbose_flag
 from .metrics import compare_logprobs
 from .builder import DTYPES
 from ..models.layout import Layout, validate_layout
@@ -50,7 +50,7 @@ DEFAULTS = dict(
     save_reference=None, dump_logprobs=None, timeout=600.0, rollout=0, temperature=0.0, max_new_tokens=16,
     engine="reference", engine_max_batched_tokens=None,
     device="cpu", packed=False,
-    bisect=False, bisect_dump=None, report_md=None, plot=None,
+    bisect=False, bisect_dump=None, report_md=None, plot=None, verbose=False,
 )
 
 
@@ -130,6 +130,7 @@ def build_parser(prog: str = "mindspeed-tp check") -> argparse.ArgumentParser:
     p.add_argument("--report-md", metavar="FILE", help="write the report as Markdown")
     p.add_argument("--plot", metavar="FILE.png", help="plot |dlogp| per token position and per layer (implies "
                                                       "--bisect; needs matplotlib: pip install mindspeed-tp[plot])")
+    add_verbose_flag(p)
     p.add_argument("--status-file", help=argparse.SUPPRESS)
     return p
 
@@ -320,8 +321,6 @@ def run(ns: argparse.Namespace) -> int:
 
 
     spec, profile, layouts, modes, weights, prompts = plan(ns)
-    # torch deprecates the collective names megatron-core calls; not ours to fix, only noise here.
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     hooks.load_plugins()
     init_distributed(float(ns.timeout), ns.device)
     if not accelerator_available():

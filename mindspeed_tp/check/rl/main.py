@@ -18,6 +18,7 @@ from ...errors import ConfigError
 from ...models.layout import Layout, validate_layout
 from ...models.spec import ModelSpec, load_model_spec
 from ..main import _Parser, override, run_main, verify_same_on_all_ranks
+from ..library_warnings import add_verbose_flag
 from .loop import RLSettings
 
 DEFAULTS = dict(
@@ -25,7 +26,7 @@ DEFAULTS = dict(
     prompts=4, group_size=4, max_prompt=12, max_new_tokens=16, temperature=1.0, eos_token_id=None,
     micro_batch_size=2, logprob_micro_batch_size=4, logprob_max_tokens=None, lr=1e-2, clip_ratio=0.2, seed=1234, dtype="bf16",
     bitwise_training=False, compare_vanilla=False, reward="multiple-of-8", json=None, plot=None, save_state=None,
-    timeout=600.0,
+    timeout=600.0, verbose=False,
 )
 SEQ_MULTIPLE = 32  # the padded batch length: a multiple every SP split and canonical leaf width divides
 
@@ -76,6 +77,7 @@ def build_parser(prog: str = "mindspeed-tp rl-check") -> argparse.ArgumentParser
     p.add_argument("--load-state", help=argparse.SUPPRESS)        # the launcher: the state handed over
     p.add_argument("--state-out", help=argparse.SUPPRESS)         # the launcher: where this world's state goes
     p.add_argument("--results", help=argparse.SUPPRESS)
+    add_verbose_flag(p)
     p.add_argument("--status-file", help=argparse.SUPPRESS)
     return p
 
@@ -185,8 +187,6 @@ def _make_engine(ns, pl: Plan, dtype):
 
 
 def run(ns: argparse.Namespace) -> int:
-    import warnings
-
     import torch.distributed as dist
 
     from ...compat import megatron_version
@@ -199,7 +199,6 @@ def run(ns: argparse.Namespace) -> int:
 
     pl = plan(ns)
     reward_fn = task.load_reward(ns.reward)
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     init_distributed(float(ns.timeout))
     if not accelerator_available():
         install_cpu_shims()

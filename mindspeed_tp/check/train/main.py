@@ -20,6 +20,7 @@ from ...models.layout import Layout, validate_layout
 from ...models.spec import ModelSpec, load_model_spec
 from ...contract.profile import Profile, load_profile
 from ..main import _Parser, _digest, override, run_main, verify_same_on_all_ranks
+from ..library_warnings import add_verbose_flag
 from .loop import RECOMPUTE, TrainSettings
 
 DEFAULTS = dict(
@@ -27,7 +28,7 @@ DEFAULTS = dict(
     global_batch_size=8, seq_length=64, lr=3e-3, distributed_optimizer=False, overlap=False, recompute="none",
     dispatcher="alltoall", bitwise_training=False, json=None, vanilla=False, compare_vanilla=False, timeout=600.0, reference=None,
     save_reference=None, launch_layouts=None, results=None, load_state=None, save_state=None, checkpoint_dir=None,
-    resume=None,
+    resume=None, verbose=False,
 )
 
 
@@ -74,6 +75,7 @@ def build_parser(prog: str = "mindspeed-tp train-check") -> argparse.ArgumentPar
                                     "written it; every run starts from it): --steps stays the total step count")
     p.add_argument("--launch-layouts", help=argparse.SUPPRESS)  # the launcher: this world's share of --layouts
     p.add_argument("--results", help=argparse.SUPPRESS)         # the launcher: where this world's rows go
+    add_verbose_flag(p)
     p.add_argument("--status-file", help=argparse.SUPPRESS)
     return p
 
@@ -175,8 +177,6 @@ def meta_of(pl: Plan, ns) -> Dict[str, str]:
 
 
 def run(ns: argparse.Namespace) -> int:
-    import warnings
-
     import torch.distributed as dist
 
     from ...devices import accelerator_available
@@ -190,7 +190,6 @@ def run(ns: argparse.Namespace) -> int:
     from .loop import train_layout
 
     pl = plan(ns)
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     hooks.load_plugins()
     init_distributed(float(ns.timeout))
     if not accelerator_available():
