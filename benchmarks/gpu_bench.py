@@ -21,7 +21,14 @@ import statistics
 import sys
 import time
 
-import torch
+if __name__ == "__main__":  # run by torchrun: library warnings recorded from the first import of megatron on
+    from mindspeed_tp.check import library_warnings
+
+    library_warnings.record_this_run()
+
+import torch  # noqa: E402
+
+from mindspeed_tp.check.library_warnings import add_verbose_flag, report_after_run  # noqa: E402
 
 
 def _sync(device):
@@ -217,10 +224,13 @@ def main(argv=None):
     m.add_argument("--rounds", type=int, default=1, help="vanilla/consistent builds per mode")
     m.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     m.add_argument("--json")
+    for parser in (g, m):
+        add_verbose_flag(parser)
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_bench: no CUDA device (use --device cpu for a dry run)")
     run_gemm(args) if args.what == "gemm" else run_model(args)
+    report_after_run(args.verbose, "gpu_bench")
 
 
 if __name__ == "__main__":

@@ -12,20 +12,26 @@ import statistics
 import time
 from collections import defaultdict
 
-import torch
-import torch.distributed as dist
+if __name__ == "__main__":  # run by torchrun: library warnings recorded from the first import of megatron on
+    from mindspeed_tp.check import library_warnings
 
-import mindspeed_tp
-from mindspeed_tp.devices.cpu_shims import install_cpu_shims
-from mindspeed_tp.check.batch import make_batch
-from mindspeed_tp.check.harness import (
+    library_warnings.record_this_run()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import mindspeed_tp  # noqa: E402
+from mindspeed_tp.devices.cpu_shims import install_cpu_shims  # noqa: E402
+from mindspeed_tp.check.batch import make_batch  # noqa: E402
+from mindspeed_tp.check.harness import (  # noqa: E402
     _logprobs_from_logits, _pipeline_forward, _setup_parallel_state, _teardown_parallel_state, init_distributed,
 )
-from mindspeed_tp.check.builder import DTYPES, build_gpt_stage
-from mindspeed_tp.models.layout import Layout
-from mindspeed_tp.models.spec import load_model_spec
-from mindspeed_tp.models.weights import load_seeded_weights
-from mindspeed_tp.contract.profile import load_profile
+from mindspeed_tp.check.builder import DTYPES, build_gpt_stage  # noqa: E402
+from mindspeed_tp.check.library_warnings import add_verbose_flag, report_after_run  # noqa: E402
+from mindspeed_tp.models.layout import Layout  # noqa: E402
+from mindspeed_tp.models.spec import load_model_spec  # noqa: E402
+from mindspeed_tp.models.weights import load_seeded_weights  # noqa: E402
+from mindspeed_tp.contract.profile import load_profile  # noqa: E402
 
 # Module name suffix -> kind reported (the last matching suffix wins for nested names).
 KINDS = ("embedding", "input_layernorm", "linear_qkv", "core_attention", "linear_proj", "self_attention",
@@ -97,6 +103,7 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--repeats", type=int, default=5)
+    add_verbose_flag(p)
     args = p.parse_args(argv)
     owns_group = not dist.is_initialized()  # a caller's process group (tests/workers/bench_smoke.py) stays
     init_distributed()
@@ -119,6 +126,7 @@ def main(argv=None):
             a, b = v.get(kind, 0.0), c.get(kind, 0.0)
             share = f"{(b - a) / extra:.0%}" if extra > 0 and kind != "total" else "-"
             print(f"{kind:<20}{a * 1e3:>12.2f}{b * 1e3:>15.2f}{(b / a if a else float('nan')):>8.2f}{share:>16}")
+    report_after_run(args.verbose, "module_shares")
     if owns_group:
         dist.destroy_process_group()
 

@@ -135,3 +135,21 @@ def test_enable_and_importing_the_checker_change_no_warning_setting():
     """)
     proc = run_python(code)
     assert proc.returncode == 0 and "SAME True" in proc.stdout, explain(proc)
+
+
+def test_a_benchmark_under_the_users_torchrun_records_and_lists_on_rank_0(tmp_path, capsys, monkeypatch):
+    """benchmarks/module_shares.py and gpu_bench.py, run by the user's own torchrun, record from their
+    first import (``record_this_run``: one directory per torchrun run id) and report after the run."""
+    monkeypatch.setattr(library_warnings.tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run42")
+    monkeypatch.delenv(library_warnings.ENV, raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        directory = library_warnings.record_this_run()
+        assert directory == str(tmp_path / "mindspeed-tp-warnings-run42")
+        warnings.warn("Apex is not installed", UserWarning)
+        library_warnings.report_after_run(True, "module_shares")
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("Apex is not installed") == 1 and "library warnings (1, once each)" in err
+    before, _, _ = err.partition("library warnings (")
+    assert "Apex" not in before

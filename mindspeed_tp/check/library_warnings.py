@@ -15,6 +15,7 @@ worker started by the user's own torchrun, keeps Python's warning display.
 import contextlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 import warnings
@@ -74,6 +75,36 @@ def recorded() -> Iterator[str]:
                 os.environ.pop(ENV, None)
             else:
                 os.environ[ENV] = before
+
+
+def record_this_run() -> str:
+    """A benchmark started by the user's own torchrun (no launcher of ours): every rank records in one
+    directory named by torchrun's run id; ``report_after_run`` lists them on rank 0. Call it before
+    megatron-core is imported."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID") or f"ppid{os.getppid()}"
+    directory = os.path.join(tempfile.gettempdir(), f"mindspeed-tp-warnings-{run}")
+    os.makedirs(directory, exist_ok=True)
+    os.environ[ENV] = directory
+    warnings.showwarning = Recorder(directory, show_own=warnings.showwarning)
+    return directory
+
+
+def report_after_run(verbose: bool, prog: str) -> None:
+    """The end of a ``record_this_run`` benchmark: after every rank got here, rank 0 reports (nothing
+    when this process records for a launcher of ours, or not at all)."""
+    import torch.distributed as dist
+
+    directory = os.environ.get(ENV)
+    if not directory or not isinstance(warnings.showwarning, Recorder):
+        return
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        if dist.get_rank() != 0:
+            return
+    from types import SimpleNamespace
+
+    report(directory, SimpleNamespace(json=None, verbose=verbose), prog, finished=False)
+    shutil.rmtree(directory, ignore_errors=True)  # the log file keeps what it held
 
 
 def add_verbose_flag(parser) -> None:
