@@ -66,6 +66,10 @@ ROOT = os.path.dirname(HERE)
 # This checkout's package, as the launched workers get it (PYTHONPATH=ROOT): the components and the
 # cases measure the same code, whatever copy of mindspeed_tp is installed.
 sys.path[:0] = [HERE, ROOT]
+if __name__ == "__main__":  # library warnings recorded from the first import of megatron on, its workers' too
+    from mindspeed_tp.check import library_warnings
+
+    library_warnings.record_this_run()
 
 MODES = ("vanilla", "default", "bitwise")  # a case's modes unless --modes says otherwise
 ALL_MODES = MODES + ("rollout", "bitwise-g1", "engine")
@@ -740,6 +744,9 @@ def main(argv=None) -> int:
         p.add_argument(flag, help=argparse.SUPPRESS)
     for flag in ("--seq-length", "--sequences"):
         p.add_argument(flag, type=int, help=argparse.SUPPRESS)
+    from mindspeed_tp.check.library_warnings import add_verbose_flag
+
+    add_verbose_flag(p)
     ns = p.parse_args(argv)
     if ns.worker:
         worker(ns)
@@ -827,8 +834,10 @@ def main(argv=None) -> int:
     if failed:
         print(f"scale_bench: failed cases (their measured modes are in the report): {', '.join(failed)}",
               file=sys.stderr)
-        return 1
-    return 0
+    from mindspeed_tp.check.library_warnings import report_after_run
+
+    report_after_run(ns.verbose, "scale_bench")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

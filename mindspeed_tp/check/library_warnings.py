@@ -78,10 +78,15 @@ def recorded() -> Iterator[str]:
 
 
 def record_this_run() -> str:
-    """A benchmark started by the user's own torchrun (no launcher of ours): every rank records in one
-    directory named by torchrun's run id; ``report_after_run`` lists them on rank 0. Call it before
+    """A benchmark started by the user (its own torchrun, or one process that launches torchrun workers
+    itself): every process records in one directory, named by torchrun's run id or by this process
+    (its workers inherit ``ENV``); ``report_after_run`` lists them on rank 0. Call it before
     megatron-core is imported."""
-    run = os.environ.get("TORCHELASTIC_RUN_ID") or f"ppid{os.getppid()}"
+    directory = os.environ.get(ENV)
+    if directory:  # a worker of a launcher of ours: it reports what this process records
+        install_from_env()
+        return directory
+    run = os.environ.get("TORCHELASTIC_RUN_ID") or f"pid{os.getpid()}"
     directory = os.path.join(tempfile.gettempdir(), f"mindspeed-tp-warnings-{run}")
     os.makedirs(directory, exist_ok=True)
     os.environ[ENV] = directory
@@ -95,8 +100,8 @@ def report_after_run(verbose: bool, prog: str) -> None:
     import torch.distributed as dist
 
     directory = os.environ.get(ENV)
-    if not directory or not isinstance(warnings.showwarning, Recorder):
-        return
+    if not directory or not isinstance(warnings.showwarning, Recorder) or warnings.showwarning.show_own is None:
+        return  # nothing recorded here, or a worker whose launcher reports
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         if dist.get_rank() != 0:
