@@ -74,6 +74,7 @@ def collect(tier: str):
     collection of tests/ in ``tier`` (in this process: run it in a fresh interpreter)."""
     import pytest
 
+    sys.path.insert(0, ROOT)  # this checkout's package, as `python -m pytest` from the root imports it
     os.environ["MINDSPEED_TP_TEST_TIER"] = tier
     os.environ.pop("MINDSPEED_TP_TEST_MATRIX", None)
     collector = _Collector()

@@ -4,11 +4,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import assert_grads_match_vanilla, bits_equal, explain, run_torchrun
+from conftest import assert_grads_match_vanilla, bits_equal, explain, run_torchrun, tiered
 
 
-@pytest.fixture(scope="module", params=[("tiny-dense", "tp2-sp"), ("tiny-moe-shared", "tp2-sp-ep2")],
-                ids=["dense-tp2-sp", "moe-tp2-sp-ep2"])
+@pytest.fixture(scope="module", params=tiered(
+    "test_backward.py: torchrun launches (model, layout)", [("tiny-dense", "tp2-sp")],
+    [("tiny-dense", "tp2-sp"), ("tiny-moe-shared", "tp2-sp-ep2")],
+    "the plain backward of the patched linears, norm and attention at TP+SP; MoE gradients at TP+SP+EP are "
+    "bitwise one device's in every step in the CI tier (test_bitwise_moe_training.py)"),
+    ids=lambda p: f"{'dense' if p[0] == 'tiny-dense' else 'moe'}-{p[1]}")
 def ranks(request, tmp_path_factory):
     model, layout = request.param
     prefix = tmp_path_factory.mktemp("backward") / "grads"

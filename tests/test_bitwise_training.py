@@ -24,10 +24,14 @@ LAYOUTS = tiered("test_bitwise_training.py: bf16 launch's layouts", ["tp2-sp", "
                   "tp4-sp-pp2", "tp2-sp-pp2-dp2"],
                  "TP+SP, DP and a pipeline each split the sums; TP 4, interleaved PP and the crossings are the same "
                  "folds (TP 4 and interleaved PP: the fp32 launch's full cases; DP 4 and CP: the tied-embedding launch)")
+# Bitwise training at CP rides in the bf16 launch (tests/test_context_parallel.py reads its rows): the
+# weight-gradient and token sums gathered over CP, dK/dV over the whole sequence, DP x CP synced over DP.
+BITWISE_CP = ["tp2-sp-cp2", "tp1-cp2-dp2", "tp1-cp2-pp2"]
 # dtype: (layouts, flags). fp32: the fp32 GEMM and the plain optimizer in every kind of split, TP 4,
 # TP x DP and interleaved PP (one world of 4, and the one-device run).
 RUNS = {
-    "bf16": (LAYOUTS, ["--distributed-optimizer", "--overlap", "--recompute", "full", "--compare-vanilla"]),
+    "bf16": (LAYOUTS + BITWISE_CP, ["--distributed-optimizer", "--overlap", "--recompute", "full",
+                                    "--compare-vanilla"]),
     "fp32": (tiered("test_bitwise_training.py: fp32 launch's layouts", ["tp2-sp-dp2"],
                     ["tp4-sp", "tp2-sp-dp2", "tp2-pp2-vpp2"],
                     "TP x DP with SP: the fp32 GEMM's split sums and the plain optimizer over DP; the layouts "
@@ -42,7 +46,8 @@ _reports = {}
 
 
 def _report(dtype, tmp_path_factory):
-    """The dtype's one train-check launch, shared by every test of the module."""
+    """The dtype's one train-check launch, shared by every test of the module (and the bf16 one by
+    tests/test_context_parallel.py's CP rows)."""
     if dtype not in _reports:
         path = tmp_path_factory.mktemp("bitwise") / "report.json"
         layouts, flags = RUNS[dtype]
@@ -108,7 +113,7 @@ def test_training_moves_the_loss(report):
 def test_vanilla_differs_wherever_a_sum_is_split(tmp_path_factory):
     _, _, data = _report("bf16", tmp_path_factory)
     vanilla = _rows(data, vanilla=True)
-    assert sorted(vanilla) == sorted(LAYOUTS)
+    assert sorted(vanilla) == sorted(RUNS["bf16"][0])
     for name in SPLIT_SUMS:
         steps = vanilla[name]["steps"]
         assert not all(s[k] for s in steps for k in VERDICTS), name

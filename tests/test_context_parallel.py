@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import bits_equal, explain, full_tier, run_cli, run_python, tiered
+from test_bitwise_training import BITWISE_CP, _report as bitwise_report
 
 from mindspeed_tp.kernels import consistent_attention, packed_attention
 from mindspeed_tp.kernels import context_parallel as cp
@@ -216,26 +217,22 @@ def test_train_check_step_one_loss_bitwise_at_cp(tmp_path):
         assert first["loss_bitwise_equal"] and first["logprobs_bitwise_equal"], r["layout"]
 
 
-# Bitwise training at CP: one launch, the weight-gradient and token sums on the whole micro-batch
-# gathered over CP, attention's dK/dV over the whole sequence's queries, the DP x CP sync over DP only.
-BITWISE_CP = ["tp2-sp-cp2", "tp1-cp2-dp2", "tp1-cp2-pp2"]
 BITWISE_VERDICTS = ("loss_bitwise_equal", "grads_bitwise_equal", "params_bitwise_equal",
                     "optimizer_state_bitwise_equal", "grad_norm_bitwise_equal")
 
 
 @pytest.fixture(scope="module")
 def bitwise_cp(tmp_path_factory):
-    out = tmp_path_factory.mktemp("cp-bitwise") / "train.json"
-    proc = run_cli("train-check", "--model", "tiny-dense", "--bitwise-training", "--layouts", ",".join(BITWISE_CP),
-                   "--steps", "3", "--global-batch-size", "4", "--micro-batch-size", "1", "--seq-length", "32",
-                   "--distributed-optimizer", "--overlap", "--compare-vanilla", "--json", str(out))
+    """Bitwise training at CP: the rows of tests/test_bitwise_training.py's bf16 launch (3 steps, the
+    distributed optimizer, overlapped reductions, full recompute, vanilla alongside) at BITWISE_CP."""
+    _, proc, data = bitwise_report("bf16", tmp_path_factory)
     assert proc.returncode == 0, explain(proc)
-    return json.loads(out.read_text())
+    return data
 
 
 def test_bitwise_training_at_cp_every_step_bitwise(bitwise_cp):
     assert bitwise_cp["bitwise_training"] is True and bitwise_cp["all_bitwise_equal"] is True
-    ours = {r["layout"]["name"]: r for r in bitwise_cp["results"] if not r["vanilla"]}
+    ours = {r["layout"]["name"]: r for r in bitwise_cp["results"] if not r["vanilla"] and r["layout"].get("cp", 1) > 1}
     assert sorted(ours) == sorted(BITWISE_CP)
     for name, row in ours.items():
         assert [s["step"] for s in row["steps"]] == [1, 2, 3]
@@ -253,7 +250,7 @@ def test_bitwise_training_at_cp_every_step_bitwise(bitwise_cp):
 def test_vanilla_is_not_bitwise_where_cp_splits_the_sums(bitwise_cp):
     """Vanilla cannot run CP without Transformer Engine: it trains the same world with the CP ranks as
     DP ranks (the report says so), and its gradients differ from one device's there."""
-    vanilla = {r["layout"]["name"]: r for r in bitwise_cp["results"] if r["vanilla"]}
+    vanilla = {r["layout"]["name"]: r for r in bitwise_cp["results"] if r["vanilla"] and r["layout"].get("cp", 1) > 1}
     assert sorted(vanilla) == sorted(BITWISE_CP)
     assert {r["ran_as"] for r in vanilla.values()} == {"tp2-sp-dp2", "tp1-dp4", "tp1-pp2-dp2"}
     assert all("Transformer Engine" in r["note"] for r in vanilla.values())

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import assert_grads_match_vanilla, bits_equal, explain, run_cli, run_torchrun
+from conftest import assert_grads_match_vanilla, bits_equal, explain, run_cli, run_torchrun, tiered
 from mindspeed_tp.errors import ConfigError
 from mindspeed_tp.kernels import invariant_linear
 from mindspeed_tp.modes.rollout_layout.engine_math import full_vocab_logprob, rollout_row_parallel
@@ -110,7 +110,11 @@ MODELS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS))
+@pytest.fixture(scope="module", params=tiered(
+    "test_rollout_layout.py: torchrun launches (model)", ["tiny-dense"], sorted(MODELS),
+    "the rollout-layout mode's GEMMs, logprob and relaid caches at every TP in the dense launch; the MoE "
+    "model's expert-TP relayout end to end: test_checker_selects_the_mode_from_the_profile (tiny-moe-shared, "
+    "rollout-tp2, tp2-sp-ep2)"))
 def run(request, tmp_path_factory):
     layouts, grad_layout = MODELS[request.param]
     prefix = tmp_path_factory.mktemp("rollout-layout") / request.param

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from conftest import bits_equal, run_torchrun
+from conftest import bits_equal, full_tier, run_torchrun
 
 # Tensor methods that copy to the host or read a value there.
 HOST_READS = {torch.Tensor.cpu, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__int__,
@@ -72,7 +72,10 @@ def test_the_lm_head_input_gradient_at_a_real_vocabulary_is_bitwise_across_tp_an
     assert all(line.startswith("OK") for line in lines), "\n".join(l for l in lines if l.startswith("BAD"))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=full_tier(
+    covered_by="tests/test_scale.py::test_attention_backward_at_4k_tokens_is_bitwise_across_head_shards",
+    why="the same blocked backward at 4k tokens in bf16 (its fp32 accumulation is the fp32 case's arithmetic); "
+        "fp32 head-shard invariance at small sizes: test_kernels.py")), torch.bfloat16])
 def test_attention_backward_at_4k_tokens_is_bitwise_across_head_shards(dtype):
     """4096 tokens, GQA (8 query heads, 2 key/value groups): a TP rank's heads (TP 2 and 4) get the
     gradients the one-device pass gives those heads, bit for bit, the forward too. The backward's key
