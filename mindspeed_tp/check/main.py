@@ -28,11 +28,11 @@ from ..contract.refusals import refuse
 from ..errors import ConfigError
 from ..hf import open_hf_model
 from ..kernels.collectives import gather_along_rank
-from . import bisect, hooks
+from . import bisect, hooks, user_config
 from .batch import make_batch
 from .harness import init_distributed, layout_logprobs, run_device
 from .metrics import compare_logprobs
-from .builder import DTYPES
+from .builder import DTYPES, set_user_fields
 from ..models.layout import Layout, validate_layout
 from ..models.spec import ModelSpec, load_model_spec
 from ..models.weights import SeededWeights
@@ -50,7 +50,7 @@ DEFAULTS = dict(
     save_reference=None, dump_logprobs=None, timeout=600.0, rollout=0, temperature=0.0, max_new_tokens=16,
     engine="reference", engine_max_batched_tokens=None,
     device="cpu", packed=False,
-    bisect=False, bisect_dump=None, report_md=None, plot=None,
+    bisect=False, bisect_dump=None, report_md=None, plot=None, transformer_config=None,
 )
 
 
@@ -130,6 +130,7 @@ def build_parser(prog: str = "mindspeed-tp check") -> argparse.ArgumentParser:
     p.add_argument("--report-md", metavar="FILE", help="write the report as Markdown")
     p.add_argument("--plot", metavar="FILE.png", help="plot |dlogp| per token position and per layer (implies "
                                                       "--bisect; needs matplotlib: pip install mindspeed-tp[plot])")
+    user_config.add_argument(p)
     p.add_argument("--status-file", help=argparse.SUPPRESS)
     return p
 
@@ -174,6 +175,7 @@ def resolve_args(argv: Optional[List[str]]) -> argparse.Namespace:
 
         require_matplotlib()
     ns.bisect = bool(ns.bisect or ns.bisect_dump or ns.plot)
+    ns.transformer_fields = user_config.load(ns.transformer_config)
     if ns.engine == "vllm":
         if not int(ns.rollout):
             raise ConfigError("--engine vllm compares the engine's rollouts: give --rollout N")
@@ -250,6 +252,7 @@ def plan(ns: argparse.Namespace) -> Plan:
         raise ConfigError(
             f"--seq-length={ns.seq_length} exceeds the model's max_position_embeddings={spec.max_position_embeddings}"
         )
+    user_config.check_before_launch(spec, layouts, profile, DTYPES[ns.dtype], ns.transformer_fields, ns.dispatcher)
     modes = [True] if ns.vanilla else ([True, False] if ns.compare_vanilla else [False])
     return Plan(spec, profile, layouts, modes, weights, prompts)
 
@@ -323,6 +326,7 @@ def run(ns: argparse.Namespace) -> int:
     # torch deprecates the collective names megatron-core calls; not ours to fix, only noise here.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     hooks.load_plugins()
+    set_user_fields(ns.transformer_fields)
     init_distributed(float(ns.timeout), ns.device)
     if not accelerator_available():
         install_cpu_shims()
@@ -336,6 +340,7 @@ def run(ns: argparse.Namespace) -> int:
     verify_same_on_all_ranks(
         {"model config": spec.to_dict(), "profile": profile.to_dict(), "inputs": inputs, "device": ns.device,
          "layouts": [l.name for l in layouts], "megatron-core version": megatron_version(),
+         "transformer config": ns.transformer_fields,
          "checker flags": {"bisect": ns.bisect, "vanilla": ns.vanilla, "compare_vanilla": ns.compare_vanilla,
                            "dispatcher": ns.dispatcher, "reference given": bool(ns.reference), "engine": ns.engine}}
     )
@@ -370,7 +375,7 @@ def run(ns: argparse.Namespace) -> int:
          "reference file": _file_digest(ns.reference)}
     )
     meta = {"model": _digest(spec.to_dict()), "profile": profile.digest(), "inputs": _digest(inputs),
-            "weights": _digest(weights.describe())}
+            "weights": _digest(weights.describe()), "transformer config": _digest(ns.transformer_fields)}
     loaded = load_reference(ns.reference, meta) if ns.reference else {}
     single = Layout()
     # (key, vanilla, profile) per mode; against the real engine, vanilla and the canonical-tree
