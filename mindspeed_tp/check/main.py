@@ -31,7 +31,7 @@ from ..kernels.collectives import gather_along_rank
 from . import bisect, hooks, user_config
 from .batch import make_batch
 from .harness import init_distributed, layout_logprobs, run_device
-from .metrics import compare_logprobs
+from .metrics import compare_logprobs, require_scored
 from .builder import DTYPES, set_user_fields
 from ..models.layout import Layout, validate_layout
 from ..models.spec import ModelSpec, load_model_spec
@@ -367,6 +367,7 @@ def run(ns: argparse.Namespace) -> int:
         batch = batch_from_prompts(prompts, int(ns.seq_length))
     else:
         batch = make_batch(spec.vocab_size, int(ns.seed), int(ns.batch_size), int(ns.seq_length))
+    require_scored(batch.scored, "the checked batch")
     # What every rank computes from must be the same bits: weights (seeded by this torch, or the
     # checkpoint's files), the token batch, and a reference file shipped to every node.
     verify_same_on_all_ranks(
@@ -471,7 +472,7 @@ def run(ns: argparse.Namespace) -> int:
         save_reference(os.path.join(ns.dump_logprobs, "logprobs.safetensors"), dumps, meta)
     judged = [r for r in results if not r["vanilla"] and not r.get("alongside")] or results
     judged = [r for r in judged if "unsupported" not in r]
-    ok = all(r["bitwise_equal_fraction"] == 1.0 and r["nonfinite_values"] == 0 for r in judged)
+    ok = all(r["tokens"] > 0 and r["bitwise_equal_fraction"] == 1.0 and r["nonfinite_values"] == 0 for r in judged)
     if rank == 0:
         print(f"mindspeed-tp check: model={spec.name} dtype={ns.dtype} profile={profile.name} "
               f"megatron-core={megatron_version()} world={dist.get_world_size()}")

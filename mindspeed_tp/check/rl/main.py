@@ -210,12 +210,14 @@ def run(ns: argparse.Namespace) -> int:
     from ...devices import accelerator_available
     from ...devices.cpu_shims import install_cpu_shims
     from ..builder import DTYPES, set_user_fields
+    from .. import hooks
     from ..harness import init_distributed
     from . import report, task
     from .loop import run_arm
 
     pl = plan(ns)
     reward_fn = task.load_reward(ns.reward)
+    hooks.load_plugins()
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     set_user_fields(ns.transformer_fields)
     init_distributed(float(ns.timeout))
