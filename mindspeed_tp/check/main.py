@@ -546,6 +546,17 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 
+def exit_worker(code: int) -> None:
+    """How a checker process started as a module ends: output flushed, then out without the
+    interpreter's teardown. torch's gloo teardown can abort a process whose work is done ("terminate
+    called without an active exception", SIGABRT: a C++ thread destroyed while a work object or
+    group outlives destroy_process_group into interpreter exit, seen after --bisect's verdict); its
+    status file and reports are written by then (tests/workers/worker_exit.py does the same)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _dump_stacks_on_fatal_signals() -> None:
     """faulthandler on the process's stderr; not where stderr is no file (a caller capturing it)."""
     try:

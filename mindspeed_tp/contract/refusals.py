@@ -327,6 +327,11 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "multi_latent_attention is not supported " + _T, "MLA is not implemented"),
     Refusal("rope_mscale", ATTENTION, "RoPE mscale (YaRN)", "RoPE mscale != 1 (YaRN) is not supported " + _T,
             "not implemented"),
+    Refusal("backend_not_invariant", BACKEND, "backend (profile)",
+            "the {backend} kernel backend is not batch-invariant on {device} tensors (its invariance is a property "
+            "of the CPU BLAS libraries; the device's GEMMs change algorithm and split-K with the shape): set the "
+            "profile's backend to auto ({device} tensors run the {auto} backend)",
+            "the torch backend's row invariance is verified on CPU BLAS only"),
     Refusal("explicit_mask_on_maskless_backend", BACKEND, "attn_mask_type",
             "attn_mask_type={mask} with an explicit attention mask is not supported by the {backend} backend "
             "(causal or no_mask only); use attn_mask_type causal",
