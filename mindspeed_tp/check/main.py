@@ -243,6 +243,10 @@ def plan(ns: argparse.Namespace) -> Plan:
     if ns.engine == "vllm" and profile.engine_name != "vllm":
         raise ConfigError(f"--engine vllm needs a profile matching the real engine (--profile vllm-cpu-tp1 or "
                           f"vllm-cpu-tp2); {profile.name!r} describes {profile.reduction}")
+    if ns.engine == "vllm":  # before the engine starts (it would crash in its attention kernel)
+        from ..integrations.vllm.refusals import check_head_dim
+
+        check_head_dim(spec.kv_channels)
     for layout in layouts:
         validate_layout(layout, spec, profile, int(ns.seq_length))
         if layout.cp > 1 and ns.bisect:

@@ -81,6 +81,10 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "vLLM's {op} was to run with isa={isa!r}, which this host ({host}) cannot run; nothing was called "
             "(the C++ op aborts the process instead of raising): report the vLLM version and CPU",
             "a kernel given an ISA the host lacks aborts the process"),
+    Refusal("vllm_head_dim", ENGINE, "kv_channels (head_dim) with a vllm-cpu profile",
+            "head_dim={head_dim} (kv_channels): the installed vLLM's CPU attention supports head sizes {supported} "
+            "(it would start and crash in its attention kernel); use a model with one of those head sizes",
+            "the engine has no CPU attention kernel for that head size"),
     Refusal("vllm_split_kv_threads", ENGINE, "OMP_NUM_THREADS / VLLM_CPU_ATTN_SPLIT_KV",
             "OMP_NUM_THREADS={threads} with VLLM_CPU_ATTN_SPLIT_KV on: vLLM's CPU decode attention then splits the "
             "keys over threads and merges them (logprobs drift, measured 7e-6); set VLLM_CPU_ATTN_SPLIT_KV=0 or "
