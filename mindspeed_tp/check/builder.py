@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from ..contract.profile import Profile
 from ..models.layout import Layout
+from ..models.marks import mark_true_vocab
 from ..models.spec import ModelSpec
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -158,5 +159,8 @@ def _build_gpt(spec: ModelSpec, layout: Layout, dtype: torch.dtype, profile: Pro
         rotary_base=int(spec.rotary_base),
         **model_kwargs,
     )
+    # The true vocab marked on the model: its config's vocab_size equal to the padded one (nothing
+    # padded) would otherwise be ambiguous (models/marks.py).
+    mark_true_vocab(model, spec.vocab_size)
     model.to(dtype)
     return model

