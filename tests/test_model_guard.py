@@ -132,3 +132,16 @@ def test_torch_compile_of_megatron_modules_is_refused_while_enabled():
     assert proc.returncode == 0, explain(proc)
     lines = [l for l in proc.stdout.splitlines() if l.split(" ")[0] in ("REFUSED", "COMPILED", "PLAIN", "AFTER_DISABLE")]
     assert lines == ["REFUSED True"] * 3 + ["PLAIN OptimizedModule", "AFTER_DISABLE OptimizedModule"]
+
+
+@pytest.mark.parametrize("name", ["inference_context", "inference_params"])
+def test_megatrons_own_inference_context_is_refused_at_the_forward(name):
+    """Issue #43, item 1: megatron's inference path (its RoPE for dynamic batches, attention.py's
+    inference_context branch, its KV cache) bypasses the patched kernels."""
+    from mindspeed_tp import ConfigError
+    from mindspeed_tp.patches.models import gpt_model_forward
+
+    forward = gpt_model_forward(lambda self, *a, **k: "RAN")
+    with pytest.raises(ConfigError, match=f"GPTModel.forward with {name}"):
+        forward(object(), None, None, None, **{name: object()})
+    assert forward(object(), None, None, None, **{name: None}) == "RAN"
