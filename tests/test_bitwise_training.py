@@ -692,7 +692,8 @@ def test_a_freed_holder_leaves_no_count_behind():
     accumulation.reset()
 
 
-@pytest.mark.parametrize("backend,device", [("triton", "cpu"), ("npu", "cpu"), ("auto", "cuda"), ("auto", "npu")])
+@pytest.mark.parametrize("backend,device", [("triton", "cpu"), ("npu", "cpu"), ("auto", "cuda"), ("auto", "npu"),
+                                            ("torch", "npu"), ("torch", "cuda")])
 def test_bitwise_training_is_refused_off_the_torch_backend(monkeypatch, backend, device):
     """Not verified on a GPU or NPU (attention's batched GEMMs, the embedding's dense backward)."""
     import mindspeed_tp
@@ -753,6 +754,47 @@ def test_a_tp_reduced_gradient_of_a_category_megatron_adds_is_refused_not_skippe
     model.proj.weight.new_category = True
     with pytest.raises(ConfigError, match="parameter proj.weight asks for a TP all-reduce"):
         wrapped([model], None)
+
+
+_OTHER_API_FINALIZE = '''
+def _group_allreduce(tensor):
+    """Stands in for a process group's own allreduce (or a coalescing manager): the sum over TP=2 ranks
+    holding the same norm gradient, reached without torch.distributed.all_reduce."""
+    tensor.mul_(2)
+
+
+def reduce(model, config, tp_group=None):
+    for chunk in model:
+        for p in chunk.parameters():
+            if getattr(p, "sequence_parallel", False):
+                _group_allreduce(p.main_grad)
+'''
+
+
+def test_a_tp_reduction_through_another_collective_api_is_refused_not_passed(monkeypatch):
+    """Issue #43, item 7: the dry run stubs torch.distributed.all_reduce only; a megatron line reducing
+    through another API ran the real collective (norm gradients summed TP times) and the check passed."""
+    import sys
+    import types
+
+    from mindspeed_tp import numerics
+    from mindspeed_tp.errors import ConfigError
+    from mindspeed_tp.models.marks import mark_per_token_params
+    from mindspeed_tp.numerics.bitwise_training import tp_norm_allreduce
+
+    other = types.ModuleType("other_api_finalize")
+    exec(_OTHER_API_FINALIZE, other.__dict__)
+    monkeypatch.setitem(sys.modules, "other_api_finalize", other)
+    other.reduce.__module__ = "other_api_finalize"
+    monkeypatch.setattr(numerics.ACTIVE, "_strategy", _bitwise_strategy())
+    model = torch.nn.Module()
+    model.norm = torch.nn.LayerNorm(4)
+    mark_per_token_params(model.norm)
+    for p in model.parameters():
+        p.main_grad = torch.full_like(p, 3.0)
+        p.sequence_parallel = True
+    with pytest.raises(ConfigError, match="norm.weight.main_grad .*other than torch.distributed.all_reduce"):
+        tp_norm_allreduce(other.reduce)([model], None)
 
 
 def test_a_subtree_missing_its_sibling_is_added_to_the_zero_subtree():

@@ -623,3 +623,22 @@ def test_invariant_linear_does_not_depend_on_the_thread_count(dtype):
     finally:
         torch.set_num_threads(before)
     assert bits_equal(one, two)
+
+
+@pytest.mark.parametrize("device", ["npu", "cuda"])
+def test_the_torch_backend_is_refused_on_accelerator_tensors(device):
+    """Issue #43, item 4: the torch backend's invariance is a CPU BLAS property; on an NPU tensor it was
+    accepted (only CUDA was listed)."""
+    import types
+
+    from mindspeed_tp import ConfigError
+    from mindspeed_tp.kernels import dispatch
+
+    tensor = types.SimpleNamespace(device=types.SimpleNamespace(type=device))
+    before = dispatch._selected
+    dispatch.select("torch")
+    try:
+        with pytest.raises(ConfigError, match=f"torch kernel backend is not batch-invariant on {device}"):
+            dispatch.backend_name(tensor)
+    finally:
+        dispatch.select(before)

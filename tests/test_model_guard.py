@@ -20,6 +20,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
                         normalization="RMSNorm", add_bias_linear=False, use_cpu_initialization=True,
+                        gated_linear_unit=True, activation_func=F.silu, moe_router_dtype="fp32",
                         perform_initialization=False, {extra})
 try:
     GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(num_experts={experts}, normalization="RMSNorm"),
@@ -67,6 +68,7 @@ def test_training_settings_outside_the_patched_gemms_are_refused_by_name():
 
 
 FUSED_NORM_CODE = """
+import torch.nn.functional as F
 import mindspeed_tp
 from mindspeed_tp.check.harness import init_distributed
 init_distributed()
@@ -85,7 +87,7 @@ spec.submodules.input_layernorm = fused.FusedLayerNorm
 spec.submodules.pre_mlp_layernorm = fused.FusedLayerNorm
 cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
                         normalization="LayerNorm", add_bias_linear=False, use_cpu_initialization=True,
-                        perform_initialization=False)
+                        gated_linear_unit=True, activation_func=F.silu, perform_initialization=False)
 try:
     model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=1024, max_sequence_length=64,
                      position_embedding_type="rope")
@@ -130,3 +132,16 @@ def test_torch_compile_of_megatron_modules_is_refused_while_enabled():
     assert proc.returncode == 0, explain(proc)
     lines = [l for l in proc.stdout.splitlines() if l.split(" ")[0] in ("REFUSED", "COMPILED", "PLAIN", "AFTER_DISABLE")]
     assert lines == ["REFUSED True"] * 3 + ["PLAIN OptimizedModule", "AFTER_DISABLE OptimizedModule"]
+
+
+@pytest.mark.parametrize("name", ["inference_context", "inference_params"])
+def test_megatrons_own_inference_context_is_refused_at_the_forward(name):
+    """Issue #43, item 1: megatron's inference path (its RoPE for dynamic batches, attention.py's
+    inference_context branch, its KV cache) bypasses the patched kernels."""
+    from mindspeed_tp import ConfigError
+    from mindspeed_tp.patches.models import gpt_model_forward
+
+    forward = gpt_model_forward(lambda self, *a, **k: "RAN")
+    with pytest.raises(ConfigError, match=f"GPTModel.forward with {name}"):
+        forward(object(), None, None, None, **{name: object()})
+    assert forward(object(), None, None, None, **{name: None}) == "RAN"

@@ -53,3 +53,19 @@ def test_atomic_writers_replace_and_leave_no_temp(tmp_path):
     assert json.loads(path.read_text()) == {"a": 2, "b": 1}
     write_text_atomic(str(tmp_path / "r.md"), "# hi\n")
     assert sorted(os.listdir(tmp_path)) == ["r.json", "r.md"]
+
+
+def test_an_empty_scored_mask_is_refused_and_never_reads_as_a_pass():
+    """Issue #43, item 9: zero scored tokens gave fraction 1.0 and exit 0."""
+    import pytest
+    import torch
+
+    from mindspeed_tp import ConfigError
+    from mindspeed_tp.check.metrics import compare_logprobs, require_scored
+
+    none = torch.zeros(2, 4, dtype=torch.bool)
+    r = compare_logprobs(torch.zeros(2, 4), torch.zeros(2, 4), none)
+    assert r["tokens"] == 0 and not r["bitwise_equal_fraction"] == 1.0
+    with pytest.raises(ConfigError, match="no token is scored"):
+        require_scored(none, "the checked batch")
+    require_scored(~none, "the checked batch")

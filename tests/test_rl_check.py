@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import explain, full_tier, run_cli
+from conftest import FAULT_ENV, explain, full_tier, run_cli
 
 # With the seeded tiny-dense, iteration 1 samples token 830 in two responses (at positions 13 and 10):
 # with it as EOS those stop early while the others run to --max-new-tokens.
@@ -158,3 +158,30 @@ def test_the_bundled_task_is_learnable_at_the_default_settings(tmp_path):
     ours = [a for a in json.load(open(path))["arms"] if a["mode"] == "mindspeed-tp"][0]["iterations"]
     assert len(ours) == 10 and all(r["bitwise_fraction"] == 1.0 for r in ours)
     assert ours[-1]["reward_mean"] > ours[0]["reward_mean"] + 0.1, [r["reward_mean"] for r in ours]
+
+
+def test_the_verdict_fails_when_the_training_steps_logprobs_differ(tmp_path):
+    """The GRPO loss uses the training step's own logprobs: one ulp off there (fault injection) fails the
+    verdict though the forward-only pass still equals the engine (issue #43, item 8). One iteration at tp1."""
+    path = str(tmp_path / "rl.json")
+    proc = run_cli("rl-check", "--model", "tiny-dense", "--layout", "tp1", "--iterations", "1", "--prompts", "2",
+                   "--group-size", "2", "--max-new-tokens", "4", "--json", path, timeout=300,
+                   env={FAULT_ENV: "perturb-step-logprobs"})
+    assert proc.returncode == 1, explain(proc)
+    (row,) = json.load(open(path))["arms"][0]["iterations"]
+    assert row["bitwise_fraction"] == 1.0 and row["step_bitwise_fraction"] < 1.0, row
+    assert "NOT bitwise equal" in proc.stdout and "exactly 1" not in proc.stdout
+
+
+def test_an_iteration_with_nothing_scored_or_a_step_off_is_not_a_pass():
+    from mindspeed_tp.check.rl import report
+    from mindspeed_tp.check.rl.metrics import mismatch
+
+    empty = mismatch(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.bool))
+    row = dict(empty, step_bitwise_fraction=empty["bitwise_fraction"], step_max_abs_logdiff=empty["max_abs_logdiff"])
+    assert not report.row_ok(row) and not empty["bitwise_fraction"] == 1.0
+    same = mismatch(torch.ones(2, 3), torch.ones(2, 3), torch.ones(2, 3, dtype=torch.bool))
+    good = dict(same, step_bitwise_fraction=1.0, step_max_abs_logdiff=0.0)
+    assert report.row_ok(good)
+    assert not report.row_ok(dict(good, step_bitwise_fraction=0.5))
+    assert not report.ours_ok([{"mode": "mindspeed-tp", "iterations": [good, dict(good, step_max_abs_logdiff=1e-7)]}])

@@ -1,7 +1,9 @@
 """A rank that dies or hangs makes the check fail clearly (exit 3, a message naming the cause)
 within a bound, never a silent hang. Faults come from MINDSPEED_TP_TEST_FAULT (test-only, see
 tests/support/fault_injection.py); the subprocess timeout is the bound: a hang fails the test."""
-from conftest import explain, explain_nodes, run_cli, run_two_nodes
+import pytest
+
+from conftest import explain, explain_nodes, run_cli, run_python, run_two_nodes
 
 FAULT = "MINDSPEED_TP_TEST_FAULT"
 
@@ -29,3 +31,17 @@ def test_a_rank_that_hangs_fails_the_others_after_the_timeout():
 def test_timeout_must_be_positive():
     proc = run_cli("check", "--timeout", "0")
     assert proc.returncode == 2 and "--timeout" in proc.stderr, explain(proc)
+
+
+@pytest.mark.parametrize("module", ["mindspeed_tp.check", "mindspeed_tp.check.train", "mindspeed_tp.check.rl"])
+def test_a_checker_process_ends_without_the_interpreters_teardown(module):
+    """Issue #43, item 12: after its verdict a checker rank aborted in torch's gloo teardown at
+    interpreter exit (SIGABRT after check --bisect). The checkers' entries end as the test workers do:
+    flushed, then out without destructors or atexit handlers, with their exit code."""
+    code = ("import atexit, runpy, sys\n"
+            "atexit.register(lambda: print('TEARDOWN RAN'))\n"
+            f"sys.argv = ['{module}', '--model', 'no-such-model']\n"
+            f"runpy.run_module('{module}', run_name='__main__')\n")
+    proc = run_python(code, timeout=120)
+    assert proc.returncode == 2, explain(proc)
+    assert "no-such-model" in proc.stderr and "TEARDOWN RAN" not in proc.stdout, explain(proc)

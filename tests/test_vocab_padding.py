@@ -11,6 +11,8 @@ from safetensors.torch import load_file
 
 from conftest import bits_equal, explain, run_torchrun
 
+from mindspeed_tp import ConfigError
+
 VOCABS = [1000, 1100, 15193]  # 1100 and 15193 (odd, Qwen3's 151936 scaled down) pad differently at TP 1/2/4
 
 
@@ -80,3 +82,21 @@ def test_verl_logprob_excludes_the_padded_columns_its_logits_carry_and_refuses_w
     assert bits_equal(logprob(padded, labels).view(torch.int32), expected.view(torch.int32))
     with pytest.raises(ConfigError, match="MINDSPEED_TP_VOCAB_SIZE"):
         logprob(padded.clone(), labels)  # a copy carries no mark
+
+
+def test_a_config_vocab_size_equal_to_the_padded_columns_is_not_taken_as_the_true_one():
+    """Issue #43, item 6: a framework storing the padded size in the config's vocab_size got its padded
+    columns into the log-softmax without a word. Equal to the logit columns the config's value is
+    ambiguous: the explicit setting is required (vocab_size_unknown names it); smaller, it is the true one."""
+    import types
+
+    from mindspeed_tp.models.marks import mark_true_vocab, true_vocab_of
+    from mindspeed_tp.numerics.vocab import true_vocab_size
+
+    padded = types.SimpleNamespace(config=types.SimpleNamespace(vocab_size=1024), vocab_size=1024)
+    assert true_vocab_of(padded) is None
+    with pytest.raises(ConfigError, match="true \\(unpadded\\) vocab size is unknown"):
+        true_vocab_size(1024, from_model=true_vocab_of(padded))
+    assert true_vocab_of(types.SimpleNamespace(config=types.SimpleNamespace(vocab_size=1000), vocab_size=1024)) == 1000
+    mark_true_vocab(padded, 1024)  # a builder that knows nothing is padded says so
+    assert true_vocab_of(padded) == 1024

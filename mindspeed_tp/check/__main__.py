@@ -1,6 +1,4 @@
-import sys
-
-from .main import main
+from .main import exit_worker, main
 
 if __name__ == "__main__":  # vLLM (--engine vllm) spawns processes that import this module again
-    sys.exit(main())
+    exit_worker(main())

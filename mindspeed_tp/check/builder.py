@@ -6,9 +6,17 @@ import torch.nn.functional as F
 
 from ..contract.profile import Profile
 from ..models.layout import Layout
+from ..models.marks import mark_true_vocab
 from ..models.spec import ModelSpec
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# The user's --transformer-config fields (check/user_config.py), set once per checker process.
+_USER_FIELDS: dict = {}
+
+
+def set_user_fields(fields: dict) -> None:
+    _USER_FIELDS.clear()
+    _USER_FIELDS.update(fields)
 
 
 def _moe_kwargs(spec: ModelSpec, layout: Layout, dispatcher: str) -> dict:
@@ -40,10 +48,14 @@ def _moe_kwargs(spec: ModelSpec, layout: Layout, dispatcher: str) -> dict:
 
 
 def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype, dispatcher: str = "alltoall",
-                       **overrides):
+                       user_fields=None, **overrides):
     """The model's TransformerConfig for ``layout``; ``overrides``: training settings (recompute,
-    per-token loss, ...) on top."""
+    per-token loss, ...) on top, then the user's --transformer-config fields (``user_fields``, default
+    the ones ``set_user_fields`` gave)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from ..errors import ConfigError
+    from . import user_config
 
     kwargs = dict(
         **_moe_kwargs(spec, layout, dispatcher),
@@ -79,7 +91,15 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype, disp
     if layout.vpp > 1:
         kwargs["virtual_pipeline_model_parallel_size"] = layout.vpp
     kwargs.update(overrides)
-    config = TransformerConfig(**kwargs)
+    fields = _USER_FIELDS if user_fields is None else user_fields
+    kwargs = user_config.apply(kwargs, fields, spec.name)
+    try:
+        config = TransformerConfig(**kwargs)
+    except (ValueError, AssertionError, TypeError) as exc:
+        if not fields:
+            raise
+        raise ConfigError(f"--transformer-config: megatron-core's TransformerConfig rejects the settings: "
+                          f"{type(exc).__name__}: {exc}") from None
     # The true vocab size, stated on the config as Megatron-Bridge's model providers do: the
     # logprob/loss patch excludes the padded columns (GPTModel gets the padded size).
     config.vocab_size = spec.vocab_size
@@ -139,5 +159,8 @@ def _build_gpt(spec: ModelSpec, layout: Layout, dtype: torch.dtype, profile: Pro
         rotary_base=int(spec.rotary_base),
         **model_kwargs,
     )
+    # The true vocab marked on the model: its config's vocab_size equal to the padded one (nothing
+    # padded) would otherwise be ambiguous (models/marks.py).
+    mark_true_vocab(model, spec.vocab_size)
     model.to(dtype)
     return model

@@ -6,7 +6,8 @@ checker rank starts) whose ``register(hooks)`` calls ``hooks.add(point, fn)``. P
 
 - ``point``: ``fn(name, rank)`` at ``start`` (process group up) and ``forward`` (before each layout);
 - ``before_forward``: ``fn(model, layout, tp_rank) -> [handles]`` (removed after the forward);
-- ``logits``: ``fn(logits, layout, tp_rank) -> logits``.
+- ``logits``: ``fn(logits, layout, tp_rank) -> logits``;
+- ``step_logprobs`` (rl-check): ``fn(logprobs, mask) -> logprobs``, the training step's gathered logprobs.
 
 The checker's own tests inject faults this way (tests/support/fault_injection.py).
 """
@@ -16,7 +17,7 @@ import sys
 from typing import Callable, Dict, List
 
 PLUGINS_ENV = "MINDSPEED_TP_CHECK_PLUGINS"
-POINTS = ("point", "before_forward", "logits")
+POINTS = ("point", "before_forward", "logits", "step_logprobs")
 _hooks: Dict[str, List[Callable]] = {p: [] for p in POINTS}
 _loaded = False
 
@@ -50,3 +51,9 @@ def on_logits(logits, layout, tp_rank: int):
     for fn in _hooks["logits"]:
         logits = fn(logits, layout, tp_rank)
     return logits
+
+
+def on_step_logprobs(logprobs, mask):
+    for fn in _hooks["step_logprobs"]:
+        logprobs = fn(logprobs, mask)
+    return logprobs

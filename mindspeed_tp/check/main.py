@@ -27,12 +27,12 @@ from ..contract.refusals import refuse
 from ..errors import ConfigError
 from ..hf import open_hf_model
 from ..kernels.collectives import gather_along_rank
-from . import bisect, hooks
+from . import bisect, hooks, user_config
 from .batch import make_batch
 from .harness import init_distributed, layout_logprobs, run_device
 from .library_warnings import add_verbose_flag
-from .metrics import compare_logprobs
-from .builder import DTYPES
+from .metrics import compare_logprobs, require_scored
+from .builder import DTYPES, set_user_fields
 from ..models.layout import Layout, validate_layout
 from ..models.spec import ModelSpec, load_model_spec
 from ..models.weights import SeededWeights
@@ -50,7 +50,7 @@ DEFAULTS = dict(
     save_reference=None, dump_logprobs=None, timeout=600.0, rollout=0, temperature=0.0, max_new_tokens=16,
     engine="reference", engine_max_batched_tokens=None,
     device="cpu", packed=False,
-    bisect=False, bisect_dump=None, report_md=None, plot=None, verbose=False,
+    bisect=False, bisect_dump=None, report_md=None, plot=None, verbose=False, transformer_config=None,
 )
 
 
@@ -131,6 +131,7 @@ def build_parser(prog: str = "mindspeed-tp check") -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="FILE.png", help="plot |dlogp| per token position and per layer (implies "
                                                       "--bisect; needs matplotlib: pip install mindspeed-tp[plot])")
     add_verbose_flag(p)
+    user_config.add_argument(p)
     p.add_argument("--status-file", help=argparse.SUPPRESS)
     return p
 
@@ -175,6 +176,7 @@ def resolve_args(argv: Optional[List[str]]) -> argparse.Namespace:
 
         require_matplotlib()
     ns.bisect = bool(ns.bisect or ns.bisect_dump or ns.plot)
+    ns.transformer_fields = user_config.load(ns.transformer_config)
     if ns.engine == "vllm":
         if not int(ns.rollout):
             raise ConfigError("--engine vllm compares the engine's rollouts: give --rollout N")
@@ -242,6 +244,10 @@ def plan(ns: argparse.Namespace) -> Plan:
     if ns.engine == "vllm" and profile.engine_name != "vllm":
         raise ConfigError(f"--engine vllm needs a profile matching the real engine (--profile vllm-cpu-tp1 or "
                           f"vllm-cpu-tp2); {profile.name!r} describes {profile.reduction}")
+    if ns.engine == "vllm":  # before the engine starts (it would crash in its attention kernel)
+        from ..integrations.vllm.refusals import check_head_dim
+
+        check_head_dim(spec.kv_channels)
     for layout in layouts:
         validate_layout(layout, spec, profile, int(ns.seq_length))
         if layout.cp > 1 and ns.bisect:
@@ -251,6 +257,7 @@ def plan(ns: argparse.Namespace) -> Plan:
         raise ConfigError(
             f"--seq-length={ns.seq_length} exceeds the model's max_position_embeddings={spec.max_position_embeddings}"
         )
+    user_config.check_before_launch(spec, layouts, profile, DTYPES[ns.dtype], ns.transformer_fields, ns.dispatcher)
     modes = [True] if ns.vanilla else ([True, False] if ns.compare_vanilla else [False])
     return Plan(spec, profile, layouts, modes, weights, prompts)
 
@@ -322,6 +329,7 @@ def run(ns: argparse.Namespace) -> int:
 
     spec, profile, layouts, modes, weights, prompts = plan(ns)
     hooks.load_plugins()
+    set_user_fields(ns.transformer_fields)
     init_distributed(float(ns.timeout), ns.device)
     if not accelerator_available():
         install_cpu_shims()
@@ -335,6 +343,7 @@ def run(ns: argparse.Namespace) -> int:
     verify_same_on_all_ranks(
         {"model config": spec.to_dict(), "profile": profile.to_dict(), "inputs": inputs, "device": ns.device,
          "layouts": [l.name for l in layouts], "megatron-core version": megatron_version(),
+         "transformer config": ns.transformer_fields,
          "checker flags": {"bisect": ns.bisect, "vanilla": ns.vanilla, "compare_vanilla": ns.compare_vanilla,
                            "dispatcher": ns.dispatcher, "reference given": bool(ns.reference), "engine": ns.engine}}
     )
@@ -349,6 +358,9 @@ def run(ns: argparse.Namespace) -> int:
         batch, engine_lp, engine_report = make_vllm_rollouts(
             spec, profile, ns.dtype, int(ns.seed), int(ns.rollout), int(ns.max_new_tokens), float(ns.temperature),
             int(ns.seq_length) // 2, multiple, weights, prompts, ns.hf_checkpoint, ns.engine_max_batched_tokens)
+        from ..integrations.vllm.host import check_engine_family
+
+        check_engine_family(engine_report["cpu_isa"])  # every rank: another node may be another host type
         temperature = 1.0  # vLLM returns raw logprobs: log_softmax of the logits before temperature
     elif rollout:
         multiple = required_world_size(layouts) * 8  # any SP split of the scored length divides evenly
@@ -361,6 +373,7 @@ def run(ns: argparse.Namespace) -> int:
         batch = batch_from_prompts(prompts, int(ns.seq_length))
     else:
         batch = make_batch(spec.vocab_size, int(ns.seed), int(ns.batch_size), int(ns.seq_length))
+    require_scored(batch.scored, "the checked batch")
     # What every rank computes from must be the same bits: weights (seeded by this torch, or the
     # checkpoint's files), the token batch, and a reference file shipped to every node.
     verify_same_on_all_ranks(
@@ -369,7 +382,7 @@ def run(ns: argparse.Namespace) -> int:
          "reference file": _file_digest(ns.reference)}
     )
     meta = {"model": _digest(spec.to_dict()), "profile": profile.digest(), "inputs": _digest(inputs),
-            "weights": _digest(weights.describe())}
+            "weights": _digest(weights.describe()), "transformer config": _digest(ns.transformer_fields)}
     loaded = load_reference(ns.reference, meta) if ns.reference else {}
     single = Layout()
     # (key, vanilla, profile) per mode; against the real engine, vanilla and the canonical-tree
@@ -465,7 +478,7 @@ def run(ns: argparse.Namespace) -> int:
         save_reference(os.path.join(ns.dump_logprobs, "logprobs.safetensors"), dumps, meta)
     judged = [r for r in results if not r["vanilla"] and not r.get("alongside")] or results
     judged = [r for r in judged if "unsupported" not in r]
-    ok = all(r["bitwise_equal_fraction"] == 1.0 and r["nonfinite_values"] == 0 for r in judged)
+    ok = all(r["tokens"] > 0 and r["bitwise_equal_fraction"] == 1.0 and r["nonfinite_values"] == 0 for r in judged)
     if rank == 0:
         print(f"mindspeed-tp check: model={spec.name} dtype={ns.dtype} profile={profile.name} "
               f"megatron-core={megatron_version()} world={dist.get_world_size()}")
@@ -537,6 +550,17 @@ def _write_status(status_file: Optional[str], code: int, message: str) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     return run_main(argv, resolve_args, run, "mindspeed-tp check")
 
+
+
+def exit_worker(code: int) -> None:
+    """How a checker process started as a module ends: output flushed, then out without the
+    interpreter's teardown. torch's gloo teardown can abort a process whose work is done ("terminate
+    called without an active exception", SIGABRT: a C++ thread destroyed while a work object or
+    group outlives destroy_process_group into interpreter exit, seen after --bisect's verdict); its
+    status file and reports are written by then (tests/workers/worker_exit.py does the same)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _dump_stacks_on_fatal_signals() -> None:

@@ -3,6 +3,8 @@ from typing import Dict
 
 import torch
 
+from ..errors import ConfigError
+
 
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Element-wise equality of the raw fp32 bit patterns (so -0 != +0 and NaN == same NaN)."""
@@ -40,8 +42,9 @@ def compare_logprobs(test: torch.Tensor, ref: torch.Tensor, scored: torch.Tensor
     return {
         "max_abs_logdiff": float(diff.max()) if diff.numel() else 0.0,
         "mean_abs_logdiff": float(diff.mean()) if diff.numel() else 0.0,
+        # nothing scored: NaN, never a fraction that reads as a pass
         "bitwise_equal_fraction": (float(bitwise_equal(test[scored], ref[scored]).double().mean())
-                                   if scored.any() else 1.0),
+                                   if scored.any() else float("nan")),
         "max_abs_probdiff": float(prob.max()) if prob.numel() else 0.0,
         "pearson": pearson,
         "tokens": int(scored.sum()),
@@ -58,3 +61,10 @@ def logdiff_per_position(test: torch.Tensor, ref: torch.Tensor, scored: torch.Te
     ok = scored & torch.isfinite(diff)
     masked = torch.where(ok, diff, torch.full_like(diff, -1.0)).amax(dim=0)
     return torch.where(masked < 0, torch.full_like(masked, float("nan")), masked)
+
+
+def require_scored(scored: torch.Tensor, what: str) -> None:
+    """Refuse a batch with no scored token: a check that compares nothing must not pass."""
+    if not bool(scored.any()):
+        raise ConfigError(f"no token is scored in {what}: nothing would be compared; give prompts of at least two "
+                          "tokens or responses of at least one (--prompts, --max-new-tokens, --eos-token-id)")

@@ -73,6 +73,12 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "GEMM/attention/MoE kernels there, e.g. AMX or AVX-512 paths); set engine.cpu_isa: auto (the bundled "
             "profiles do: they follow what the engine selects on the host) or run on a {expected} machine",
             "vLLM selects its CPU GEMM, attention and MoE kernels by ISA"),
+    Refusal("vllm_engine_host", ENGINE, "the training host vs the engine's host (engine.cpu_isa: auto)",
+            "the engine's workers run vLLM's {engine!r} kernel family, this training process selects {here!r} "
+            "(engine.cpu_isa: auto follows the training host): the engine computes with other GEMM/attention/MoE "
+            "kernels; train on hosts of the engine's type, or pin engine.cpu_isa: {engine} in the profile so a "
+            "training process on another host type is refused at enable",
+            "auto matches the training host's kernels, which are the engine's only on the same host type"),
     Refusal("vllm_cpu_isa_unknown", ENGINE, "vLLM's CPU kernel library",
             "cannot tell which of vLLM's CPU kernel libraries (_C_AVX2, _C_AVX512, _C) this process loaded: {why}; "
             "the vllm-cpu profiles need vllm-cpu on x86 Linux",
@@ -81,6 +87,10 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "vLLM's {op} was to run with isa={isa!r}, which this host ({host}) cannot run; nothing was called "
             "(the C++ op aborts the process instead of raising): report the vLLM version and CPU",
             "a kernel given an ISA the host lacks aborts the process"),
+    Refusal("vllm_head_dim", ENGINE, "kv_channels (head_dim) with a vllm-cpu profile",
+            "head_dim={head_dim} (kv_channels): the installed vLLM's CPU attention supports head sizes {supported} "
+            "(it would start and crash in its attention kernel); use a model with one of those head sizes",
+            "the engine has no CPU attention kernel for that head size"),
     Refusal("vllm_split_kv_threads", ENGINE, "OMP_NUM_THREADS / VLLM_CPU_ATTN_SPLIT_KV",
             "OMP_NUM_THREADS={threads} with VLLM_CPU_ATTN_SPLIT_KV on: vLLM's CPU decode attention then splits the "
             "keys over threads and merges them (logprobs drift, measured 7e-6); set VLLM_CPU_ATTN_SPLIT_KV=0 or "
@@ -327,6 +337,11 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "multi_latent_attention is not supported " + _T, "MLA is not implemented"),
     Refusal("rope_mscale", ATTENTION, "RoPE mscale (YaRN)", "RoPE mscale != 1 (YaRN) is not supported " + _T,
             "not implemented"),
+    Refusal("backend_not_invariant", BACKEND, "backend (profile)",
+            "the {backend} kernel backend is not batch-invariant on {device} tensors (its invariance is a property "
+            "of the CPU BLAS libraries; the device's GEMMs change algorithm and split-K with the shape): set the "
+            "profile's backend to auto ({device} tensors run the {auto} backend)",
+            "the torch backend's row invariance is verified on CPU BLAS only"),
     Refusal("explicit_mask_on_maskless_backend", BACKEND, "attn_mask_type",
             "attn_mask_type={mask} with an explicit attention mask is not supported by the {backend} backend "
             "(causal or no_mask only); use attn_mask_type causal",
@@ -394,6 +409,73 @@ _ENTRIES: Tuple[Refusal, ...] = (
     Refusal("cross_entropy_loss_fusion", MODEL, "cross_entropy_loss_fusion",
             "cross_entropy_loss_fusion must be False " + _T + " (the fused kernel bypasses the canonical vocab "
             "reduction)", "the fused kernel sums in its own order", "cross_entropy_loss_fusion", _set),
+    # ---- settings that pick another computation than the engines' (GPTModel construction) ----
+    Refusal("bias_activation_fusion", MODEL, "bias_activation_fusion",
+            "bias_activation_fusion={value!r} is not supported " + _T + ": megatron then runs a torch.compile'd SwiGLU "
+            "(bias_swiglu_impl) whose bits differ from the eager silu(a) * b the engines and the MoE experts compute; "
+            "set bias_activation_fusion=False (Megatron-LM: --no-bias-swiglu-fusion; mbridge: "
+            "set_extra_args(bias_activation_fusion=False))",
+            "a compiled activation rounds differently from the engines' eager one", "bias_activation_fusion", _set),
+    Refusal("fused_single_qkv_rope", MODEL, "fused_single_qkv_rope",
+            "fused_single_qkv_rope={value!r} is not supported " + _T + ": with Transformer Engine installed it bypasses "
+            "the patched RoPE; set fused_single_qkv_rope=False", "Transformer Engine's fused QKV RoPE is not patched",
+            "fused_single_qkv_rope", _set),
+    Refusal("activation_func_clamp_value", MODEL, "activation_func_clamp_value",
+            "activation_func_clamp_value={value!r} is not supported " + _T + ": the engines and the MoE experts compute "
+            "an unclamped SwiGLU; unset activation_func_clamp_value",
+            "a clamped GLU is not modelled by the engines or the MoE experts", "activation_func_clamp_value", _not_none),
+    Refusal("glu_linear_offset", MODEL, "glu_linear_offset",
+            "glu_linear_offset={value!r} is not supported " + _T + ": the engines and the MoE experts compute "
+            "silu(gate) * up without an offset; set glu_linear_offset=0",
+            "an offset GLU is not modelled by the engines or the MoE experts", "glu_linear_offset", _nonzero),
+    Refusal("softmax_scale", MODEL, "softmax_scale",
+            "softmax_scale={value!r} is not supported " + _T + ": the engines scale attention scores by "
+            "1/sqrt(head_dim); unset softmax_scale", "the engines' attention scale is fixed", "softmax_scale",
+            _not_none),
+    Refusal("rotary_interleaved", MODEL, "rotary_interleaved",
+            "rotary_interleaved={value!r} is not supported " + _T + ": the engines rotate the two halves of a head "
+            "(GPT-NeoX style); set rotary_interleaved=False", "the engines' RoPE is not interleaved",
+            "rotary_interleaved", _set),
+    Refusal("fp32_residual_connection", MODEL, "fp32_residual_connection",
+            "fp32_residual_connection={value!r} is not supported " + _T + ": the engines keep the residual stream in "
+            "the model dtype; set fp32_residual_connection=False", "another residual dtype than the engines'",
+            "fp32_residual_connection", _set),
+    Refusal("apply_residual_connection_post_layernorm", MODEL, "apply_residual_connection_post_layernorm",
+            "apply_residual_connection_post_layernorm={value!r} is not supported " + _T + ": set it to False "
+            "(pre-norm residual, the engines' Qwen3 layer)", "another layer structure than the engines'",
+            "apply_residual_connection_post_layernorm", _set),
+    Refusal("bias_linear", MODEL, "add_bias_linear / add_qkv_bias",
+            "{setting}={value!r} is not supported " + _T + ": linear-layer biases are not modelled by the engines "
+            "(Qwen3 has none) and no check covers them; set add_bias_linear=False and add_qkv_bias=False "
+            "(Megatron-LM: --disable-bias-linear)", "biases are not modelled by the engines nor checked"),
+    Refusal("fp16", MODEL, "fp16", "fp16={value!r} is not supported " + _T + ": only bf16 and fp32 models are "
+            "checked; use bf16", "fp16 (with loss scaling) is not checked", "fp16", _set),
+    Refusal("enable_autocast", MODEL, "enable_autocast",
+            "enable_autocast={value!r} is not supported " + _T + ": autocast changes the dtype of the patched GEMMs; "
+            "unset it", "autocast re-types the patched kernels' inputs", "enable_autocast", _set),
+    Refusal("low_precision", MODEL, "fp8 / fp4 / use_kitchen / quant_recipe",
+            "{setting}={value!r} is not supported " + _T + ": low-precision (FP8 / FP4 / kitchen) GEMMs are not the "
+            "patched kernels; unset {setting}", "quantised GEMMs are outside the patched kernels"),
+    Refusal("architecture_variant", MODEL, "attention / layer variants no engine models",
+            "{setting}={value!r} is not supported " + _T + ": {what} is not modelled by the consistent attention or the "
+            "engines; unset {setting}", "only the Qwen3 / Qwen3-MoE decoder (full causal softmax attention) is "
+            "modelled"),
+    Refusal("hidden_dropout", MODEL, "hidden_dropout",
+            "hidden_dropout={value} while training is not supported " + _T + " (dropout makes the forward random); set "
+            "hidden_dropout=0", "random"),
+    Refusal("inference_context", MODEL, "GPTModel.forward(inference_context=...) (megatron-core's inference engine)",
+            "GPTModel.forward with {name} is not supported " + _T + ": megatron-core's own inference path (KV cache, "
+            "its RoPE and attention for dynamic batches) bypasses the patched kernels; score with the training "
+            "forward (no {name}) and generate with the rollout engine",
+            "megatron's inference paths are not the patched kernels"),
+    Refusal("moe_router_dtype", MOE, "moe_router_dtype",
+            "moe_router_dtype={value!r} is not supported " + _T + ": mindspeed-tp's router (and its engine models) "
+            "computes the router logits, scores and top-k in fp32; set moe_router_dtype='fp32' "
+            "(Megatron-LM: --moe-router-dtype fp32)", "the router runs in fp32 whatever the setting"),
+    Refusal("vllm_bias_dropout_fusion", ENGINE, "bias_dropout_fusion",
+            "bias_dropout_fusion={value!r} with a vllm-cpu profile: the fp32 residual add would run inside megatron's "
+            "compiled bias-dropout-add, not as the engine's fused-add RMSNorm adds; set bias_dropout_fusion=False",
+            "a compiled residual add is not the engine's", "bias_dropout_fusion", _set),
     Refusal("normalization", NORM, "normalization",
             "normalization={value!r} is not supported; use RMSNorm or LayerNorm", "not implemented"),
     Refusal("layernorm_zero_centered_gamma", NORM, "layernorm_zero_centered_gamma",

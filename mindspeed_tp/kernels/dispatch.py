@@ -19,6 +19,7 @@ from types import ModuleType
 from typing import Dict
 
 from ..contract.profile import BACKENDS
+from ..contract.refusals import refuse
 from ..errors import ConfigError
 
 # Backend name -> module implementing the primitives. "auto" is a selection rule, not a backend.
@@ -29,8 +30,9 @@ BACKEND_MODULES: Dict[str, str] = {
 }
 # What "auto" runs for a tensor on each device type.
 AUTO_BY_DEVICE: Dict[str, str] = {"cpu": "torch", "npu": "npu", "cuda": "triton"}
-# Device types a backend is known not to be batch-invariant on.
-NOT_INVARIANT_ON: Dict[str, tuple] = {"torch": ("cuda",)}
+# Device types a backend is known not to be batch-invariant on: the torch backend's invariance is a
+# property of the CPU BLAS libraries (kernels/backends/torch.py), not of cuBLAS or the NPU's kernels.
+NOT_INVARIANT_ON: Dict[str, tuple] = {"torch": ("cuda", "npu")}
 
 # The primitive kernels every backend implements (semantics: kernels/backends/torch.py).
 PRIMITIVES = ("matmul", "linear", "grad_matmul", "row_sum", "row_mean", "softmax", "attention", "decode_attention")
@@ -66,10 +68,8 @@ def backend_name(tensor) -> str:
     """The backend a kernel call on ``tensor`` goes to."""
     name = backend_for_device(tensor.device.type)
     if tensor.device.type in NOT_INVARIANT_ON.get(name, ()):
-        raise ConfigError(
-            f"the {name} kernel backend is not batch-invariant on {tensor.device.type} tensors (cuBLAS changes its "
-            f"algorithm and split-K with the shape): set the profile's backend to auto (CUDA tensors need the "
-            f"triton backend)")
+        raise refuse("backend_not_invariant", backend=name, device=tensor.device.type,
+                     auto=AUTO_BY_DEVICE[tensor.device.type])
     return name
 
 

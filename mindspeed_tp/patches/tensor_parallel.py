@@ -4,7 +4,7 @@ from .. import compat, state
 from ..contract.refusals import refuse
 from ..kernels.collectives import group_size
 from ..numerics import ACTIVE
-from ..models.marks import true_vocab_of
+from ..models.marks import config_true_vocab, true_vocab_of
 from ..numerics.vocab import true_vocab_size
 from ..patching import PatchRegistry
 
@@ -70,10 +70,10 @@ def column_parallel_forward(original):
 
     def forward(self, *args, **kwargs):
         if getattr(self, "_mindspeed_tp_logits", False):
-            # The config's vocab_size (the true size, where the config states it) for the bitwise
-            # backward's vocab leaves; the loss patch reads it again under compute_language_model_loss.
-            vocab = getattr(getattr(self, "config", None), "vocab_size", None)
-            with state.fp32_output(), state.model_vocab_size(vocab or state.model_vocab()):
+            # The model's true vocab (its mark or config, models/marks.py) for the bitwise backward's
+            # vocab leaves; the loss patch reads it again under compute_language_model_loss.
+            vocab = state.model_vocab() or config_true_vocab(getattr(self, "config", None), self.output_size)
+            with state.fp32_output(), state.model_vocab_size(vocab):
                 return original(self, *args, **kwargs)
         return original(self, *args, **kwargs)
 

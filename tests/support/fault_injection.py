@@ -14,6 +14,8 @@ checker's diagnostics work on real runs:
   perturb-input:MODULE    same layouts: add 1 to element 0 of MODULE's input hidden states: the
                           framework handing a module different inputs
   nan-logits:B:S          same layouts: logit 0 of batch row B at position S becomes NaN
+  perturb-step-logprobs   rl-check: the training step's gathered logprobs of the first scored token
+                          move by one ulp (the step's forward differing from the forward-only pass)
 
 POINTs: ``start`` (process group up, before any check), ``forward`` (before each layout's forward);
 train-check: ``start`` and ``after-step-N`` (step N's checkpoint complete).
@@ -96,8 +98,18 @@ def corrupt_logits(logits: torch.Tensor, layout, tp_rank: int) -> torch.Tensor:
     return logits
 
 
+def perturb_step_logprobs(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    if not any(kind == "perturb-step-logprobs" for kind, _ in _directives()) or not mask.any():
+        return logprobs
+    out = logprobs.clone()
+    b, s = (int(i) for i in torch.nonzero(mask)[0])
+    out[b, s] = torch.nextafter(out[b, s], torch.tensor(float("inf"), dtype=out.dtype))
+    return out
+
+
 def register(hooks) -> None:
     """The checker plugin entry (mindspeed_tp/check/hooks.py)."""
     hooks.add("point", lambda name, rank: at_point(name, rank))
     hooks.add("before_forward", apply_to_model)
     hooks.add("logits", corrupt_logits)
+    hooks.add("step_logprobs", perturb_step_logprobs)

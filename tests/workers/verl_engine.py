@@ -64,8 +64,11 @@ def mbridge_model(directory):
 
     hf_config = AutoConfig.from_pretrained(directory)
     bridge = AutoBridge.from_config(hf_config, dtype=DTYPE, make_vocab_size_divisible_by=128)  # pads 1000 -> 1024
+    # mbridge's Qwen3-MoE config fuses the SwiGLU and the bias-dropout-add and leaves the router
+    # dtype unset: settings mindspeed-tp refuses by name (contract/model_config.py)
     bridge.set_extra_args(attention_dropout=0.0, hidden_dropout=0.0, moe_grouped_gemm=False,
-                          gradient_accumulation_fusion=False)
+                          gradient_accumulation_fusion=False, bias_activation_fusion=False,
+                          bias_dropout_fusion=False, moe_router_dtype="fp32")
     wrap = McoreModuleWrapperConfig(is_value_model=False, wrap_with_ddp=False, use_distributed_optimizer=False)
     model, _ = make_megatron_module(wrap_config=wrap, tf_config=bridge.config, hf_config=hf_config, bridge=bridge)
     bridge.load_weights(model, directory)

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 import mindspeed_tp
+from mindspeed_tp.models.marks import TRUE_VOCAB_ATTR
 from mindspeed_tp.devices.cpu_shims import install_cpu_shims
 from mindspeed_tp.check.batch import make_batch
 from mindspeed_tp.check.harness import _setup_parallel_state, init_distributed
@@ -75,8 +76,10 @@ for vocab in VOCABS:
             out[f"{key}/loss"] = loss.float()
             out[f"{key}/mean_loss"] = ((loss * batch.scored).sum(1).sum() / batch.scored.sum()).reshape(1)
             out[f"{key}/padded"] = torch.tensor([spec.padded_vocab_size])
-        # The same model whose config does not state the true size: refused, or told explicitly.
+        # The same model whose config does not state the true size (nor its builder's mark): refused,
+        # or told explicitly.
         del model.config.vocab_size
+        delattr(model, TRUE_VOCAB_ATTR)
         try:
             with torch.no_grad():
                 model(batch.tokens, positions, mask, labels=batch.targets)

@@ -6,8 +6,8 @@ outlives destroy_process_group into interpreter exit). Seen in host_staging.py a
 about one run in three on a loaded 2-core machine, each time after every rank had written and
 verified its results; the test then failed on torchrun's exit code alone. Every rank meets, the
 groups are destroyed, output is flushed, and the process leaves without running destructors.
-The checker itself does not need this: its launcher reads each rank's status file, written before
-exit (mindspeed_tp/cli.py)."""
+The checkers' own processes end the same way (mindspeed_tp.check.main.exit_worker): the abort also
+hit rank 0 after a check --bisect verdict."""
 import os
 import sys
 

@@ -1,6 +1,5 @@
-import sys
-
+from ..main import exit_worker
 from .main import main
 
 if __name__ == "__main__":  # vLLM (--engine vllm) spawns processes that import this module again
-    sys.exit(main())
+    exit_worker(main())

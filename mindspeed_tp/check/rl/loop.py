@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ... import disable, enable
+from .. import hooks
 from ..harness import _setup_parallel_state, _stage_dtype
 from ..rollout import rollout_prompts
 from ..train.loop import TrainSettings, make_optimizer, model_parallel_chunks, release_models, wire_config
@@ -99,6 +100,7 @@ def run_arm(spec, layout, dtype, profile, settings: RLSettings, vanilla: bool, e
                                     layout, settings.logprob_micro_batch_size, settings.logprob_max_tokens)
         step_lp = train_step(forward_backward, wrapped, optimizer, spec, profile, vanilla, settings.temperature,
                              batch, layout, settings.micro_batch_size, rollout_lp, adv, loss)
+        step_lp = hooks.on_step_logprobs(step_lp, mask)
         # The reported loss: verl's global token-mean of the step's policy loss, from the gathered
         # in-step logprobs (the same tensors on every rank, one fixed order).
         global_loss = grpo.policy_loss(rollout_lp, step_lp, adv, mask, config, agg="token-mean")

@@ -20,13 +20,14 @@ from ...models.spec import ModelSpec, load_model_spec
 from ..main import _Parser, override, run_main, verify_same_on_all_ranks
 from ..library_warnings import add_verbose_flag
 from .loop import RLSettings
+from .. import user_config
 
 DEFAULTS = dict(
     model=None, profile=None, engine="reference", layout="tp2-sp-pp2", layouts=None, reshard_at=None, iterations=10,
     prompts=4, group_size=4, max_prompt=12, max_new_tokens=16, temperature=1.0, eos_token_id=None,
     micro_batch_size=2, logprob_micro_batch_size=4, logprob_max_tokens=None, lr=1e-2, clip_ratio=0.2, seed=1234, dtype="bf16",
     bitwise_training=False, compare_vanilla=False, reward="multiple-of-8", json=None, plot=None, save_state=None,
-    timeout=600.0, verbose=False,
+    timeout=600.0, verbose=False, transformer_config=None,
 )
 SEQ_MULTIPLE = 32  # the padded batch length: a multiple every SP split and canonical leaf width divides
 
@@ -71,6 +72,7 @@ def build_parser(prog: str = "mindspeed-tp rl-check") -> argparse.ArgumentParser
     p.add_argument("--plot", metavar="FILE.png", help="mismatch and reward per iteration (needs matplotlib)")
     p.add_argument("--save-state", help="write the final trained state (train-check's layout-free format)")
     p.add_argument("--timeout", type=float, help="seconds any collective may wait (default 600)")
+    user_config.add_argument(p)
     p.add_argument("--launch-layout", help=argparse.SUPPRESS)     # the launcher: this world's layout
     p.add_argument("--first-iteration", type=int, help=argparse.SUPPRESS)
     p.add_argument("--last-iteration", type=int, help=argparse.SUPPRESS)
@@ -101,6 +103,7 @@ def resolve_args(argv: Optional[List[str]]) -> argparse.Namespace:
         raise ConfigError("--temperature must be > 0 (RL samples; greedy rollouts have no policy gradient)")
     if float(ns.timeout) <= 0:
         raise ConfigError("--timeout must be > 0 seconds")
+    ns.transformer_fields = user_config.load(ns.transformer_config)
     if ns.plot:
         from ..plot import require_matplotlib
 
@@ -121,6 +124,10 @@ def plan(ns: argparse.Namespace) -> Plan:
     if ns.engine == "vllm" and profile.engine_name != "vllm":
         raise ConfigError(f"--engine vllm needs a profile matching the real engine (--profile vllm-cpu-tp1 or "
                           f"vllm-cpu-tp2); {profile.name!r} describes {profile.reduction}")
+    if ns.engine == "vllm":  # before the engine starts (it would crash in its attention kernel)
+        from ...integrations.vllm.refusals import check_head_dim
+
+        check_head_dim(spec.kv_channels)
     if ns.engine == "reference" and profile.engine_name == "vllm":
         raise ConfigError(f"--profile {profile.name} describes the real vLLM: add --engine vllm")
     if ns.engine == "vllm" and float(ns.temperature) != 1.0:
@@ -173,7 +180,21 @@ def plan(ns: argparse.Namespace) -> Plan:
             problem = vanilla_layout_problem(spec, layout)
             if problem:
                 raise ConfigError(f"--compare-vanilla with layout {layout.name}: {problem}")
+    _check_user_config(ns, spec, [layout for layout, _, _ in segments], profile)
     return Plan(spec, profile, segments, settings)
+
+
+def _check_user_config(ns, spec, layouts, profile) -> None:
+    """The user's fields over each layout's training config (per-token loss, as the GRPO step's)."""
+    if not ns.transformer_fields:
+        return
+    from ...contract.model_config import check_model_config
+    from ..builder import DTYPES, transformer_config
+
+    for layout in layouts:
+        config = transformer_config(spec, layout, DTYPES[ns.dtype], "alltoall", ns.transformer_fields,
+                                    calculate_per_token_loss=True)
+        check_model_config(config, profile)
 
 
 def _make_engine(ns, pl: Plan, dtype):
@@ -192,13 +213,16 @@ def run(ns: argparse.Namespace) -> int:
     from ...compat import megatron_version
     from ...devices import accelerator_available
     from ...devices.cpu_shims import install_cpu_shims
-    from ..builder import DTYPES
+    from ..builder import DTYPES, set_user_fields
+    from .. import hooks
     from ..harness import init_distributed
     from . import report, task
     from .loop import run_arm
 
     pl = plan(ns)
     reward_fn = task.load_reward(ns.reward)
+    hooks.load_plugins()
+    set_user_fields(ns.transformer_fields)
     init_distributed(float(ns.timeout))
     if not accelerator_available():
         install_cpu_shims()
@@ -212,7 +236,8 @@ def run(ns: argparse.Namespace) -> int:
             raise ConfigError("--reshard-at: run it with mindspeed-tp rl-check (one world per layout)")
     verify_same_on_all_ranks({"model config": pl.spec.to_dict(), "profile": pl.profile.to_dict(),
                               "settings": pl.settings.to_dict(), "layout": layout.name, "dtype": ns.dtype,
-                              "megatron-core version": megatron_version(), "engine": ns.engine})
+                              "megatron-core version": megatron_version(), "engine": ns.engine,
+                              "transformer config": ns.transformer_fields})
     dtype = DTYPES[ns.dtype]
     engine = _make_engine(ns, pl, dtype) if rank == 0 else None
     arms = [("mindspeed-tp", False)] + ([("vanilla", True)] if ns.compare_vanilla else [])

@@ -12,8 +12,9 @@ def mismatch(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> 
     """max |dlogp|, the k3 estimate of KL(rollout || train) (mean over tokens of r - 1 - log r,
     r = pi_train / pi_rollout, the tokens sampled from the rollout policy), max |r - 1| and the
     share of tokens whose logprobs have the same raw bits."""
-    if not mask.any():
-        return dict(max_abs_logdiff=0.0, mismatch_kl=0.0, max_abs_ratio_minus_1=0.0, bitwise_fraction=1.0, tokens=0)
+    if not mask.any():  # nothing compared: no fraction that could read as a pass
+        nan = float("nan")
+        return dict(max_abs_logdiff=nan, mismatch_kl=nan, max_abs_ratio_minus_1=nan, bitwise_fraction=nan, tokens=0)
     a, b = train[mask].double(), rollout[mask].double()
     log_ratio = a - b
     ratio = log_ratio.exp()

@@ -19,7 +19,8 @@ from ..report import write_json_atomic
 
 COLUMNS = (("iteration", "iter", "{:>5}"), ("reward_mean", "reward", "{:>9.4f}"), ("loss", "loss", "{:>11.4g}"),
            ("max_abs_logdiff", "max|dlogp|", "{:>12.3g}"), ("mismatch_kl", "k3 KL", "{:>11.3g}"),
-           ("max_abs_ratio_minus_1", "max|r-1|", "{:>11.3g}"), ("bitwise_fraction", "bitwise", "{:>9.4f}"))
+           ("max_abs_ratio_minus_1", "max|r-1|", "{:>11.3g}"), ("bitwise_fraction", "bitwise", "{:>9.4f}"),
+           ("step_bitwise_fraction", "step bitw", "{:>10.4f}"))
 
 
 def write_part(path: str, part: Dict) -> None:
@@ -42,13 +43,21 @@ def merge(parts: List[Dict]) -> Dict:
             "engine": parts[-1]["engine"], "layouts": layouts}
 
 
+def row_ok(r: Dict) -> bool:
+    """One iteration keeps the contract: tokens were scored, and both the forward-only pass and the
+    training step's own forward (the logprobs its GRPO loss uses) have the rollout's bits."""
+    return (r["tokens"] > 0 and r["max_abs_logdiff"] == 0.0 and r["bitwise_fraction"] == 1.0
+            and r["step_max_abs_logdiff"] == 0.0 and r["step_bitwise_fraction"] == 1.0)
+
+
 def ours_ok(arms: List[Dict]) -> bool:
     rows = [r for a in arms if a["mode"] == "mindspeed-tp" for r in a["iterations"]]
-    return bool(rows) and all(r["max_abs_logdiff"] == 0.0 and r["bitwise_fraction"] == 1.0 for r in rows)
+    return bool(rows) and all(row_ok(r) for r in rows)
 
 
 def format_table(arms: List[Dict]) -> str:
-    head = f"{'mode':<14}{'iter':>5}{'reward':>9}{'loss':>11}{'max|dlogp|':>12}{'k3 KL':>11}{'max|r-1|':>11}{'bitwise':>9}"
+    head = (f"{'mode':<14}{'iter':>5}{'reward':>9}{'loss':>11}{'max|dlogp|':>12}{'k3 KL':>11}{'max|r-1|':>11}"
+            f"{'bitwise':>9}{'step bitw':>10}")
     lines = [head, "-" * len(head)]
     for arm in arms:
         for r in arm["iterations"]:
@@ -100,8 +109,14 @@ def finish(parts: List[Dict], pl, ns) -> int:
         print(f"{arm['mode']}: reward {rows[0]['reward_mean']:.4f} at iteration {rows[0]['iteration']} -> "
               f"{rows[-1]['reward_mean']:.4f} at iteration {rows[-1]['iteration']}")
     verdict = "every iteration bitwise equal" if ok else "NOT bitwise equal"
-    print(f"RESULT: training logprobs vs the rollout engine's: {verdict} (importance ratio "
-          f"{'exactly 1' if ok else 'not 1'})")
+    for arm in body["arms"]:
+        for r in arm["iterations"]:
+            if arm["mode"] == "mindspeed-tp" and not r["tokens"]:
+                print(f"iteration {r['iteration']}: no response token was scored: nothing was compared")
+    # The ratio the GRPO loss computes is of the training step's logprobs: exactly 1 only when those
+    # (not only the forward-only pass) have the rollout's bits.
+    print(f"RESULT: training logprobs (forward-only pass and the training step's) vs the rollout engine's: "
+          f"{verdict} (importance ratio {'exactly 1' if ok else 'not 1'})")
     if ns.json:
         write_json_atomic(ns.json, {"arms": body["arms"], "all_bitwise_equal": ok, "engine": body["engine"],
                                     "layout": layout, "model": pl.spec.name, "profile": pl.profile.name,

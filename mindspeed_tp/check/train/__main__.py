@@ -1,5 +1,4 @@
-import sys
-
+from ..main import exit_worker
 from .main import main
 
-sys.exit(main())
+exit_worker(main())

@@ -22,13 +22,14 @@ from ...contract.profile import Profile, load_profile
 from ..main import _Parser, _digest, override, run_main, verify_same_on_all_ranks
 from ..library_warnings import add_verbose_flag
 from .loop import RECOMPUTE, TrainSettings
+from .. import user_config
 
 DEFAULTS = dict(
     model=None, profile="default", layouts="tp2-sp", dtype="bf16", seed=1234, steps=3, micro_batch_size=2,
     global_batch_size=8, seq_length=64, lr=3e-3, distributed_optimizer=False, overlap=False, recompute="none",
     dispatcher="alltoall", bitwise_training=False, json=None, vanilla=False, compare_vanilla=False, timeout=600.0, reference=None,
     save_reference=None, launch_layouts=None, results=None, load_state=None, save_state=None, checkpoint_dir=None,
-    resume=None, verbose=False,
+    resume=None, verbose=False, transformer_config=None,
 )
 
 
@@ -73,6 +74,7 @@ def build_parser(prog: str = "mindspeed-tp train-check") -> argparse.ArgumentPar
                                             "the last two are kept")
     p.add_argument("--resume", help="continue from the newest checkpoint of this directory (any layout may have "
                                     "written it; every run starts from it): --steps stays the total step count")
+    user_config.add_argument(p)
     p.add_argument("--launch-layouts", help=argparse.SUPPRESS)  # the launcher: this world's share of --layouts
     p.add_argument("--results", help=argparse.SUPPRESS)         # the launcher: where this world's rows go
     add_verbose_flag(p)
@@ -98,6 +100,7 @@ def resolve_args(argv: Optional[List[str]]) -> argparse.Namespace:
         raise ConfigError("--checkpoint-dir checkpoints one layout's run: name exactly one layout in --layouts")
     if ns.checkpoint_dir and not os.path.isdir(ns.checkpoint_dir):
         raise ConfigError(f"--checkpoint-dir {ns.checkpoint_dir}: no such directory")
+    ns.transformer_fields = user_config.load(ns.transformer_config)
     ns.steps_done = 0
     if ns.resume:
         if ns.load_state:
@@ -156,8 +159,23 @@ def plan(ns: argparse.Namespace) -> Plan:
     if settings.seq_length > spec.max_position_embeddings:
         raise ConfigError(f"--seq-length={settings.seq_length} exceeds max_position_embeddings="
                           f"{spec.max_position_embeddings}")
+    _check_user_config(ns, spec, layouts, profile, settings)
     modes = [True] if ns.vanilla else ([True, False] if ns.compare_vanilla else [False])
     return Plan(spec, profile, layouts, modes, settings)
+
+
+def _check_user_config(ns, spec, layouts, profile, settings) -> None:
+    """The user's fields over each layout's training config (recompute and per-token loss included)."""
+    if not ns.transformer_fields:
+        return
+    from ...contract.model_config import check_model_config
+    from ..builder import DTYPES, transformer_config
+    from .loop import RECOMPUTE
+
+    for layout in layouts:
+        config = transformer_config(spec, layout, DTYPES[ns.dtype], settings.dispatcher, ns.transformer_fields,
+                                    **RECOMPUTE[settings.recompute], calculate_per_token_loss=True)
+        check_model_config(config, profile)
 
 
 def worlds(layouts: List[Layout]) -> Dict[int, List[Layout]]:
@@ -173,6 +191,7 @@ def meta_of(pl: Plan, ns) -> Dict[str, str]:
 
     return {"model": _digest(pl.spec.to_dict()), "profile": pl.profile.digest(),
             "settings": _digest(pl.settings.to_dict()), "dtype": ns.dtype, "megatron-core": megatron_version(),
+            "transformer config": _digest(ns.transformer_fields),
             "modes": ",".join("vanilla" if v else "consistent" for v in pl.modes)}
 
 
@@ -182,7 +201,7 @@ def run(ns: argparse.Namespace) -> int:
     from ...devices import accelerator_available
     from ...devices.cpu_shims import install_cpu_shims
     from ...compat import megatron_version
-    from ..builder import DTYPES
+    from ..builder import DTYPES, set_user_fields
     from .. import hooks
     from ..harness import init_distributed
     from ..progress import Progress
@@ -191,6 +210,7 @@ def run(ns: argparse.Namespace) -> int:
 
     pl = plan(ns)
     hooks.load_plugins()
+    set_user_fields(ns.transformer_fields)
     init_distributed(float(ns.timeout))
     if not accelerator_available():
         install_cpu_shims()
@@ -203,7 +223,8 @@ def run(ns: argparse.Namespace) -> int:
                           f"mindspeed-tp train-check (one world per size) or launch that many processes")
     verify_same_on_all_ranks({"model config": pl.spec.to_dict(), "profile": pl.profile.to_dict(),
                               "settings": pl.settings.to_dict(), "dtype": ns.dtype, "layouts": [l.name for l in mine],
-                              "megatron-core version": megatron_version(), "modes": pl.modes})
+                              "megatron-core version": megatron_version(), "modes": pl.modes,
+                              "transformer config": ns.transformer_fields})
     meta = meta_of(pl, ns)
     dtype = DTYPES[ns.dtype]
     progress = Progress(len(mine) * len(pl.modes) + (0 if ns.reference else len(pl.modes)), enabled=rank == 0)

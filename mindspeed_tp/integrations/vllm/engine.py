@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
+from .host import check_engine_family
 from .refusals import check_engine_settings, require_vllm
 
 # One OpenMP thread per engine worker (what the profiles were measured with); KV split off so
@@ -132,7 +133,13 @@ def start_engine(model_dir: str, tp: int, dtype: str, max_model_len: int, max_nu
                   logprobs_mode="raw_logprobs", block_size=128,
                   worker_extension_cls="mindspeed_tp.integrations.vllm.worker.EngineInfo")
         elapsed = time.time() - began
-    return Engine(llm=llm, tp=int(tp), dtype=dtype, start_seconds=elapsed, info=_engine_info(llm))
+    engine = Engine(llm=llm, tp=int(tp), dtype=dtype, start_seconds=elapsed, info=_engine_info(llm))
+    try:  # the process that drives the engine computes the training side's kernels
+        check_engine_family(engine.info.get("cpu_isa"))
+    except Exception:
+        engine.shutdown()
+        raise
+    return engine
 
 
 def _engine_info(llm) -> Dict[str, object]:

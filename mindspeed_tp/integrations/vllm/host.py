@@ -58,6 +58,14 @@ def check_profile_isa(expected: str) -> str:
     return found
 
 
+def check_engine_family(engine_isa) -> None:
+    """The engine's kernel family (its worker's ``kernel_choices``) must be this process's: with
+    ``engine.cpu_isa: auto`` the training side follows its own host, the engine its own."""
+    here = host_isa()
+    if engine_isa != here:
+        raise refuse("vllm_engine_host", engine=engine_isa, here=here)
+
+
 def require_kernel_isa(isa: str, op: str) -> str:
     """Refuse a kernel ISA this host cannot run before ``op`` is called with it."""
     need = _KERNEL_ISA_NEEDS.get(isa, "unknown")

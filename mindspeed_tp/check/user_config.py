@@ -1,0 +1,95 @@
+"""``--transformer-config FILE.yaml``: the user's TransformerConfig fields (as verl's
+``override_transformer_config`` or Megatron-LM's arguments give them) applied over the config the
+checkers build for the bundled model (check/builder.py), so a user checks the config they train with.
+The file is checked before anything is launched by the same function a user's GPTModel construction
+runs (contract/model_config.py): a field the contract cannot keep exits 2 naming it."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Dict, Optional
+
+import yaml
+
+from ..contract.config_fields import FROM_CHECKER
+from ..errors import ConfigError
+
+# Fields that hold callables or objects a YAML file cannot give.
+_OBJECTS = ("activation_func", "init_method", "output_layer_init_method", "embedding_init_method", "timers",
+            "finalize_model_grads_func", "grad_scale_func", "no_sync_func", "grad_sync_func", "param_sync_func",
+            "moe_grad_scale_func", "mtp_grad_scale_func", "_cpu_offloading_context", "fp8_quantizer_factory",
+            "fp4_quantizer_factory", "experimental_attention_variant_loss_scale_func")
+_FLAG_OF = {"tensor_model_parallel_size": "--tp", "pipeline_model_parallel_size": "--pp",
+            "virtual_pipeline_model_parallel_size": "--layouts (vppN)", "sequence_parallel": "--sp",
+            "context_parallel_size": "--cp", "expert_model_parallel_size": "--ep", "expert_tensor_parallel_size": "--etp",
+            "params_dtype": "--dtype", "pipeline_dtype": "--dtype", "bf16": "--dtype",
+            "moe_token_dispatcher_type": "--dispatcher", "recompute_granularity": "--recompute",
+            "recompute_method": "--recompute", "recompute_num_layers": "--recompute", "recompute_modules": "--recompute"}
+
+
+def load(path: Optional[str]) -> Dict[str, Any]:
+    """The fields of ``path`` (empty without one): a YAML mapping of TransformerConfig field names."""
+    if not path:
+        return {}
+    if not os.path.isfile(path):
+        raise ConfigError(f"--transformer-config {path}: no such file")
+    with open(path) as f:
+        try:
+            data = yaml.safe_load(f)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--transformer-config {path}: not YAML ({exc})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--transformer-config {path}: expected a mapping of TransformerConfig fields")
+    known = _config_fields()
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"--transformer-config {path}: {unknown} are not fields of this megatron-core's "
+                          "TransformerConfig; remove them")
+    objects = sorted(set(data) & set(_OBJECTS))
+    if objects:
+        raise ConfigError(f"--transformer-config {path}: {objects} hold functions or objects a YAML file cannot give; "
+                          "remove them (the checkers build the model with SwiGLU, F.silu)")
+    return dict(data)
+
+
+def _config_fields():
+    from megatron.core.transformer import transformer_config as tc
+
+    names = {f.name for f in dataclasses.fields(tc.TransformerConfig)}
+    mla = getattr(tc, "MLATransformerConfig", None)
+    return names | ({f.name for f in dataclasses.fields(mla)} if mla is not None else set())
+
+
+def apply(kwargs: Dict[str, Any], fields: Dict[str, Any], model: str) -> Dict[str, Any]:
+    """``kwargs`` (the checker's TransformerConfig arguments) with ``fields`` over them; a field the
+    checker sets from its flags or the model may only repeat the checker's value."""
+    for name, value in fields.items():
+        if name in FROM_CHECKER and name in kwargs and kwargs[name] != value:
+            where = _FLAG_OF.get(name, f"the model ({model}; give another model YAML with --model)")
+            raise ConfigError(f"--transformer-config: {name}={value!r} differs from {kwargs[name]!r}, which the "
+                              f"checker sets from {where}; remove {name} from the file or change it there")
+    out = dict(kwargs)
+    out.update(fields)
+    return out
+
+
+def check_before_launch(spec, layouts, profile, dtype, fields: Dict[str, Any], dispatcher: str = "alltoall") -> None:
+    """Build each layout's TransformerConfig with the user's fields and run the refusal checks a
+    user's GPTModel construction runs: bad settings exit 2 here, before any process starts."""
+    if not fields:
+        return
+    from ..contract.model_config import check_model_config
+    from .builder import transformer_config
+
+    for layout in layouts:
+        config = transformer_config(spec, layout, dtype, dispatcher, user_fields=fields)
+        check_model_config(config, profile)
+
+
+def add_argument(parser) -> None:
+    parser.add_argument("--transformer-config", metavar="FILE.yaml",
+                        help="YAML mapping of megatron-core TransformerConfig fields (the config you train with: "
+                             "verl's override_transformer_config, Megatron-LM's arguments) applied over the bundled "
+                             "model's; every field is honoured or refused by name (exit 2)")

@@ -1,0 +1,94 @@
+"""The TransformerConfig check: one function every GPTModel construction under the patches runs
+(``patches/models.py``) and the checkers run on the user's ``--transformer-config`` before they
+launch anything, so a setting the checker would refuse is refused the same way in training.
+Which field is honoured, refused or irrelevant: ``contract/config_fields.py``."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from . import refusals
+from .refusals import refuse
+
+# (field, refused when, what it is) for the grouped refusals: low precision, then architecture
+# variants no engine models. A field a megatron-core line lacks reads as None and passes.
+_LOW_PRECISION = (
+    ("fp8", lambda v: v is not None),
+    ("fp4", lambda v: v is not None),
+    ("use_kitchen", bool),
+    ("quant_recipe", lambda v: v is not None),
+)
+_VARIANTS = (
+    ("qk_l2_norm", bool, "L2-normalised queries and keys"),
+    ("qk_clip", bool, "QK-clip (weights rescaled by the largest attention logit)"),
+    ("attention_output_gate", bool, "a gated attention output"),
+    ("experimental_attention_variant", lambda v: v is not None, "an experimental attention variant"),
+    ("linear_attention_freq", lambda v: v is not None, "linear-attention layers"),
+    ("no_rope_freq", lambda v: v is not None, "layers without RoPE"),
+    ("mrope_section", lambda v: v is not None, "multimodal RoPE"),
+    ("is_hybrid_model", bool, "a hybrid (Mamba) model"),
+    ("heterogeneous_block_specs", bool, "heterogeneous layers"),
+    ("mtp_num_layers", bool, "multi-token prediction layers"),
+    ("use_te_activation_func", bool, "Transformer Engine's activation function"),
+    ("moe_extended_tp", bool, "extended tensor parallelism of the experts"),
+    ("moe_token_dropping", bool, "token dropping"),
+    ("moe_router_padding_for_quantization", bool, "router padding for quantised experts"),
+    ("moe_router_padding_for_fp8", bool, "router padding for FP8 experts"),
+    ("hybrid_context_parallel", bool, "hybrid context parallelism"),
+    ("batch_invariant_mode", bool, "megatron-core's own batch-invariant kernels"),
+    ("flash_decode", bool, "flash decoding"),
+    ("use_inference_optimized_layers", bool, "inference-optimised layers"),
+    ("inference_fuse_tp_communication", bool, "fused inference TP communication"),
+    ("symmetric_ar_type", lambda v: v is not None, "symmetric all-reduce kernels"),
+    ("mlp_chunks_for_prefill", lambda v: v not in (None, 1), "chunked prefill MLPs"),
+    ("mlp_chunks_for_training", lambda v: v not in (None, 1), "chunked training MLPs"),
+    ("use_mup", bool, "maximal update parameterisation (its attention and output scales)"),
+    ("use_grouped_gemm_for_shared_expert", bool, "a grouped-GEMM shared expert"),
+    ("use_grouped_gemm_for_dense_mlp", bool, "a grouped-GEMM dense MLP"),
+    ("moe_router_force_biased", lambda v: v is not None, "a random router bias"),
+    ("moe_router_load_balancing_type", lambda v: v == "quantile_balancing", "quantile-balancing routing"),
+    ("nccl_all_reduce_for_prefill", bool, "NCCL all-reduce kernels of symmetric all-reduce"),
+)
+
+
+def _is_swiglu(config: Any) -> bool:
+    import torch.nn.functional as F
+
+    return bool(getattr(config, "gated_linear_unit", False)) and getattr(config, "activation_func", None) is F.silu
+
+
+def check_router_dtype(config: Any) -> None:
+    """MoE: the router computes in fp32 (numerics/canonical.py); any other setting is refused by name."""
+    value = getattr(config, "moe_router_dtype", "fp32")
+    if value != "fp32":
+        raise refuse("moe_router_dtype", value=value)
+
+
+def check_model_config(config: Any, profile: Optional[Any] = None) -> None:
+    """Raise the refusal of the first setting of ``config`` (a TransformerConfig) the contract cannot
+    keep; ``profile``: the active profile (engine profiles refuse more)."""
+    refusals.check_config(refusals.MODEL, config)
+    refusals.check_config(refusals.ATTENTION, config)
+    refusals.check_config(refusals.NORM, config)
+    for name in ("add_bias_linear", "add_qkv_bias"):
+        if getattr(config, name, False):
+            raise refuse("bias_linear", setting=name, value=True)
+    for name, bad in _LOW_PRECISION:
+        value = getattr(config, name, None)
+        if bad(value):
+            raise refuse("low_precision", setting=name, value=value)
+    for name, bad, what in _VARIANTS:
+        value = getattr(config, name, None)
+        if bad(value):
+            raise refuse("architecture_variant", setting=name, value=value, what=what)
+    if not _is_swiglu(config):
+        raise refuse("architecture_variant", setting="activation_func / gated_linear_unit",
+                     value=(getattr(getattr(config, "activation_func", None), "__name__", None),
+                            getattr(config, "gated_linear_unit", None)),
+                     what="an MLP other than SwiGLU (activation_func=F.silu, gated_linear_unit=True)")
+    if getattr(config, "multi_latent_attention", False):
+        raise refuse("multi_latent_attention")
+    if getattr(config, "num_moe_experts", None):
+        refusals.check_config(refusals.MOE, config)
+        check_router_dtype(config)
+    if profile is not None and profile.engine_name == "vllm":
+        refusals.check_config(refusals.ENGINE, config)

@@ -1,0 +1,69 @@
+"""--transformer-config FILE.yaml: the user's TransformerConfig fields over the bundled model's, in
+check, train-check and rl-check; a field the contract cannot keep exits 2 naming it before anything is
+launched (the check a user's GPTModel construction runs, contract/model_config.py)."""
+import pytest
+import torch
+
+from conftest import explain, run_cli
+
+from mindspeed_tp import ConfigError
+from mindspeed_tp.check import main as check_main
+from mindspeed_tp.check.rl import main as rl_main
+from mindspeed_tp.check.train import main as train_main
+
+
+def _file(tmp_path, text):
+    path = tmp_path / "f.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def _plan(module, argv):
+    return module.plan(module.resolve_args(argv))
+
+
+def test_bias_activation_fusion_exits_2_naming_it_before_launching(tmp_path):
+    """Issue #43's acceptance: the rollout check with the user's fused SwiGLU is refused by name."""
+    path = _file(tmp_path, "bias_activation_fusion: true\n")
+    proc = run_cli("check", "--model", "tiny-dense", "--tp", "2", "--sp", "--rollout", "6", "--temperature", "1.0",
+                   "--transformer-config", path, timeout=120)
+    assert proc.returncode == 2, explain(proc)
+    assert "bias_activation_fusion" in proc.stderr and "--no-bias-swiglu-fusion" in proc.stderr, explain(proc)
+
+
+@pytest.mark.parametrize("module,argv", [
+    (check_main, ["--model", "tiny-moe", "--tp", "2", "--sp", "--rollout", "6", "--temperature", "1.0"]),
+    (train_main, ["--model", "tiny-moe", "--layouts", "tp2-sp-ep2"]),
+    (rl_main, ["--model", "tiny-moe", "--layout", "tp2-sp-ep2"]),
+], ids=["check", "train-check", "rl-check"])
+def test_every_checker_refuses_the_users_router_dtype_by_name(tmp_path, module, argv):
+    path = _file(tmp_path, "moe_router_dtype: fp64\n")
+    with pytest.raises(ConfigError, match="moe_router_dtype='fp64'.*'fp32'"):
+        _plan(module, argv + ["--transformer-config", path])
+    _plan(module, argv)  # the bundled config alone is accepted
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("no_such_field: 1\n", "not fields of this megatron-core"),
+    ("activation_func: gelu\n", "functions or objects"),
+    ("hidden_size: 96\n", "hidden_size=96 differs .*--model"),
+    ("tensor_model_parallel_size: 4\n", "--tp"),
+    ("[1, 2]\n", "a mapping"),
+])
+def test_a_file_the_checker_cannot_apply_is_refused_naming_the_field(tmp_path, text, needle):
+    with pytest.raises(ConfigError, match=needle):
+        _plan(check_main, ["--tp", "2", "--transformer-config", _file(tmp_path, text)])
+
+
+def test_an_irrelevant_field_of_the_users_file_reaches_the_models_config(tmp_path):
+    from mindspeed_tp.check.builder import transformer_config
+    from mindspeed_tp.models.layout import Layout
+    from mindspeed_tp.models.spec import load_model_spec
+
+    fields = check_main.resolve_args(["--transformer-config", _file(
+        tmp_path, "deallocate_pipeline_outputs: true\nbias_dropout_fusion: true\nhidden_size: 128\n")]).transformer_fields
+    spec = load_model_spec("tiny-dense")
+    assert spec.hidden_size == 128  # a field the model sets may repeat its value
+    config = transformer_config(spec, Layout(tp=2), torch.bfloat16, user_fields=fields)
+    assert config.deallocate_pipeline_outputs is True and config.bias_dropout_fusion is True
+    assert transformer_config(spec, Layout(tp=2), torch.bfloat16).bias_dropout_fusion is False
