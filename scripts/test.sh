@@ -65,9 +65,12 @@ verl_line_tests() {  # the version_lines tests, then the verl and packed-sequenc
 }
 
 later_setups() {  # the other lines' venvs and .venv-vllm, built while the main line's suite runs
-  local v
-  for v in $verl_line $lines_only; do bash scripts/setup_env.sh "$v" || return; done
-  bash scripts/setup_env.sh vllm
+  local v t0
+  for v in $verl_line $lines_only vllm; do
+    t0=$SECONDS
+    bash scripts/setup_env.sh "$v" || return
+    echo "(background set-up $v: $((SECONDS - t0)) s)"
+  done
 }
 
 for v in $full; do
