@@ -45,7 +45,7 @@ ROW_BLOCK, ROW_WARPS = 1024, 4
 # later, 8: before): BLOCK_Q queries of one (batch, head) per program; key tiles are the profile's
 # block. fp32's two products and every P @ V (fp32 probabilities) are FMA on CUDA cores with their
 # operands in registers: these tiles keep them there at head dims 32-128 (no stack in the cubin,
-# scripts/compile_triton_kernels.py); 64-query tiles spilled 1.4-8.4 KB per thread.
+# scripts/compile_triton_kernels.py); 64-query tiles spilled 0.2-10 KB per thread.
 ATTN_TILES = {("half", 9): (32, 8, 2), ("half", 8): (32, 16, 2), ("fp32", 9): (16, 8, 2), ("fp32", 8): (16, 8, 2)}
 # FP contraction (a*b+c as one FMA) pinned at every launch: Triton's default is a knob that changes
 # between versions (3.10 turns it off), and it changes the bits of every kernel.
