@@ -1,98 +1,306 @@
-"""Compile the triton backend's kernels ahead of time for a CUDA architecture -- no GPU needed.
+"""One compiled variant per numerics, checked on a CPU: the triton backend's kernels compiled ahead of
+time for a CUDA architecture with the arguments its call sites really pass -- no GPU needed.
 
-    python scripts/compile_triton_kernels.py [--arch 90] [--quick]
+    python scripts/compile_triton_kernels.py [--arch 90 80] [--tests] [--only WORD...]
 
-Runs Triton's full pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin with the wheel's ptxas) for the
-configurations the backend launches: the GEMM tiles of both dtypes with and without bias, the row
-kernels, and attention at head dim 128 with 128-key blocks (bf16, with and without a split size) and
-head dim 64 in fp32 (``--quick``: attention at head dim 16 and 16-key blocks, as the tests use). It
-shows the kernels compile with this Triton for that target (and whether the GEMM uses wgmma), not
-that they run or what their bits are: that is scripts/device_check.sh's job on a GPU.
+Each call site (training with and without megatron's causal mask, key padding, chunked prefill,
+paged decode, packed sequences, CP's local queries, GQA at every TP's heads per rank; the GEMMs of
+linear layers, row-parallel leaves and the router; the row kernels) runs the real wrapper of
+``kernels/backends/triton.py`` on CPU tensors with every kernel replaced by a recorder. Triton's own
+binder turns each recorded launch into the specialisation it would compile (argument types, values
+specialised to constants, divisibility of pointers and integers). Launches with the same numerics
+(kernel, constexprs, pointer types, launch options) must have one specialisation; if not, the
+report says which arguments differ and whether the first two variants' TTGIR does. Every numerics goes
+through Triton's full pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin with the wheel's ptxas) and the
+cubin's resource usage (``cuobjdump -res-usage``) must show no stack: a spill is local memory there,
+not in the PTX. What this does not show: that the kernels run or what their bits are (a GPU run:
+scripts/device_check.sh).
+
+Models: the bundled head dims (32, 64, 128), bf16 and fp32, the profiles' 128-key blocks;
+``--tests`` adds tests/test_triton_backend.py's small configurations (head dim 16, 16/12-key blocks,
+a split); tests/test_triton_compiled.py runs it with both. The attention tiles depend on the GPU
+generation (``triton_kernels.ATTN_TILES``): each arch is recorded as that GPU's launches. Exit 1
+when a numerics has two variants or a kernel spills. Uses Triton's launch binder
+(``create_function_from_signature``, ``JITFunction._pack_args``; Triton 3.9).
 """
 import argparse
-import importlib.util
+import collections
+import contextlib
+import importlib
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-KERNELS = os.path.join(HERE, "..", "mindspeed_tp", "kernels", "backends", "triton_kernels.py")
-I32 = "i32"
-_ATTN_INTS = (["sq", "hq", "group", "block", "per_split", "page_size", "ex_width"]
-              + [f"s_{p}{q}" for p, qs in (("q", "bhsd"), ("k", "pohd"), ("v", "pohd"), ("o", "bhsd")) for q in qs]
-              + ["s_pb", "s_ps", "s_tb", "s_tp", "s_eb", "s_eq", "s_ek"])
+Launch = collections.namedtuple("Launch", "site kernel args kwargs")
+HEAD_DIMS = (32, 64, 128)  # the bundled models' kv_channels
+BLOCK = 128  # the profiles' attention_block_size
 
 
-def load_kernels():
-    """triton_kernels.py on its own (no torch needed), compiled-mode kernels."""
+def load_backend():
+    """The triton backend and its kernels module with compiled (not interpreted) kernels."""
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise SystemExit("unset TRITON_INTERPRET: the interpreter does not compile")
-    spec = importlib.util.spec_from_file_location("triton_kernels", KERNELS)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    kernels = importlib.import_module("mindspeed_tp.kernels.backends.triton_kernels")
+    if kernels.INTERPRETED:
+        kernels = importlib.reload(kernels)
+    return importlib.import_module("mindspeed_tp.kernels.backends.triton"), kernels
 
 
-# Arguments a launch with 16-byte aligned tensors and sizes that are multiples of 16 specialises as
-# divisible by 16 (what lets Triton use cp.async pipelining): every pointer, and these sizes.
-_DIVISIBLE = ("K", "stride_am", "stride_bn", "stride_bb", "stride_cm", "s_qs", "s_ko", "s_vo", "s_os")
+class _Recorder:
+    """Stands in for a @triton.jit kernel: ``kernel[grid](*args, **kwargs)`` records the launch."""
+
+    def __init__(self, fn, log, site):
+        self.fn, self.log, self.site = fn, log, site
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.log.append(Launch(self.site[0], self.fn, args, kwargs))
 
 
-def compile_one(fn, types, consts, warps, stages, target):
-    signature = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if n not in consts and (types[n].startswith("*") or n in _DIVISIBLE)}
+@contextlib.contextmanager
+def recording(backend, kernels, log, site, arch):
+    """The wrappers on CPU tensors as on a CUDA GPU of sm_<arch> (no device check), every kernel
+    launch recorded under the current ``site[0]``."""
+    from mindspeed_tp.kernels import dispatch
+
+    names = ("gemm_kernel", "row_sum_kernel", "softmax_kernel", "attention_kernel")
+    saved = {n: getattr(kernels, n) for n in names}
+    check, generation, chosen = backend._check_device, backend._generation, dispatch.selected()
+    for n in names:
+        setattr(kernels, n, _Recorder(saved[n], log, site))
+    backend._check_device = lambda *tensors: None
+    backend._generation = lambda device: 9 if arch >= 90 else 8
+    dispatch.select("triton")
+    try:
+        yield
+    finally:
+        for n in names:
+            setattr(kernels, n, saved[n])
+        backend._check_device, backend._generation = check, generation
+        dispatch.select(chosen)
+
+
+def _call_sites(backend, tests):
+    """(site, thunk) for every way the package calls a kernel; the thunks run the real wrappers."""
+    import torch
+    from mindspeed_tp.kernels.linear import leaf_partials
+
+    def t(*shape, dtype=torch.float32):
+        return torch.randn(*shape).to(dtype)
+
+    sites = []
+    for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+        # Linear layers: M from a decode step's 1 row to a batch, N of a column shard, K the hidden
+        # size or an odd one; the LM head in fp32; biases; weight shards as views or copies.
+        for m, n, k in ((1, 96, 64), (37, 80, 96), (300, 256, 24), (5, 33, 1000)):
+            x, w = t(m, k, dtype=dtype), t(n, k, dtype=dtype)
+            sites.append((f"linear {name}", lambda x=x, w=w, d=dtype: backend.linear(x, w, d)))
+            sites.append((f"linear {name} bias", lambda x=x, w=w, d=dtype: backend.linear(x, w, d, bias=w[:, 0])))
+            sites.append((f"linear {name} fp32 out", lambda x=x, w=w: backend.linear(x, w, torch.float32)))
+            sites.append((f"linear {name} shard view", lambda x=x, w=w, d=dtype, n=n: backend.linear(x, w[n // 2:], d)))
+        # Row-parallel leaves: C leaves of K/C columns, strided views of x and the weight.
+        for leaves, width in ((8, 24), (4, 64), (2, 16)):
+            x, w = t(19, leaves * width, dtype=dtype), t(48, leaves * width, dtype=dtype)
+            sites.append((f"leaves {name}", lambda x=x, w=w, c=leaves: leaf_partials(x, w, c)))
+        sites.append((f"matmul {name} row-major b", lambda d=dtype: backend.matmul(t(7, 40, dtype=d), t(40, 24,
+                                                                                                      dtype=d))))
+        # Row kernels: logprob leaves (rows of V/C), norms' sums, rows that start unaligned.
+        for rows, width in ((12, 1000), (3, 4096), (70, 625), (5, 7)):
+            x = t(rows, width + 1, dtype=dtype)
+            sites.append((f"row_sum {name}", lambda x=x, w=width: backend.row_sum(x[:, :w])))
+            sites.append((f"row_sum {name} offset", lambda x=x, w=width: backend.row_sum(x[:, 1:w + 1])))
+        sites.append((f"softmax {name} router", lambda d=dtype: backend.softmax(t(10, 8, dtype=d))))
+        sites.append((f"softmax {name} router", lambda d=dtype: backend.softmax(t(33, 128, dtype=d)[:, 3:67])))
+    sites.append(("linear router mixed", lambda: backend.linear(t(9, 64, dtype=torch.bfloat16), t(8, 64),
+                                                                 torch.float32)))
+
+    configs = [(dtype, name, d, BLOCK, None) for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32"))
+               for d in HEAD_DIMS]
+    if tests:
+        configs += [(torch.float32, "fp32", 16, 16, None), (torch.float32, "fp32", 16, 16, 32),
+                    (torch.bfloat16, "bf16", 16, 12, None)]
+    for dtype, name, d, block, split in configs:
+        sites += _attention_sites(t, dtype, name, d, block, split)
+    return sites
+
+
+def _attention_sites(t, dtype, name, d, block, split):
+    """The attention call sites at one numerics (dtype, head dim, key block, split)."""
+    import torch
+    from mindspeed_tp.kernels import attention as attn
+    from mindspeed_tp.kernels import context_parallel as cp
+
+    sites = []
+    tag = f"{name} d={d} block={block}" + (f" split={split}" if split else "")
+    kw = dict(block_size=block, split_size=split)
+    for hq, hkv in ((8, 4), (2, 1), (1, 1), (4, 4)):  # GQA at TP 1/4/8 heads per rank, and MHA
+        b, s = 3, 70
+        q, k, v = t(b, hq, s, d, dtype=dtype), t(b, hkv, s, d, dtype=dtype), t(b, hkv, s, d, dtype=dtype)
+        causal = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).view(1, 1, s, s)
+        pad = torch.arange(s).view(1, 1, 1, s) >= torch.tensor([70, 51, 17]).view(b, 1, 1, 1)
+        sites += [
+            (f"attention {tag} training, megatron's causal mask",
+             lambda q=q, k=k, v=v, m=causal: attn.consistent_attention(q, k, v, 0.1, True, excluded=m, **kw)),
+            (f"attention {tag} training, mask and no causal flag",
+             lambda q=q, k=k, v=v, m=causal: attn.consistent_attention(q, k, v, 0.1, False, excluded=m, **kw)),
+            (f"attention {tag} training, causal flag",
+             lambda q=q, k=k, v=v: attn.consistent_attention(q, k, v, 0.1, True, **kw)),
+            (f"attention {tag} key padding", lambda q=q, k=k, v=v, m=pad: attn.consistent_attention(
+                q[:, :, :10], k, v, 0.1, False, excluded=m, **kw)),
+            (f"attention {tag} key padding, causal", lambda q=q, k=k, v=v, m=pad | causal: attn.consistent_attention(
+                q, k, v, 0.1, True, excluded=m, **kw)),
+            (f"attention {tag} chunked prefill", lambda q=q, k=k, v=v: attn.consistent_attention(
+                q[:, :, 7:23], k[:, :, :23], v[:, :, :23], 0.1, True, q_positions=torch.arange(7, 23), **kw)),
+            (f"attention {tag} CP local queries", lambda q=q, k=k, v=v, m=causal: cp.cp_attention(
+                q[:, :, 10:20], k, v, 0.1, True, torch.arange(10, 20), m[:, :, 10:20], block, 16, split)),
+            (f"attention {tag} packed", lambda q=q, k=k, v=v: attn.packed_attention(
+                q[0].transpose(0, 1).contiguous(), k[0].transpose(0, 1).contiguous(),
+                v[0].transpose(0, 1).contiguous(), [0, 13, 40, 70], 0.1, True, **kw)),
+        ]
+        for page, sq in ((16, 1), (5, 3), (BLOCK, 1)):  # paged decode: the engine's step, a few tokens
+            pages = 2 * -(-s // page) + 1
+            kc, vc = t(pages, page, hkv, d, dtype=dtype), t(pages, page, hkv, d, dtype=dtype)
+            table = torch.randperm(pages)[: 2 * -(-s // page)].view(2, -1).to(torch.int32)
+            lens = torch.tensor([s, s - 9], dtype=torch.int32)
+            sites.append((f"attention {tag} paged decode", lambda q=q, kc=kc, vc=vc, tb=table, ln=lens, n=sq:
+                          attn.decode_attention(q[:2, :, :n], kc, vc, ln, tb, 0.1, **kw)))
+    return sites
+
+
+def record(backend, kernels, arch, tests=False):
+    """Every launch the call sites make on an sm_<arch> GPU, each with its site's name."""
+    log, site = [], [None]
+    with recording(backend, kernels, log, site, arch):
+        for name, thunk in _call_sites(backend, tests):
+            site[0] = name
+            thunk()
+    return log
+
+
+def specialise(launch, backend):
+    """What Triton compiles for this launch: (options, signature, constexprs, attrs), by its own binder."""
+    from triton.runtime.jit import create_function_from_signature
+
+    fn = launch.kernel
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*launch.args, **launch.kwargs)
+    return fn._pack_args(backend, launch.kwargs, bound, specialization, options)
+
+
+def _numerics(launch, signature, options):
+    """What may change the computation: the kernel, its declared constexprs, the pointers' element
+    types, the launch options. Everything else must not (one variant per numerics)."""
+    declared = {p.name for p in launch.kernel.params if p.is_constexpr}
+    consts = tuple(sorted((k, v) for k, v in launch.kwargs.items() if k in declared))
+    pointers = tuple(sorted((k, v) for k, v in signature.items() if v.startswith("*")))
+    opts = (options.num_warps, options.num_stages, options.enable_fp_fusion)
+    return launch.kernel.__name__, consts, pointers, opts
+
+
+def _variant(signature, constexprs, attrs):
+    return repr((sorted(signature.items()), sorted(constexprs.items()), sorted(attrs.items())))
+
+
+def _differences(fn, a, b):
+    """The arguments whose specialisation differs between two variants' (signature, constexprs, attrs)."""
+    names = [p.name for p in fn.params]
+    out = []
+    for da, db in zip(a, b):
+        for key in sorted(set(da) | set(db), key=str):
+            if da.get(key) != db.get(key):
+                name = key if isinstance(key, str) else names[key[0]]
+                out.append(f"{name}: {da.get(key)} / {db.get(key)}")
+    return out
+
+
+def _strip_locations(ir):
+    return "\n".join(re.sub(r"\s*loc\(.*?\)\s*$", "", line) for line in ir.splitlines() if not line.startswith("#loc"))
+
+
+def compile_variant(fn, options, signature, constexprs, attrs, target):
+    """The full pipeline for one variant: (TTGIR without source locations, {REG, STACK, ...}, seconds)."""
+    import triton
+    from triton.compiler import ASTSource
+
     t0 = time.perf_counter()
-    out = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs), target=target,
-                         options={"num_warps": warps, "num_stages": stages})
-    ptx = out.asm["ptx"]
-    return {"kernel": fn.__name__, "seconds": round(time.perf_counter() - t0, 1), "shared_bytes": out.metadata.shared,
-            "wgmma": "wgmma" in ptx, "cp_async": "cp.async" in ptx, "local_memory": ".local" in ptx}
+    out = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs), target=target,
+                         options=options.__dict__)
+    seconds = time.perf_counter() - t0
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(out.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    found = dict(re.findall(r"(\w+(?:\[\d+\])?):(\d+)", usage.split("Resource usage:")[-1]))
+    return _strip_locations(out.asm["ttgir"]), {k: int(v) for k, v in found.items()}, seconds
 
 
-def jobs(k, quick):
-    for dtype, tiles in (("bf16", k.GEMM_TILES_HALF), ("fp32", k.GEMM_TILES_FP32)):
-        bm, bn, bk, group, warps, stages = tiles
-        for bias, out in ((False, "fp32"), (True, "bf16")):
-            types = dict(a_ptr="*" + dtype, b_ptr="*" + dtype, bias_ptr="*bf16", c_ptr="*" + out,
-                         **{n: I32 for n in ("M", "N", "K", "stride_ab", "stride_am", "stride_ak", "stride_bb",
-                                             "stride_bk", "stride_bn", "stride_cb", "stride_cm", "stride_cn")})
-            # Unit strides as a launch specialises them (x row-major, b = weight.T, out row-major).
-            yield (f"gemm {dtype} bias={bias} out={out}", k.gemm_kernel, types,
-                   dict(HAS_BIAS=bias, INTERPRETED=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group,
-                        stride_ak=1, stride_bk=1, stride_cn=1), warps, stages)
-    for dtype in ("fp32", "bf16"):
-        yield (f"row_sum {dtype}", k.row_sum_kernel, dict(x_ptr="*" + dtype, out_ptr="*fp32", N=I32, stride_row=I32),
-               dict(BLOCK=k.ROW_BLOCK), k.ROW_WARPS, 1)
-    yield ("softmax fp32", k.softmax_kernel, dict(x_ptr="*fp32", out_ptr="*fp32", N=I32, stride_x=I32, stride_out=I32),
-           dict(BLOCK=k.ROW_BLOCK), k.ROW_WARPS, 1)
-    cases = [("bf16", 16, 16, False)] if quick else [("bf16", 128, 128, False), ("bf16", 128, 128, True),
-                                                      ("fp32", 64, 128, False)]
-    for dtype, d, keys, split in cases:
-        types = dict(q_ptr="*" + dtype, k_ptr="*" + dtype, v_ptr="*" + dtype, o_ptr="*" + dtype, pos_ptr="*i32",
-                     seqlen_ptr="*i32", table_ptr="*i32", ex_ptr="*u8", scale="fp32", **{n: I32 for n in _ATTN_INTS})
-        yield (f"attention {dtype} d={d} keys={keys} split={split}", k.attention_kernel, types,
-               dict(D=d, CAUSAL=True, SPLIT=split, INTERPRETED=False, BLOCK_Q=k.ATTN_BLOCK_Q, BLOCK_KEYS=keys,
-                    BLOCK_D=d, s_qd=1, s_kd=1, s_vd=1, s_od=1), k.ATTN_WARPS, k.ATTN_STAGES)
+def check(arch, tests=False, out=print, only=None):
+    """Compile every numerics' variants for sm_<arch>; returns the list of failures (empty: passed)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+
+    backend_mod, kernels = load_backend()
+    launches = record(backend_mod, kernels, arch, tests)
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    groups = collections.OrderedDict()
+    for launch in launches:
+        options, signature, constexprs, attrs = specialise(launch, backend)
+        key = _numerics(launch, signature, options)
+        variants = groups.setdefault(key, collections.OrderedDict())
+        entry = variants.setdefault(_variant(signature, constexprs, attrs),
+                                    dict(spec=(options, signature, constexprs, attrs), sites=[], fn=launch.kernel))
+        if launch.site not in entry["sites"]:
+            entry["sites"].append(launch.site)
+    failures = []
+    out(f"triton {__import__('triton').__version__}, sm_{arch}, FP fusion {kernels.FP_FUSION}: {len(launches)} "
+        f"launches, {len(groups)} numerics")
+    for (name, consts, pointers, opts), variants in groups.items():
+        label = f"{name} " + " ".join(f"{k}={v}" for k, v in consts if k != "INTERPRETED") + \
+            " " + ",".join(f"{k}:{v}" for k, v in pointers)
+        if only and not all(word in label for word in only):
+            continue
+        entries = list(variants.values())
+        irs = []
+        for entry in entries[:2]:  # a second variant fails already: compile two to compare their TTGIR
+            options, signature, constexprs, attrs = entry["spec"]
+            ir, usage, seconds = compile_variant(entry["fn"], options, signature, constexprs, attrs, target)
+            irs.append(ir)
+            out(f"  {label}: REG {usage.get('REG')} STACK {usage.get('STACK')} ({seconds:.1f}s; "
+                f"{len(entry['sites'])} sites)")
+            if usage.get("STACK", 0):
+                failures.append(f"sm_{arch} {label}: {usage['STACK']} bytes of stack (register spills), "
+                                f"{usage.get('REG')} registers")
+        if len(entries) > 1:
+            diffs = sorted({d for other in entries[1:]
+                            for d in _differences(entries[0]["fn"], entries[0]["spec"][1:], other["spec"][1:])})
+            failures.append(f"sm_{arch} {label}: {len(entries)} compiled variants for one numerics (the first two's "
+                            f"TTGIR {'differs' if irs[1] != irs[0] else 'is identical'}); specialisations differing "
+                            f"from the first: {diffs}; sites {entries[0]['sites'][:2]} vs {entries[1]['sites'][:2]}")
+    return failures
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arch", type=int, default=90, help="CUDA compute capability as an integer (90: H100/H200)")
-    p.add_argument("--quick", action="store_true", help="small attention tiles only (the tests' configuration)")
+    p.add_argument("--arch", type=int, nargs="+", default=[90, 80],
+                   help="CUDA compute capabilities as integers (90: H100/H200, 80: A100)")
+    p.add_argument("--tests", action="store_true", help="also tests/test_triton_backend.py's small configurations")
+    p.add_argument("--only", nargs="+", help="only the numerics whose label holds all these words")
     args = p.parse_args(argv)
-    k = load_kernels()
-    target = GPUTarget("cuda", args.arch, 32)
-    print(f"triton {triton.__version__}, target sm_{args.arch}")
-    for name, fn, types, consts, warps, stages in jobs(k, args.quick):
-        r = compile_one(fn, types, consts, warps, stages, target)
-        print(f"{name:<40} compiled in {r['seconds']:5.1f}s  shared {r['shared_bytes']:>7}  wgmma {r['wgmma']!s:<5}  "
-              f"cp.async {r['cp_async']!s:<5}  local memory {r['local_memory']}", flush=True)
-    return 0
+    failures = []
+    for arch in args.arch:
+        failures += check(arch, args.tests, only=args.only)
+    for f in failures:
+        print("FAIL", f)
+    print("one variant per numerics, no spills" if not failures else f"{len(failures)} failures")
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

@@ -349,6 +349,10 @@ _ENTRIES: Tuple[Refusal, ...] = (
     Refusal("npu_explicit_mask", BACKEND, "attention mask (npu backend)",
             "the npu backend's attention supports causal or no-mask attention only (flash_attn_npu takes no explicit "
             "mask): use attn_mask_type causal without padding masks", "flash_attn_npu takes no explicit mask"),
+    Refusal("triton_dense_mask", BACKEND, "attention mask (triton backend)",
+            "the triton backend's attention runs megatron's causal mask as its causal flag and a key-padding mask as "
+            "per-sequence key lengths; this mask (shape {shape}) is neither: use attn_mask_type causal or padding "
+            "masks", "the GPU kernel reads no dense mask (one compiled variant for every call site)"),
     Refusal("npu_split_kv", BACKEND, "attention_split_size (npu backend)",
             "profile field 'attention_split_size' must be empty with the npu backend (num_splits=1)",
             "the Ascend kernels are called with one split"),

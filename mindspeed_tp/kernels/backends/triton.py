@@ -10,7 +10,14 @@ property of the kernels instead of BLAS luck:
 - ``row_sum`` / ``softmax``: one program per row, fixed chunking and one fixed tree sum per row.
 - ``attention`` / ``decode_attention``: one kernel for training, chunked prefill and paged-KV
   decode (training passes each sequence as one page), so the three modes run the same per-query
-  procedure and agree bit for bit; see ``triton_kernels.attention_kernel``.
+  procedure and agree bit for bit; see ``triton_kernels.attention_kernel``. A mask never reaches
+  the kernel: megatron's causal mask is its causal flag, key padding per-sequence key lengths
+  (``_mask_as_lengths``); any other mask is refused.
+
+Every launch compiles to one variant per numerics (``triton_kernels``' docstring): the wrappers
+hand the kernels 16-byte aligned, unit-inner-stride tensors (``_aligned``, a copy otherwise) and
+their strides in 16-byte units (``_units``), the kernels specialise on no integer argument, FP
+contraction is pinned.
 
 ``row_multiple`` (the CPU BLAS row padding) does not apply here: the tiles are fixed. The bits
 differ from the CPU reference's (other hardware, other summation inside a tile); they do not
@@ -26,10 +33,12 @@ from typing import List, Optional
 
 import torch
 
+from ...contract.refusals import refuse
 from ...errors import ConfigError
 from . import torch as torch_backend
 
-# Explicit (padding) attention masks are honoured by this backend's attention.
+# Explicit attention masks are taken by this backend's attention: causal and key-padding masks,
+# recognised and run without a mask (``_mask_as_lengths``); any other is refused.
 EXPLICIT_MASKS = True
 
 _INSTALL = ("install it (pip install triton; CUDA builds of torch ship a matching one), or set the profile's "
@@ -115,6 +124,14 @@ def prepare(profile=None) -> List[str]:
     return pin_torch_settings()
 
 
+def build_identity() -> dict:
+    """What the compiled kernels' bits depend on besides the profile and the GPU: the Triton version
+    and the FP contraction pinned at launch (for a report, and for ranks to compare)."""
+    import triton
+
+    return {"triton": triton.__version__, "enable_fp_fusion": _kernels().FP_FUSION}
+
+
 def _check_device(*tensors: torch.Tensor) -> None:
     interpreted = _kernels().INTERPRETED
     for t in tensors:
@@ -130,6 +147,43 @@ def _same_compute_dtype(a: torch.Tensor, b: torch.Tensor):
     return a.float(), b.float()
 
 
+def _vec(dtype: torch.dtype) -> int:
+    """16 bytes in elements of ``dtype``: what the kernels state of every stride they are given."""
+    return _kernels().ALIGN_BYTES // torch.empty(0, dtype=dtype).element_size()
+
+
+def _is_aligned(t: torch.Tensor) -> bool:
+    """Base and every stride 16-byte multiples, the innermost stride 1 (dims of size 1 never move)."""
+    size = t.element_size()
+    align = _kernels().ALIGN_BYTES
+    if t.data_ptr() % align:
+        return False
+    for n, (extent, stride) in enumerate(zip(t.shape, t.stride())):
+        if extent > 1 and (stride != 1 if n == t.dim() - 1 else (stride * size) % align):
+            return False
+    return True
+
+
+def _aligned(t: torch.Tensor, inner: Optional[int] = None) -> torch.Tensor:
+    """``t`` itself when the kernels' alignment statement holds for it, else a copy whose last dim is
+    stored padded (with zeros) to ``inner`` elements or the next 16-byte multiple; the view keeps
+    ``t``'s shape. A copy, never a differently compiled kernel."""
+    last = t.shape[-1] if t.dim() else 1
+    vec = _vec(t.dtype)
+    width = inner if inner is not None else -(-last // vec) * vec
+    if width == last and _is_aligned(t):
+        return t
+    store = torch.zeros(*t.shape[:-1], width, dtype=t.dtype, device=t.device)
+    store[..., :last] = t
+    return store[..., :last]
+
+
+def _units(t: torch.Tensor, *dims: int) -> List[int]:
+    """Strides of an ``_aligned`` tensor in 16-byte units: what the kernels take, so that they know
+    the alignment by construction (a stride is ``units * VEC`` there) instead of by specialisation."""
+    return [t.stride(d) // _vec(t.dtype) for d in dims]
+
+
 def _gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
     """(L, M, K) @ (L, K, N) (+ bias (N,)) -> (L, M, N) in out_dtype; one launch for the batch."""
     kernels = _kernels()
@@ -137,22 +191,24 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], out_dt
     _check_device(a, b)
     batch, m, k = a.shape
     n = b.shape[-1]
-    out = torch.empty(batch, m, n, dtype=_store_dtype(out_dtype), device=a.device)
+    out = _aligned(torch.empty(batch, m, n, dtype=_store_dtype(out_dtype), device=a.device))
     if m == 0 or n == 0 or batch == 0:
         return out.to(out_dtype)
     half = a.dtype != torch.float32
     bm, bn, bk, group, warps, stages = kernels.GEMM_TILES_HALF if half else kernels.GEMM_TILES_FP32
+    vec = _vec(a.dtype)
+    k_pad = -(-k // vec) * vec  # zeros past K: what the kernel's masked tail reads anyway
+    a = _aligned(a, k_pad)
+    bt = _aligned(b.transpose(1, 2), k_pad)  # (L, N, K): the weight's own layout
     grid = (_cdiv(m, bm) * _cdiv(n, bn), batch)
     kernels.gemm_kernel[grid](
-        a, b, bias if bias is not None else out, out,
-        m, n, k,
-        a.stride(0), a.stride(1), a.stride(2),
-        b.stride(0), b.stride(1), b.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
+        a, bt, bias if bias is not None else out, out,
+        m, n, k_pad // vec, *_units(a, 0, 1), *_units(bt, 0, 1), *_units(out, 0, 1),
         HAS_BIAS=bias is not None, INTERPRETED=kernels.INTERPRETED,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, num_warps=warps, num_stages=stages,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, VEC=vec, C_VEC=_vec(out.dtype), num_warps=warps,
+        num_stages=stages, **kernels.LAUNCH,
     )
-    return out.to(out_dtype)
+    return out.to(out_dtype) if out.is_contiguous() else out.to(out_dtype).contiguous()
 
 
 def _store_dtype(out_dtype: torch.dtype) -> torch.dtype:
@@ -239,8 +295,7 @@ def grad_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    x2d = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
-    return x2d if x2d.stride(-1) == 1 else x2d.contiguous()
+    return _aligned(x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1))
 
 
 def _row_sum_forward(x: torch.Tensor, keepdim: bool) -> torch.Tensor:
@@ -249,8 +304,9 @@ def _row_sum_forward(x: torch.Tensor, keepdim: bool) -> torch.Tensor:
     x2d = _rows(x)
     out = torch.empty(x2d.shape[0], dtype=torch.float32, device=x.device)
     if x2d.shape[0]:
-        kernels.row_sum_kernel[(x2d.shape[0],)](x2d, out, x2d.shape[1], x2d.stride(0), BLOCK=kernels.ROW_BLOCK,
-                                                num_warps=kernels.ROW_WARPS)
+        kernels.row_sum_kernel[(x2d.shape[0],)](x2d, out, x2d.shape[1], *_units(x2d, 0),
+                                                BLOCK=kernels.ROW_BLOCK, VEC=_vec(x2d.dtype),
+                                                num_warps=kernels.ROW_WARPS, **kernels.LAUNCH)
     out = out.reshape(x.shape[:-1])
     return out.unsqueeze(-1) if keepdim else out
 
@@ -286,8 +342,9 @@ def _softmax_forward(x: torch.Tensor) -> torch.Tensor:
     x2d = _rows(x)
     out = torch.empty(x2d.shape, dtype=torch.float32, device=x.device)
     if x2d.shape[0]:
-        kernels.softmax_kernel[(x2d.shape[0],)](x2d, out, x2d.shape[1], x2d.stride(0), out.stride(0),
-                                                BLOCK=kernels.ROW_BLOCK, num_warps=kernels.ROW_WARPS)
+        kernels.softmax_kernel[(x2d.shape[0],)](x2d, out, x2d.shape[1], *_units(x2d, 0), out.stride(0),
+                                                BLOCK=kernels.ROW_BLOCK, VEC=_vec(x2d.dtype),
+                                                num_warps=kernels.ROW_WARPS, **kernels.LAUNCH)
     return out.reshape(x.shape)
 
 
@@ -313,10 +370,43 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
     return _softmax_forward(x)
 
 
-def _attention_launch(q, k_pages, v_pages, page_dims, positions, seqlens, table, excluded, scale, causal,
-                      block_size, split_size):
+def _generation(device: torch.device) -> int:
+    """9 on sm_90 and later GPUs, 8 before (and under the interpreter 9): the attention tiles'
+    key (``triton_kernels.ATTN_TILES``)."""
+    if _kernels().INTERPRETED or device.type != "cuda":
+        return 9
+    return 9 if torch.cuda.get_device_capability(device)[0] >= 9 else 8
+
+
+def _mask_as_lengths(excluded: torch.Tensor, positions: torch.Tensor, sk: int, causal: bool):
+    """An explicit mask as the kernel runs it: (causal, keys per batch entry). ``excluded`` (bool,
+    broadcastable to (b, 1, sq, width), True hides; keys past ``width`` hidden) must hide exactly
+    what the causal flag (given or recognised: megatron's causal mask) and per-entry key padding
+    (keys from the entry's length on, hidden from every query) hide; anything else is refused, so the
+    kernel never reads a dense mask. One comparison on the device, one host sync."""
+    b, sq = positions.shape
+    ex = torch.broadcast_to(excluded.to(device=positions.device, dtype=torch.bool),
+                            (b, 1, sq, excluded.shape[-1]))[:, 0]
+    if ex.shape[-1] < sk:
+        ex = torch.cat([ex, ex.new_ones(b, sq, sk - ex.shape[-1])], dim=-1)
+    ex = ex[..., :sk]
+    keys = torch.arange(sk, device=positions.device)
+    hidden_from_all = ex.all(dim=1)  # (b, sk)
+    lengths = sk - hidden_from_all.flip(-1).to(torch.int32).cumprod(-1).sum(-1)
+    padding = (keys.view(1, sk) >= lengths.view(b, 1)).unsqueeze(1)  # (b, 1, sk)
+    future = keys.view(1, 1, sk) > positions.view(b, sq, 1)  # (b, sq, sk)
+    as_padding = torch.equal(ex | future, padding | future) if causal else torch.equal(ex, padding.expand_as(ex))
+    if not as_padding and not causal and torch.equal(ex, padding | future):
+        causal, as_padding = True, True
+    if not as_padding:
+        raise refuse("triton_dense_mask", shape=tuple(excluded.shape))
+    return causal, lengths.to(torch.int32)
+
+
+def _attention_launch(q, k_pages, v_pages, page_dims, positions, seqlens, table, scale, causal, block_size,
+                      split_size):
     """q (b, hq, sq, d); k/v reachable as pages: ``page_dims`` names (page, offset, head, dim) of
-    k_pages/v_pages; positions (b, sq); seqlens (b,) keys per entry; table (b, pages)."""
+    k_pages/v_pages (dim last); positions (b, sq); seqlens (b,) keys per entry; table (b, pages)."""
     kernels = _kernels()
     b, hq, sq, d = q.shape
     hkv = k_pages.shape[page_dims[2]]
@@ -330,26 +420,26 @@ def _attention_launch(q, k_pages, v_pages, page_dims, positions, seqlens, table,
     out = torch.empty(b, hq, sq, d, dtype=_store_dtype(q.dtype), device=q.device)
     if out.numel() == 0:
         return out.to(q.dtype)
+    q, k_pages, v_pages = _aligned(q), _aligned(k_pages), _aligned(v_pages)
+    o = _aligned(out)
+    positions = positions if positions.stride(1) == 1 or sq == 1 else positions.contiguous()
+    table = table if table.stride(1) == 1 or table.shape[1] == 1 else table.contiguous()
     page_size = k_pages.shape[page_dims[1]]
-    if excluded is None:  # nothing hidden: one byte read for every key, always 0
-        ex, ex_strides, ex_width = torch.zeros(1, dtype=torch.uint8, device=q.device), (0, 0, 0), 2 ** 30
-    else:
-        ex = torch.broadcast_to(excluded.to(torch.bool).view(torch.uint8), (b, 1, sq, excluded.shape[-1]))
-        ex_strides, ex_width = (ex.stride(0), ex.stride(2), ex.stride(3)), excluded.shape[-1]
-    ks = [k_pages.stride(i) for i in page_dims]
-    vs = [v_pages.stride(i) for i in page_dims]
-    block_q = kernels.ATTN_BLOCK_Q
+    tiles = ("fp32" if q.dtype == torch.float32 else "half", _generation(q.device))
+    block_q, warps, stages = kernels.ATTN_TILES[tiles]
     grid = (_cdiv(sq, block_q), b * hq)
     kernels.attention_kernel[grid](
-        q, k_pages, v_pages, out, positions, seqlens, table, ex,
+        q, k_pages, v_pages, o, positions, seqlens, table,
         sq, hq, hq // hkv, float(scale), block_size, split_size // block_size if split_size else 1, page_size,
-        ex_width,
-        *q.stride(), *ks, *vs, *out.stride(),
-        positions.stride(0), positions.stride(1), table.stride(0), table.stride(1), *ex_strides,
-        D=d, CAUSAL=bool(causal), SPLIT=split_size is not None, INTERPRETED=kernels.INTERPRETED,
+        int(bool(causal)),
+        *_units(q, 0, 1, 2), *_units(k_pages, *page_dims[:3]), *_units(v_pages, *page_dims[:3]), *_units(o, 0, 1, 2),
+        positions.stride(0), table.stride(0),
+        D=d, SPLIT=split_size is not None, INTERPRETED=kernels.INTERPRETED,
         BLOCK_Q=block_q, BLOCK_KEYS=max(16, _next_power_of_2(block_size)),
-        BLOCK_D=max(16, _next_power_of_2(d)), num_warps=kernels.ATTN_WARPS, num_stages=kernels.ATTN_STAGES,
+        BLOCK_D=max(16, _next_power_of_2(d)), VEC=_vec(q.dtype), O_VEC=_vec(o.dtype), num_warps=warps,
+        num_stages=stages, **kernels.LAUNCH,
     )
+    out = o if o is out else o.contiguous()
     return out.to(q.dtype)
 
 
@@ -369,7 +459,8 @@ def attention(
 
     q_positions: each query's absolute position (default the last sq key positions), shared by the
     batch; excluded: bool broadcastable to (b, 1, sq, sk), True hides a key (keys past its last
-    column are hidden); split_size: a multiple of block_size, or None. ``row_multiple`` is unused
+    column are hidden): a causal and/or key-padding mask, run as the causal flag and key lengths
+    (``_mask_as_lengths``), any other refused; split_size: a multiple of block_size, or None. ``row_multiple`` is unused
     (fixed tiles). Each sequence is one page of the kernel's paged addressing. Backward: the torch
     reference's (exact attention's gradient recomputed tile by tile from q, k, v).
     """
@@ -398,11 +489,14 @@ def _attention_forward(q, k, v, scale, causal, q_positions, excluded, block_size
     if q_positions.shape != (sq,):
         raise ValueError(f"q_positions must have shape ({sq},), got {tuple(q_positions.shape)}")
     positions = q_positions.to(device=device, dtype=torch.int32).reshape(1, sq).expand(b, sq)
-    seqlens = torch.full((b,), sk, dtype=torch.int32, device=device)
+    if excluded is None:
+        seqlens = torch.full((b,), sk, dtype=torch.int32, device=device)
+    else:
+        causal, seqlens = _mask_as_lengths(excluded, positions, sk, causal)
     table = torch.arange(b, dtype=torch.int32, device=device).reshape(b, 1)
     # k (b, hkv, sk, d) read as pages (page=b, offset=key, head, dim) of sk keys.
-    return _attention_launch(q, k, v, (0, 2, 1, 3), positions, seqlens, table, excluded, scale, causal,
-                             block_size, split_size)
+    return _attention_launch(q, k, v, (0, 2, 1, 3), positions, seqlens, table, scale, causal, block_size,
+                             split_size)
 
 
 def decode_attention(
@@ -427,6 +521,6 @@ def decode_attention(
     seqlens = cache_seqlens.to(device=device, dtype=torch.int32)
     positions = seqlens.reshape(b, 1) - sq + torch.arange(sq, dtype=torch.int32, device=device).reshape(1, sq)
     table = page_table.to(device=device, dtype=torch.int32)
-    return _attention_launch(q, k_cache, v_cache, (0, 1, 2, 3), positions, seqlens, table, None, scale, True,
+    return _attention_launch(q, k_cache, v_cache, (0, 1, 2, 3), positions, seqlens, table, scale, True,
                              block_size, split_size)
 
