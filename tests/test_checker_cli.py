@@ -35,3 +35,12 @@ def test_reference_must_be_safetensors(tmp_path):
     proc = run_cli("check", "--reference", str(bad))
     assert proc.returncode == 2, explain(proc)
     assert "safetensors" in proc.stderr
+
+
+def test_vanilla_only_run_exits_1(tmp_path):
+    """`check --vanilla` alone: vanilla megatron-core's layout against one device, a verdict that fails."""
+    proc = run_cli("check", "--tp", "2", "--sp", "--dtype", "bf16", "--vanilla", "--json", str(tmp_path / "r.json"))
+    assert proc.returncode == 1, explain(proc)
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["vanilla"] is True and report["bitwise_equal_fraction"] < 1.0
+    assert report["layout"]["tp"] == 2 and report["layout"]["sp"] is True

@@ -71,11 +71,3 @@ def test_report_has_the_documented_keys(matrix):
         if not r["vanilla"]:
             assert r["bitwise_equal_fraction"] == 1.0 and r["max_abs_logdiff"] == 0.0
     assert "RESULT: bitwise equal" in stdout
-
-
-def test_vanilla_only_run_exits_1(tmp_path):
-    proc = run_cli("check", "--tp", "2", "--sp", "--dtype", "bf16", "--vanilla", "--json", str(tmp_path / "r.json"))
-    assert proc.returncode == 1, explain(proc)
-    report = json.loads((tmp_path / "r.json").read_text())
-    assert report["vanilla"] is True and report["bitwise_equal_fraction"] < 1.0
-    assert report["layout"]["tp"] == 2 and report["layout"]["sp"] is True
