@@ -87,6 +87,40 @@ def collect(tier: str):
     return {"tests": collector.items, "matrices": {k: list(v) for k, v in conftest.TIERED_MATRICES.items()}}
 
 
+def _full_tier_kwargs(expr) -> dict:
+    """The keywords of the first ``full_tier(...)`` call inside an expression, or None."""
+    import ast
+
+    for call in (n for n in ast.walk(expr) if isinstance(n, ast.Call)):
+        if getattr(call.func, "id", None) == "full_tier":
+            return {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+    return None
+
+
+def engine_marks() -> dict:
+    """The full_tier marks of the engine test files (collected in .venv-vllm only, which the main
+    line's run may not have yet), read from their source: ``@full_tier(...)`` on a test, or
+    ``pytest.param(VALUE, marks=full_tier(...))`` in its parametrize (the node named by VALUE)."""
+    import ast
+
+    found = {}
+    for path in ENGINE_TEST_FILES:
+        with open(os.path.join(ROOT, path)) as f:
+            tree = ast.parse(f.read())
+        for func in (n for n in tree.body if isinstance(n, ast.FunctionDef)):
+            node = f"{path}::{func.name}"
+            for deco in func.decorator_list:
+                if isinstance(deco, ast.Call) and getattr(deco.func, "id", None) == "full_tier":
+                    found[node] = _full_tier_kwargs(deco)
+                    continue
+                for param in (n for n in ast.walk(deco) if isinstance(n, ast.Call) and getattr(n.func, "attr", None) == "param"):
+                    marks = [k.value for k in param.keywords if k.arg == "marks"]
+                    kwargs = _full_tier_kwargs(marks[0]) if marks else None
+                    if kwargs is not None:
+                        found[f"{node}[{ast.literal_eval(param.args[0])}]"] = kwargs
+    return found
+
+
 def _selects(reference: str, node_ids) -> list:
     """The node ids a reference names: a file, a test (every parametrisation of it) or a node id."""
     ref = reference.split("tests/", 1)[1] if reference.startswith("tests/") else reference
@@ -109,6 +143,17 @@ def problems(full, ci) -> list:
             out.append(f"{node}: covered_by {mark['covered_by']!r} selects no CI-tier test")
         if node in ci_ids:
             out.append(f"{node}: marked full_tier but collected in the CI tier")
+    for node, mark in sorted(engine_marks().items()):
+        ref = mark.get("covered_by", "")
+        path, _, name = ref.partition("::")
+        if not mark.get("why") or not name:
+            out.append(f"{node}: full_tier needs covered_by= (a test) and why=")
+        elif path in ENGINE_TEST_FILES:
+            with open(os.path.join(ROOT, path)) as f:
+                if f"def {name}(" not in f.read():
+                    out.append(f"{node}: covered_by {ref!r} is not defined")
+        elif not _selects(ref, ci_ids):
+            out.append(f"{node}: covered_by {ref!r} selects no CI-tier test")
     extra = sorted(ci_ids - set(full["tests"]))
     if extra:
         out.append(f"the CI tier collects tests the full tier does not: {extra[:5]}")
@@ -138,7 +183,7 @@ def _cases(cases) -> str:
 
 
 def render(full, ci) -> str:
-    marked = sorted((n, m) for n, m in full["tests"].items() if m)
+    marked = sorted([(n, m) for n, m in full["tests"].items() if m] + list(engine_marks().items()))
     lines = [
         "# Tests: the CI tier and the full tier",
         "",

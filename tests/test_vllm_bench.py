@@ -7,9 +7,11 @@ import json
 import subprocess
 import sys
 
-from conftest import ROOT, _env
+from conftest import ROOT, _env, full_tier
 
 
+@full_tier(covered_by="tests/test_benchmarks.py::test_scale_bench_smoke_writes_the_documented_report",
+           why="scale_bench's launcher, modes and report run in the smoke case; this adds its engine mode")
 def test_scale_bench_engine_mode_measures_the_forward_and_its_peak(tmp_path):
     report = tmp_path / "engine.json"
     proc = subprocess.run([sys.executable, "benchmarks/scale_bench.py", "--cases", "tiny-moe-tp2-sp-ep2-64-bf16",

@@ -11,7 +11,7 @@ import torch
 import mindspeed_tp
 from mindspeed_tp.integrations.vllm import host, kernels
 from mindspeed_tp.integrations.vllm.scoring import ScoringPlan
-from conftest import bits_equal, explain, run_torchrun
+from conftest import bits_equal, explain, full_tier, run_torchrun
 
 DTYPES = [torch.bfloat16, torch.float32]
 
@@ -209,7 +209,11 @@ def test_engine_slices_are_split_among_ep_ranks_with_every_token_covered_once():
                 assert all(len(w.slices) == tp // world for w in work)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=full_tier(
+    covered_by="tests/test_vllm_kernels.py::"
+               "test_the_engine_moe_across_expert_ranks_is_bitwise_with_only_slices_of_every_expert_held",
+    why="two expert ranks each holding slices of every expert; four ranks are the same exchange with more "
+        "slices"))])
 def test_the_engine_moe_across_expert_ranks_is_bitwise_with_only_slices_of_every_expert_held(world):
     """The ranks of an expert group (EP x expert-TP grids of 2 and 4 ranks, positions EP-major and
     ETP-major), each with its experts' shards and its own tokens, at engine TP 1, 2 and 4, bf16 and
