@@ -84,3 +84,18 @@ def test_a_marked_test_is_left_out_of_the_ci_tier_only(pytester, monkeypatch):
         result.assert_outcomes(passed=expected, deselected=1 if tier == "ci" else 0)
     monkeypatch.setenv("MINDSPEED_TP_TEST_TIER", "fast")
     assert pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider").ret != 0
+
+
+def test_the_slowest_tests_are_read_from_every_junit_file(tmp_path):
+    """scripts/test.sh names the CI tier's ten slowest tests from its pytest calls' JUnit files (a call
+    that died before writing its file is passed over)."""
+    _spec = importlib.util.spec_from_file_location("slowest_tests", os.path.join(ROOT, "scripts", "slowest_tests.py"))
+    slowest_tests = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(slowest_tests)
+    (tmp_path / "a.xml").write_text('<testsuites><testsuite><testcase classname="tests.test_a" name="test_x" '
+                                    'time="3.5"/><testcase classname="tests.test_a" name="test_y" time="0.2"/>'
+                                    '</testsuite></testsuites>')
+    (tmp_path / "b.xml").write_text('<testsuite><testcase classname="tests.test_b" name="test_z" time="9"/></testsuite>')
+    (tmp_path / "c.xml").write_text("")  # an interrupted call
+    files = [str(tmp_path / n) for n in ("a.xml", "b.xml", "c.xml")]
+    assert slowest_tests.slowest(files, 2) == [(9.0, "tests.test_b::test_z"), (3.5, "tests.test_a::test_x")]
