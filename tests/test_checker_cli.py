@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, _env, explain, run_cli
 
 
@@ -29,12 +31,14 @@ def test_reference_file_round_trip_and_mismatch(tmp_path):
     assert "inputs" in proc.stderr
 
 
-def test_reference_must_be_safetensors(tmp_path):
-    bad = tmp_path / "ref.pt"
+@pytest.mark.parametrize("name", ["ref.pt", "ref.safetensors"])
+def test_reference_must_be_safetensors(tmp_path, name):
+    """Refused by the launcher, before any worker starts (no progress bar: no rank ran)."""
+    bad = tmp_path / name
     bad.write_bytes(b"not a safetensors file")
     proc = run_cli("check", "--reference", str(bad))
     assert proc.returncode == 2, explain(proc)
-    assert "safetensors" in proc.stderr
+    assert "safetensors" in proc.stderr and "check [" not in proc.stderr, explain(proc)
 
 
 def test_vanilla_only_run_exits_1(tmp_path):

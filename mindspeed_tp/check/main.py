@@ -39,7 +39,7 @@ from ..models.weights import SeededWeights
 from .outputs import write_reports
 from .progress import Progress
 from .prompts import batch_from_prompts, load_prompts
-from .reference import load_reference, save_reference
+from .reference import load_reference, reference_metadata, save_reference
 from .report import format_table, write_json_atomic
 from .rollout import make_rollouts
 
@@ -220,6 +220,8 @@ def plan(ns: argparse.Namespace) -> Plan:
     """Static validation of everything the run needs: model, weights, profile, prompts, layouts."""
 
     profile = load_profile(ns.profile)
+    if ns.reference:
+        reference_metadata(ns.reference)  # a file that is no safetensors is refused before any launch
     if ns.hf_checkpoint:
         if ns.model:
             raise ConfigError("--model and --hf-checkpoint both given: the checkpoint's config.json defines the "

@@ -17,15 +17,21 @@ def save_reference(path: str, tensors: Dict[str, torch.Tensor], meta: Dict[str, 
     os.replace(tmp, path)
 
 
-def load_reference(path: str, expected_meta: Dict[str, str]) -> Dict[str, torch.Tensor]:
-    """Load a reference file and refuse it, naming the field, if it was made for other inputs."""
+def reference_metadata(path: str) -> Dict[str, str]:
+    """A reference file's metadata, refused by name unless it is a readable safetensors file (the
+    launcher checks it before starting any worker, the workers again when they load it)."""
     if not path.endswith(".safetensors"):
         raise ConfigError(f"--reference {path!r}: reference files are safetensors (*.safetensors)")
     try:
         with safe_open(path, framework="pt") as f:
-            meta = f.metadata() or {}
+            return f.metadata() or {}
     except Exception as exc:  # safetensors raises its own error types
         raise ConfigError(f"--reference {path!r} cannot be read as safetensors: {exc}") from exc
+
+
+def load_reference(path: str, expected_meta: Dict[str, str]) -> Dict[str, torch.Tensor]:
+    """Load a reference file and refuse it, naming the field, if it was made for other inputs."""
+    meta = reference_metadata(path)
     for key, value in expected_meta.items():
         if meta.get(key) != value:
             raise ConfigError(
