@@ -506,3 +506,15 @@ def test_composite_kernels_run_on_the_triton_primitives(triton_selected, monkeyp
     q, k, v = (_randn(1, 2, 20, D, seed=s) for s in (57, 58, 59))
     assert bits_equal(consistent_attention(q, k, v, SCALE, block_size=16), tb.attention(q, k, v, SCALE, block_size=16))
     assert {"linear", "matmul", "row_sum", "row_mean", "softmax", "attention"} <= set(calls), sorted(set(calls))
+
+
+def test_the_triton_backend_names_its_build_for_reports_and_reference_files():
+    """The compiled kernels' bits depend on the Triton version and the FP contraction pinned at launch:
+    the backend running a device says so (check's report rows, the ranks' comparison, a reference
+    file's metadata); the CPU's torch backend declares nothing."""
+    import triton
+
+    from mindspeed_tp.kernels import dispatch
+
+    assert dispatch.build_identity("cpu") == {}
+    assert dispatch.build_identity("cuda") == {"triton": triton.__version__, "enable_fp_fusion": True}

@@ -27,6 +27,7 @@ from ..contract.refusals import refuse
 from ..errors import ConfigError
 from ..hf import open_hf_model
 from ..kernels.collectives import gather_along_rank
+from ..kernels.dispatch import build_identity
 from . import bisect, hooks, user_config
 from .batch import make_batch
 from .harness import init_distributed, layout_logprobs, run_device
@@ -342,8 +343,10 @@ def run(ns: argparse.Namespace) -> int:
               "rollout": int(ns.rollout), "temperature": float(ns.temperature),
               "max_new_tokens": int(ns.max_new_tokens), "prompts": _digest(prompts) if prompts else None,
               "packed": bool(ns.packed)}
+    kernel_build = build_identity(run_device().type)  # the triton backend: its version and FP contraction
     verify_same_on_all_ranks(
         {"model config": spec.to_dict(), "profile": profile.to_dict(), "inputs": inputs, "device": ns.device,
+         "kernel build": kernel_build,
          "layouts": [l.name for l in layouts], "megatron-core version": megatron_version(),
          "transformer config": ns.transformer_fields,
          "checker flags": {"bisect": ns.bisect, "vanilla": ns.vanilla, "compare_vanilla": ns.compare_vanilla,
@@ -385,6 +388,8 @@ def run(ns: argparse.Namespace) -> int:
     )
     meta = {"model": _digest(spec.to_dict()), "profile": profile.digest(), "inputs": _digest(inputs),
             "weights": _digest(weights.describe()), "transformer config": _digest(ns.transformer_fields)}
+    if kernel_build:  # a reference computed by other compiled kernels is refused by name
+        meta["kernel build"] = _digest(kernel_build)
     loaded = load_reference(ns.reference, meta) if ns.reference else {}
     single = Layout()
     # (key, vanilla, profile) per mode; against the real engine, vanilla and the canonical-tree
@@ -443,7 +448,7 @@ def run(ns: argparse.Namespace) -> int:
                 layout=layout.to_dict(), vanilla=vanilla, mode=label, profile=run_profile.name,
                 profile_digest=run_profile.digest(),
                 megatron_core_version=megatron_version(), model=spec.name, dtype=ns.dtype, seed=int(ns.seed),
-                device=ns.device, packed=bool(ns.packed),
+                device=ns.device, packed=bool(ns.packed), kernel_build=kernel_build,
                 reduction=run_profile.reduction,
                 reference=("vLLM" if ns.engine == "vllm" else "rollout engine") if rollout else "single device (tp1)",
             )

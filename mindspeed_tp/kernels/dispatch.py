@@ -99,6 +99,14 @@ def backend_attribute(tensor, attr: str, default=None):
     return getattr(backend_module(backend_name(tensor)), attr, default)
 
 
+def build_identity(device_type: str) -> dict:
+    """What the compiled kernels of the backend running ``device_type`` depend on beyond the profile
+    (the triton backend: its Triton version and the FP contraction pinned at launch); empty for a
+    backend that declares none. A report shows it, ranks compare it, a reference file records it."""
+    identity = getattr(backend_module(backend_for_device(device_type)), "build_identity", None)
+    return identity() if identity is not None else {}
+
+
 def prepare(profile, device_type: str) -> str:
     """What enable() runs: select the profile's backend and prepare the one this machine's
     tensors will use (load its packages, pin its environment); returns its name."""
