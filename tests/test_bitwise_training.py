@@ -711,6 +711,18 @@ def test_bitwise_training_is_refused_off_the_torch_backend(monkeypatch, backend,
         bitwise_training.BitwiseTraining(profile.replace(backend=accepted)).check_ready()
 
 
+def _finalize_module(monkeypatch, name, source):
+    """A stand-in megatron finalize module made from ``source``, importable as ``name``."""
+    import sys
+    import types
+
+    module = types.ModuleType(name)
+    exec(source, module.__dict__)
+    monkeypatch.setitem(sys.modules, name, module)
+    module.reduce.__module__ = name
+    return module
+
+
 _FUTURE_FINALIZE = '''
 import torch
 from torch._utils import _flatten_dense_tensors
@@ -728,18 +740,12 @@ def reduce(model, config, tp_group=None):
 def test_a_tp_reduced_gradient_of_a_category_megatron_adds_is_refused_not_skipped(monkeypatch):
     """Megatron's own function decides which gradients it reduces across TP (dry-run): the norms'
     (folded in the backward) pass, any other is refused by name."""
-    import sys
-    import types
-
     from mindspeed_tp import numerics
     from mindspeed_tp.errors import ConfigError
     from mindspeed_tp.models.marks import mark_per_token_params
     from mindspeed_tp.numerics.bitwise_training import tp_norm_allreduce
 
-    future = types.ModuleType("future_finalize")
-    exec(_FUTURE_FINALIZE, future.__dict__)
-    monkeypatch.setitem(sys.modules, "future_finalize", future)
-    future.reduce.__module__ = "future_finalize"
+    future = _finalize_module(monkeypatch, "future_finalize", _FUTURE_FINALIZE)
     monkeypatch.setattr(numerics.ACTIVE, "_strategy", _bitwise_strategy())
     model = torch.nn.Module()
     model.norm = torch.nn.LayerNorm(4)
@@ -774,18 +780,13 @@ def reduce(model, config, tp_group=None):
 def test_a_tp_reduction_through_another_collective_api_is_refused_not_passed(monkeypatch):
     """Issue #43, item 7: the dry run stubs torch.distributed.all_reduce only; a megatron line reducing
     through another API ran the real collective (norm gradients summed TP times) and the check passed."""
-    import sys
-    import types
 
     from mindspeed_tp import numerics
     from mindspeed_tp.errors import ConfigError
     from mindspeed_tp.models.marks import mark_per_token_params
     from mindspeed_tp.numerics.bitwise_training import tp_norm_allreduce
 
-    other = types.ModuleType("other_api_finalize")
-    exec(_OTHER_API_FINALIZE, other.__dict__)
-    monkeypatch.setitem(sys.modules, "other_api_finalize", other)
-    other.reduce.__module__ = "other_api_finalize"
+    other = _finalize_module(monkeypatch, "other_api_finalize", _OTHER_API_FINALIZE)
     monkeypatch.setattr(numerics.ACTIVE, "_strategy", _bitwise_strategy())
     model = torch.nn.Module()
     model.norm = torch.nn.LayerNorm(4)
