@@ -780,7 +780,6 @@ def reduce(model, config, tp_group=None):
 def test_a_tp_reduction_through_another_collective_api_is_refused_not_passed(monkeypatch):
     """Issue #43, item 7: the dry run stubs torch.distributed.all_reduce only; a megatron line reducing
     through another API ran the real collective (norm gradients summed TP times) and the check passed."""
-
     from mindspeed_tp import numerics
     from mindspeed_tp.errors import ConfigError
     from mindspeed_tp.models.marks import mark_per_token_params
