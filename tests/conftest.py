@@ -224,13 +224,13 @@ def full_matrix() -> bool:
     """The whole layout x dtype matrices (the main line in the full tier), or their CI cases: in the CI
     tier, and on the other megatron-core lines in both tiers (``MINDSPEED_TP_TEST_MATRIX=lines``,
     scripts/test.sh), where the version-sensitive code is the same patch set and only its targets differ."""
-    value = os.environ.get(MATRIX_ENV, "full")
-    if value not in ("full", "lines"):
-        raise pytest.UsageError(f"{MATRIX_ENV}={value!r}: use 'full' (default) or 'lines'")
-    return value == "full" and test_tier() == "full"
+    return main_line() and test_tier() == "full"
 
 
 def main_line() -> bool:
     """This run is the main megatron-core line's (not ``MINDSPEED_TP_TEST_MATRIX=lines``): its shared
     launches run there in both tiers, and a version-line test reads their rows instead of launching."""
-    return os.environ.get(MATRIX_ENV, "full") == "full"
+    value = os.environ.get(MATRIX_ENV, "full")
+    if value not in ("full", "lines"):
+        raise pytest.UsageError(f"{MATRIX_ENV}={value!r}: use 'full' (default) or 'lines'")
+    return value == "full"
