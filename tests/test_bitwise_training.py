@@ -5,8 +5,10 @@ step -- each parameter's full logical tensor, compared shard by shard -- for TP 
 PP in {1, 2} (1F1B and interleaved) x DP in {1, 2} in bf16 (distributed optimizer, overlapped grad
 reduce and param gather, full recompute), and TP 4 with SP, TP x DP and interleaved PP in fp32 (plain
 optimizer, selective recompute: what differs with the dtype is the GEMM kernels and the optimizer,
-not the layouts), 3 Adam steps with clipping; vanilla megatron-core is not (bf16). One train-check
-launch per dtype; the refusals and the exact norm are checked in-process."""
+not the layouts), 3 Adam steps with clipping; vanilla megatron-core is not (bf16). The fp32 launch's
+model has an FFN of 200 (activation shards of 100 and 50 columns: the elementwise ops' row tails,
+kernels/elementwise.py, in the backward too). One train-check launch per dtype; the refusals and the
+exact norm are checked in-process."""
 import json
 import os
 import math
@@ -28,7 +30,7 @@ LAYOUTS = tiered("test_bitwise_training.py: bf16 launch's layouts", ["tp2-sp", "
 # weight-gradient and token sums gathered over CP, dK/dV over the whole sequence, DP x CP synced over DP.
 BITWISE_CP = ["tp2-sp-cp2", "tp1-cp2-dp2", "tp1-cp2-pp2"]
 # dtype: (layouts, flags). fp32: the fp32 GEMM and the plain optimizer in every kind of split, TP 4,
-# TP x DP and interleaved PP (one world of 4, and the one-device run).
+# TP x DP and interleaved PP (one world of 4, and the one-device run), on ``_ffn200_model``.
 RUNS = {
     "bf16": (LAYOUTS + BITWISE_CP, ["--distributed-optimizer", "--overlap", "--recompute", "full",
                                     "--compare-vanilla"]),
@@ -45,13 +47,27 @@ SPLIT_SUMS = [n for n in LAYOUTS if n != "tp1-pp2"]
 _reports = {}
 
 
+def _ffn200_model(directory) -> str:
+    """tiny-dense with ffn_hidden_size 200: SwiGLU on shards of 100 (TP 2) and 50 (TP 4) columns,
+    widths no CPU vector loop divides."""
+    from mindspeed_tp.models.spec import MODEL_DIR
+
+    text = open(os.path.join(MODEL_DIR, "tiny-dense.yaml")).read()
+    assert "ffn_hidden_size: 256\n" in text
+    path = directory / "tiny-dense-ffn200.yaml"
+    path.write_text(text.replace("ffn_hidden_size: 256\n", "ffn_hidden_size: 200\n")
+                    .replace("name: tiny-dense\n", "name: tiny-dense-ffn200\n"))
+    return str(path)
+
+
 def _report(dtype, tmp_path_factory):
     """The dtype's one train-check launch, shared by every test of the module (and the bf16 one by
     tests/test_context_parallel.py's CP rows)."""
     if dtype not in _reports:
         path = tmp_path_factory.mktemp("bitwise") / "report.json"
         layouts, flags = RUNS[dtype]
-        proc, data = run_train_check(path, "--model", "tiny-dense", "--layouts", ",".join(layouts), "--dtype", dtype,
+        model = "tiny-dense" if dtype == "bf16" else _ffn200_model(tmp_path_factory.mktemp("model"))
+        proc, data = run_train_check(path, "--model", model, "--layouts", ",".join(layouts), "--dtype", dtype,
                                      "--steps", "3", "--global-batch-size", "4", "--micro-batch-size", "1",
                                      "--seq-length", "32", "--bitwise-training", *flags)
         _reports[dtype] = dtype, proc, data

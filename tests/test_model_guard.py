@@ -67,6 +67,41 @@ def test_training_settings_outside_the_patched_gemms_are_refused_by_name():
         assert "REFUSED" in out and name in out, (extra, out)
 
 
+MLP_CODE = CODE.replace("ffn_hidden_size=128", "ffn_hidden_size=200") + """
+from mindspeed_tp.check.metrics import same_bits
+from mindspeed_tp.kernels.elementwise import swiglu
+from mindspeed_tp.patches.mlp import mlp_forward
+model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=None, normalization="RMSNorm"),
+                 vocab_size=1024, max_sequence_length=64, position_embedding_type="rope")
+mlp = model.decoder.layers[0].mlp
+for p in mlp.parameters():
+    torch.nn.init.normal_(p, std=0.2)
+x = 3 * torch.randn(7, 1, 64)
+out, bias = mlp(x)
+fc1, _ = mlp.linear_fc1(x)
+expected, _ = mlp.linear_fc2(swiglu(fc1))
+print("MLP", fc1.shape[-1], bias is None, same_bits(out, expected))
+def newer_forward(self, hidden_states, per_token_scale=None, padding_mask=None, **kwargs):
+    raise AssertionError("not reached")
+try:
+    mlp_forward(newer_forward)(mlp, x, padding_mask=torch.ones(7, dtype=torch.bool))
+except mindspeed_tp.ConfigError as exc:
+    print("REFUSED", exc)
+print("UNSET", same_bits(mlp_forward(newer_forward)(mlp, x, padding_mask=None)[0], out))
+"""
+
+
+def test_megatrons_mlp_computes_the_position_invariant_swiglu():
+    """MLP.forward under the patches (every version line): fc1, kernels/elementwise.swiglu, fc2, here on
+    a 200-column FFN (a width ATen's silu computes partly in its scalar tail); an argument a newer
+    megatron-core names in MLP.forward's signature is refused by name unless left unset."""
+    proc = run_python(MLP_CODE.format(extra="bf16=False", experts="None"))
+    assert proc.returncode == 0, explain(proc)
+    out = proc.stdout
+    assert "MLP 400 True True" in out, out
+    assert "REFUSED" in out and "padding_mask" in out and "UNSET True" in out, out
+
+
 FUSED_NORM_CODE = """
 import torch.nn.functional as F
 import mindspeed_tp

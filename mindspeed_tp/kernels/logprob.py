@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from . import dispatch
+from . import dispatch, elementwise
 from .collectives import group_size, gather_along_rank, group_rank, max_across_ranks
 from ..contract.refusals import refuse
 from ..contract.tree import dyadic_blocks, merge_blocks, tree_fold
@@ -74,7 +74,7 @@ EXP_CHUNK_ELEMENTS = 1 << 24
 def _shifted_exp(lf: torch.Tensor, lmax: torch.Tensor, real: int) -> torch.Tensor:
     """exp(lf - lmax) per row, the padded columns (>= ``real``) exactly 0: elementwise, so a run of
     rows gives the bits the whole tensor gives."""
-    e = torch.sub(lf, lmax.unsqueeze(-1)).exp_()
+    e = elementwise.on_whole_runs(torch.exp, torch.sub(lf, lmax.unsqueeze(-1)))
     if real < lf.shape[-1]:
         e[..., real:] = 0.0
     return e
@@ -120,7 +120,7 @@ class _VocabParallelLogprob(torch.autograd.Function):
         if real < v_local:  # a padded id as target: probability 0, as a masked logit gives
             picked = torch.where(in_range & (target >= true_vocab), float("-inf"), picked)
         target_logit = tree_fold(gather_along_rank(picked, group), dim=0)  # one non-zero term: exact
-        logprob = (target_logit - lmax) - torch.log(total)
+        logprob = (target_logit - lmax) - elementwise.on_whole_runs(torch.log, total)
         # lf is the caller's logits when they are fp32 at temperature 1 (no copy); an in-place change
         # to them before the backward is refused by autograd's version check, never used silently.
         ctx.save_for_backward(lf, lmax, total, in_range, idx)

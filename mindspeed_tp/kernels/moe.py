@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import dispatch
+from . import dispatch, elementwise
 
 
 def _slot_sum(x: torch.Tensor) -> torch.Tensor:
@@ -56,10 +56,10 @@ def route(
             probs, idx = topk_lowest_id_on_ties(scores, topk)
         else:
             chosen, idx = topk_lowest_id_on_ties(logits, topk)
-            e = torch.exp(chosen - chosen[..., :1])  # slot 0 holds the max
+            e = elementwise.exp(chosen - chosen[..., :1])  # slot 0 holds the max
             probs = e / _slot_sum(e).unsqueeze(-1)
     elif score_function == "sigmoid":
-        scores = torch.sigmoid(logits)
+        scores = elementwise.sigmoid(logits)
         select = scores if expert_bias is None else scores + expert_bias.float()
         _, idx = topk_lowest_id_on_ties(select, topk)
         probs = scores.gather(-1, idx)

@@ -47,6 +47,13 @@ class Numerics:
         """RowParallelLinear.forward on this rank's K slice: (output, bias Megatron adds later)."""
         raise NotImplementedError
 
+    def mlp_activation(self, x: torch.Tensor) -> torch.Tensor:
+        """A gated MLP's activation on fc1's output [gate; up] (dense, shared and routed experts):
+        silu(gate) * up, every element by one code path (``kernels/elementwise.py``)."""
+        from ..kernels.elementwise import swiglu
+
+        return swiglu(x)
+
     def norm(self, module, x: torch.Tensor) -> torch.Tensor:
         """A ConsistentNorm's forward (RMSNorm / LayerNorm, ``module.weight``, ``module.bias``)."""
         raise NotImplementedError

@@ -6,7 +6,7 @@ from typing import Optional
 
 from .. import numerics
 from ..patching import PatchRegistry
-from . import attention, models, moe, norms, residual, tensor_parallel
+from . import attention, mlp, models, moe, norms, residual, tensor_parallel
 
 _registry: Optional[PatchRegistry] = None
 
@@ -15,7 +15,7 @@ def registry() -> PatchRegistry:
     global _registry
     if _registry is None:
         reg = PatchRegistry("mindspeed-tp")
-        for module in (tensor_parallel, attention, norms, models, moe, residual):
+        for module in (tensor_parallel, attention, norms, mlp, models, moe, residual):
             module.register(reg)
         for strategy in numerics.strategy_classes():
             if "register_patches" in vars(strategy):  # entries a strategy defines itself, once

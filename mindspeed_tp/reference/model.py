@@ -11,12 +11,12 @@ import math
 from typing import Callable, Dict, List, Optional
 
 import torch
-import torch.nn.functional as F
 
 from ..kernels import (
     apply_rope, decode_attention, mask_padded_vocab, folded_leaf_partials, invariant_linear, rms_norm, rope_angles, rope_inv_freq,
     vocab_parallel_logprob,
 )
+from ..kernels.elementwise import swiglu
 from ..kernels.moe import combine_slots, route
 from ..modes.rollout_layout.engine_math import full_vocab_logprob, rollout_row_parallel
 from ..models.spec import ModelSpec
@@ -29,7 +29,7 @@ class ReferenceModel:
         self.spec, self.profile, self.w, self.dtype = spec, profile, weights, dtype
         self.padded_vocab = spec.padded_vocab(profile)
         self.inv_freq = rope_inv_freq(spec.kv_channels, int(spec.rotary_base))
-        self.activation: Callable = F.silu
+        self.activation: Callable = swiglu  # fc1's [gate; up] -> silu(gate) * up, as the patched MLP
         # Optional trace(name, input, output) called with each block's rows under the Megatron
         # module name it mirrors (the checker's --bisect aligns the two runs by these names).
         self.trace: Optional[Callable] = None
@@ -73,8 +73,7 @@ class ReferenceModel:
 
     def _mlp(self, x, prefix, record: bool = False):
         a = self._linear(x, prefix + "linear_fc1.weight")
-        gate, up = torch.chunk(a, 2, dim=-1)
-        act = self.activation(gate) * up
+        act = self.activation(a)
         out = self._row_parallel(act, prefix + "linear_fc2.weight")
         if record:
             self._record(prefix + "linear_fc1", x, a)

@@ -20,6 +20,8 @@ from typing import Optional
 
 import torch
 
+from ..elementwise import exp
+
 # Explicit (padding) attention masks are honoured by this backend's attention.
 EXPLICIT_MASKS = True
 
@@ -112,7 +114,7 @@ def _merge(a, b):
     (m1, l1, acc1), (m2, l2, acc2) = a, b
     m = torch.maximum(m1, m2)
     m_safe = torch.where(m == float("-inf"), 0.0, m)
-    s1, s2 = torch.exp(m1 - m_safe), torch.exp(m2 - m_safe)
+    s1, s2 = exp(m1 - m_safe), exp(m2 - m_safe)
     return m, l1 * s1 + l2 * s2, acc1 * s1.unsqueeze(-1) + acc2 * s2.unsqueeze(-1)
 
 
@@ -291,8 +293,8 @@ def _blocked_attention(
         scores = torch.where(visible, scores, float("-inf"))
         m_new = torch.maximum(m, scores.amax(-1))
         m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)
-        p = torch.exp(scores - m_safe.unsqueeze(-1))
-        alpha = torch.exp(m - m_safe)
+        p = exp(scores - m_safe.unsqueeze(-1))
+        alpha = exp(m - m_safe)
         l = l * alpha + p.sum(-1)
         acc = acc * alpha.unsqueeze(-1) + matmul(p, vp[:, lo:hi], row_multiple)
         m = m_new

@@ -10,6 +10,7 @@ slice of a chunk's tokens, and one fp32 log-softmax over the full vocab scores t
 """
 import torch
 
+from ...kernels import elementwise
 from ...kernels.collectives import (
     _all_gather_rows, _all_to_all_rows, columns_to_rows, gather_last_dim, group_rank, group_size,
 )
@@ -83,7 +84,7 @@ class _FullVocabLogprob(torch.autograd.Function):
         for start, c, per, lsm, my_t in ctx.saved:
             idx = torch.arange(start + rank * per, start + (rank + 1) * per)
             g_mine = torch.where(idx < start + c, g[idx.clamp(max=n - 1)], 0.0)
-            d = -torch.exp(lsm) * g_mine.unsqueeze(-1)
+            d = -elementwise.on_whole_runs(torch.exp, lsm) * g_mine.unsqueeze(-1)
             d.scatter_add_(-1, my_t.unsqueeze(-1), g_mine.unsqueeze(-1))
             blocks = d.reshape(per, world, v_local).permute(1, 0, 2).reshape(world * per, v_local)
             back = _all_to_all_rows(blocks, group).reshape(world * per, v_local) if world > 1 else blocks

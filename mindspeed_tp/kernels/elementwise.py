@@ -1,0 +1,167 @@
+"""Transcendental elementwise ops whose every element takes one code path, whatever the tensor's
+shape or how many threads run it (CPU).
+
+ATen's CPU elementwise loops (``cpu_kernel_vec``) compute each contiguous run of elements two
+vectors at a time and the run's last ``run mod 2*lanes`` elements with the op's scalar code, and
+the two give other bits for silu, sigmoid and silu's backward (fp32, measured on AVX-512 and AVX2;
+rsqrt in bf16; ``tests/test_elementwise_invariance.py`` names the ops and the CPU). A run is a row
+of a strided view (megatron's ``torch.chunk`` of fc1's output), a whole contiguous tensor, or one
+thread's share of it, so an element's bits would depend on the shard width (TP), the tokens per rank
+(SP, CP, PP, a decode step) and the thread count. Here such an op reads a contiguous buffer whose
+length is a multiple of ``RUN`` (zero-padded at the end) in one thread: one run, no tail, so every
+element is computed by the vector code, the same bits in every layout, in training, in the reference
+engine and in the backward. (exp, log, sin and cos are computed by ATen's vector code with a masked
+or partial-vector tail; they go through here too, so no op relies on that.)
+
+Other devices: a CUDA elementwise kernel computes every element with the same device function, so
+the tensor is handed to the op as it is (the GPU device check compares layouts and the rollout).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..contract.refusals import refuse
+
+# Elements per run, a multiple of every ATen CPU loop step: two vectors of the narrowest dtype at the
+# widest vector ATen builds for (2 x 512 bits of bf16 = 64 elements); 128 also matches the GEMM's
+# column tile (backends/torch.py ``COLUMN_TILE``), so a projection's columns need no padding here.
+RUN = 128
+
+
+def loop_step(dtype: torch.dtype) -> int:
+    """Elements ATen's vectorized CPU loop computes per step on this host (two vectors of ``dtype``),
+    from the CPU capability torch selected (AVX512, AVX2, SVE256, DEFAULT ...)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    digits = "".join(ch for ch in capability if ch.isdigit())
+    bits = 512 if capability.startswith("AVX512") else int(digits) if digits and int(digits) >= 128 else 256
+    return 2 * bits // 8 // torch.empty((), dtype=dtype).element_size()
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """ATen runs an op in one chunk (one run) when it has one intra-op thread."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        if torch.get_num_threads() != 1:
+            raise refuse("elementwise_threads", threads=torch.get_num_threads())
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _padded_flat(x: torch.Tensor, length: int) -> torch.Tensor:
+    """``x`` as one contiguous run of ``length`` elements (its own, then zeros): no copy when it
+    already is one."""
+    n = x.numel()
+    if n == length and x.is_contiguous():
+        return x.reshape(-1)
+    buf = x.new_zeros(length)
+    buf[:n].view(x.shape).copy_(x)
+    return buf
+
+
+def on_whole_runs(op: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:
+    """``op(*tensors)`` for an elementwise ``op`` over tensors of one shape, every element by the
+    op's vector code (see the module docstring). Not differentiable: the ops below wrap it."""
+    x = tensors[0]
+    if x.device.type != "cpu":
+        return op(*tensors)
+    if any(t.shape != x.shape for t in tensors):
+        raise ValueError(f"on_whole_runs: tensors of one shape expected, got {[tuple(t.shape) for t in tensors]}")
+    n = x.numel()
+    length = max(RUN, -(-n // RUN) * RUN)
+    flats = [_padded_flat(t, length) for t in tensors]
+    with _one_thread():
+        out = op(*flats)
+    return out[:n].view(x.shape)
+
+
+def _silu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten.silu_backward(grad, x)
+
+
+def _sigmoid_backward(grad: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten.sigmoid_backward(grad, y)
+
+
+class _Silu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return on_whole_runs(F.silu, x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return on_whole_runs(_silu_backward, grad.to(x.dtype), x)
+
+
+class _Sigmoid(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = on_whole_runs(torch.sigmoid, x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return on_whole_runs(_sigmoid_backward, grad.to(y.dtype), y)
+
+
+class _Exp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = on_whole_runs(torch.exp, x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return grad * y  # one IEEE multiply: the same bits in vector and scalar code
+
+
+class _Log(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return on_whole_runs(torch.log, x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad / x  # one IEEE division
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """F.silu(x) (in the op's precision: fp32 math, one rounding), forward and backward by the vector
+    code at every position."""
+    return _Silu.apply(x)
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    return _Sigmoid.apply(x)
+
+
+def exp(x: torch.Tensor) -> torch.Tensor:
+    return _Exp.apply(x)
+
+
+def log(x: torch.Tensor) -> torch.Tensor:
+    return _Log.apply(x)
+
+
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of a gated fc1's output [gate; up] (last dim): silu(gate) * up, as megatron's
+    ``glu`` and the engines compute it (the product is one IEEE multiply)."""
+    gate, up = torch.chunk(x, 2, dim=-1)
+    return silu(gate) * up

@@ -1,0 +1,138 @@
+"""Elementwise ops on a TP-sharded dimension give an element the same bits whatever the shard width,
+the rows computed together and the thread count (kernels/elementwise.py), forward and backward,
+fp32 and bf16, on this host's ISA (each assertion names the CPU).
+
+The sweep takes every shard width 1-1024 as the column slice of a megatron-style ``torch.chunk``
+view (rows strided by twice the width, as fc1's [gate; up]) and compares each element with the
+same element computed in the whole, unsharded tensor, with one row (a decode step), under 1, 2 and
+3 threads. ATen's own silu fails it on x86 (its vector loop's scalar tail, measured: fp32 shard
+widths not a multiple of 32 on AVX-512); the ops mindspeed-tp runs through kernels/elementwise.py
+must pass it, and so must the exact ops it leaves to ATen (multiply, bias add, casts)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import host_cpu
+from mindspeed_tp.kernels import elementwise
+
+DTYPES = [torch.float32, torch.bfloat16]
+IDS = ["fp32", "bf16"]
+BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
+WIDTHS = range(1, 1025)
+ROWS = 5
+FULL = 1024
+
+
+def _values(rows, cols, seed, dtype):
+    """Normal values times 6 (silu's curved part and both tails), subnormals, signed zeros."""
+    x = 6 * torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+    flat = x.view(-1)
+    flat[::97] = 1e-40
+    flat[5::89] = -1e-39
+    flat[7::101] = -0.0
+    return x.to(dtype)
+
+
+def _bits(t):
+    return t.contiguous().view(BITS[t.dtype])
+
+
+class _Threads:
+    def __init__(self, n):
+        self.n, self.before = n, torch.get_num_threads()
+
+    def __enter__(self):
+        torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.before)
+
+
+def _silu_grad(x, g):
+    x = x.detach().requires_grad_(True)
+    (grad,) = torch.autograd.grad(elementwise.silu(x), x, g)
+    return grad
+
+
+def _sigmoid_grad(x, g):
+    x = x.detach().requires_grad_(True)
+    (grad,) = torch.autograd.grad(elementwise.sigmoid(x), x, g)
+    return grad
+
+
+# name -> op on (gate, up) views of one shape: what runs on a TP-sharded dimension, forward and backward.
+OPS = {
+    "swiglu": lambda a, b: elementwise.silu(a) * b,
+    "silu_backward": _silu_grad,
+    "sigmoid": lambda a, b: elementwise.sigmoid(a),
+    "sigmoid_backward": _sigmoid_grad,
+    "exp": lambda a, b: elementwise.exp(a),
+    "log": lambda a, b: elementwise.log(a.abs() + 1),
+    "add": lambda a, b: a + b,
+    "bias_add": lambda a, b: a + _values(1, FULL, 9, a.dtype)[0, :a.shape[-1]],
+    "cast_fp32": lambda a, b: a.float(),
+    "cast_bf16": lambda a, b: a.to(torch.bfloat16),
+}
+
+
+def _chunk_views(x, width):
+    """fc1's output [gate; up] of one rank, ``width`` columns each, as megatron's glu views it."""
+    return torch.chunk(x[:, :2 * width], 2, dim=-1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_elementwise_ops_are_invariant_to_shard_width_rows_and_threads(name, dtype):
+    op = OPS[name]
+    gate_full = _values(ROWS, FULL, 1, dtype)
+    up_full = _values(ROWS, FULL, 2, dtype)
+    whole = op(gate_full, up_full)  # the unsharded tensor: every width's columns are its first ones
+    bad = []
+    for threads in (1, 2, 3):
+        with _Threads(threads):
+            for width in WIDTHS:
+                both = torch.cat([gate_full[:, :width], up_full[:, :width]], dim=-1)
+                gate, up = _chunk_views(both, width)
+                if not torch.equal(_bits(op(gate, up)), _bits(whole[:, :width])):
+                    bad.append((threads, width, "rows"))
+                if width % 97 == 1 and not torch.equal(_bits(op(gate[2:3], up[2:3])), _bits(whole[2:3, :width])):
+                    bad.append((threads, width, "one row"))
+    assert not bad, f"{name} {dtype} on {host_cpu()}: {len(bad)} (threads, width) cases differ: {bad[:10]}"
+
+
+def test_atens_own_silu_is_not_invariant_on_this_host():
+    """The premise: ATen's silu on a chunk view gives some element other bits at some shard width
+    (the sweep above can fail); fp32, where a scalar-tail difference is never rounded away."""
+    gate_full = _values(ROWS, FULL, 1, torch.float32)
+    whole = F.silu(gate_full)
+    differ = [w for w in range(1, 200) if not torch.equal(
+        _bits(F.silu(torch.chunk(torch.cat([gate_full[:, :w]] * 2, -1), 2, -1)[0])), _bits(whole[:, :w]))]
+    assert differ, f"ATen's silu is position-invariant on {host_cpu()}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_the_run_length_is_a_multiple_of_this_hosts_loop_step(dtype):
+    step = elementwise.loop_step(dtype)
+    assert step >= 16 and elementwise.RUN % step == 0, (torch.backends.cpu.get_cpu_capability(), step)
+
+
+def test_the_thread_count_is_restored_and_inputs_are_not_changed():
+    before = torch.get_num_threads()
+    x = _values(3, 100, 3, torch.float32)
+    keep = x.clone()
+    with _Threads(2):
+        elementwise.silu(x[:, :50])
+        assert torch.get_num_threads() == 2
+    assert torch.get_num_threads() == before and torch.equal(_bits(x), _bits(keep))
+
+
+
+def test_a_torch_that_cannot_go_to_one_thread_is_refused(monkeypatch):
+    """A parallel backend whose thread count cannot change once work started (torch's native one)
+    would leave the op split between threads: refused by name, never computed so."""
+    from mindspeed_tp.errors import ConfigError
+
+    with _Threads(2):
+        monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+        with pytest.raises(ConfigError, match="kept 2 intra-op threads.*OMP_NUM_THREADS=1"):
+            elementwise.silu(_values(3, 100, 4, torch.float32))
