@@ -1,7 +1,9 @@
 """The vllm-cpu-* profiles and the settings they refuse (no engine needed: runs in every venv)."""
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from mindspeed_tp.errors import ConfigError
 from mindspeed_tp.integrations.vllm import host, refusals
@@ -56,15 +58,30 @@ def test_missing_or_other_vllm_is_refused(monkeypatch):
 def test_engine_settings_that_break_invariance_are_refused_by_name():
     ok = {"OMP_NUM_THREADS": "1"}
     refusals.check_engine_settings(ok, 1)
-    refusals.check_engine_settings({"OMP_NUM_THREADS": "4", "VLLM_CPU_ATTN_SPLIT_KV": "0"}, 2)
-    with pytest.raises(ConfigError, match="VLLM_CPU_ATTN_SPLIT_KV"):
+    with pytest.raises(ConfigError, match="OMP_NUM_THREADS=4 in the engine.*SiLU-and-mul"):
+        refusals.check_engine_settings({"OMP_NUM_THREADS": "4", "VLLM_CPU_ATTN_SPLIT_KV": "0"}, 2)
+    with pytest.raises(ConfigError, match="OMP_NUM_THREADS=2 in the engine.*VLLM_CPU_ATTN_SPLIT_KV"):
         refusals.check_engine_settings({"OMP_NUM_THREADS": "2"}, 1)
+    with pytest.raises(ConfigError, match="OMP_NUM_THREADS=unset in the engine"):
+        refusals.check_engine_settings({}, 1)
     with pytest.raises(ConfigError, match="VLLM_BATCH_INVARIANT"):
         refusals.check_engine_settings(dict(ok, VLLM_BATCH_INVARIANT="1"), 1)
     with pytest.raises(ConfigError, match="enable_prefix_caching"):
         refusals.check_engine_settings(ok, 1, prefix_caching=True)
     with pytest.raises(ConfigError, match="enforce_eager"):
         refusals.check_engine_settings(ok, 1, enforce_eager=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_an_engine_activation_row_that_ends_in_atens_scalar_tail_is_refused(dtype):
+    """The engine's SiLU-and-mul rows (intermediate size / engine TP) must be whole loop steps of this
+    host's ATen; a shared expert of 200 at engine TP 2 (rows of 100) is refused, naming the setting."""
+    model = SimpleNamespace(ffn_hidden_size=512, moe_shared_expert_intermediate_size=None)
+    refusals.check_activation_widths(refusals.activation_widths(model), 2, dtype)
+    model.moe_shared_expert_intermediate_size = 200
+    with pytest.raises(ConfigError, match=r"moe_shared_expert_intermediate_size=200 over the engine's TP 2 gives rows "
+                                          r"of 100 elements"):
+        refusals.check_activation_widths(refusals.activation_widths(model), 2, dtype)
 
 
 @pytest.mark.parametrize("found", ["amx", "avx512_bf16", "avx512", "avx2"])
@@ -118,6 +135,9 @@ def test_the_engine_rope_and_scoring_plan_belong_to_their_model_and_thread():
 
     class Config:
         """A model config object (megatron's TransformerConfig is a plain dataclass)."""
+
+        params_dtype = torch.bfloat16
+        ffn_hidden_size = 256
 
     engine = VllmEngine(load_profile("vllm-cpu-tp1"))
     first, second = Config(), Config()

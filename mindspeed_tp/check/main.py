@@ -248,9 +248,10 @@ def plan(ns: argparse.Namespace) -> Plan:
         raise ConfigError(f"--engine vllm needs a profile matching the real engine (--profile vllm-cpu-tp1 or "
                           f"vllm-cpu-tp2); {profile.name!r} describes {profile.reduction}")
     if ns.engine == "vllm":  # before the engine starts (it would crash in its attention kernel)
-        from ..integrations.vllm.refusals import check_head_dim
+        from ..integrations.vllm.refusals import activation_widths, check_activation_widths, check_head_dim
 
         check_head_dim(spec.kv_channels)
+        check_activation_widths(activation_widths(spec), profile.rollout_tp, DTYPES[ns.dtype])
     for layout in layouts:
         validate_layout(layout, spec, profile, int(ns.seq_length))
         if layout.cp > 1 and ns.bisect:

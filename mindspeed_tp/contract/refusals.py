@@ -87,15 +87,23 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "vLLM's {op} was to run with isa={isa!r}, which this host ({host}) cannot run; nothing was called "
             "(the C++ op aborts the process instead of raising): report the vLLM version and CPU",
             "a kernel given an ISA the host lacks aborts the process"),
+    Refusal("vllm_engine_threads", ENGINE, "OMP_NUM_THREADS (engine)",
+            "OMP_NUM_THREADS={threads} in the engine: ATen then splits the engine's SiLU-and-mul (silu on a chunk view) "
+            "between threads at points that depend on the batch and computes the elements before each split with "
+            "scalar code of other bits, and with VLLM_CPU_ATTN_SPLIT_KV on its decode attention merges per-thread key "
+            "splits (logprobs drift, measured 7e-6); set OMP_NUM_THREADS=1 for the engine's workers (the vllm-cpu "
+            "profiles' env)",
+            "the engine's activation and split-KV decode bits depend on the batch and the thread count"),
+    Refusal("vllm_activation_width", ENGINE, "ffn_hidden_size / moe_shared_expert_intermediate_size with a vllm-cpu profile",
+            "{setting}={size} over the engine's TP {tp} gives rows of {width} elements: the engine's SiLU-and-mul computes "
+            "the last {width} mod {step} of each with ATen's scalar code ({dtype} on {capability}: {step} elements per "
+            "vector step), whose bits differ; use a model whose {setting} / engine TP is a multiple of {step}, or "
+            "another engine TP",
+            "the engine's own activation is not position-invariant at that width"),
     Refusal("vllm_head_dim", ENGINE, "kv_channels (head_dim) with a vllm-cpu profile",
             "head_dim={head_dim} (kv_channels): the installed vLLM's CPU attention supports head sizes {supported} "
             "(it would start and crash in its attention kernel); use a model with one of those head sizes",
             "the engine has no CPU attention kernel for that head size"),
-    Refusal("vllm_split_kv_threads", ENGINE, "OMP_NUM_THREADS / VLLM_CPU_ATTN_SPLIT_KV",
-            "OMP_NUM_THREADS={threads} with VLLM_CPU_ATTN_SPLIT_KV on: vLLM's CPU decode attention then splits the "
-            "keys over threads and merges them (logprobs drift, measured 7e-6); set VLLM_CPU_ATTN_SPLIT_KV=0 or "
-            "OMP_NUM_THREADS=1",
-            "split-KV decode merges partial softmaxes in a thread-count-dependent way"),
     Refusal("vllm_batch_invariant", ENGINE, "VLLM_BATCH_INVARIANT",
             "VLLM_BATCH_INVARIANT is set: vllm-cpu 0.32 crashes with it (a Triton override) and the profiles match "
             "its default CPU kernels; unset VLLM_BATCH_INVARIANT",
@@ -342,6 +350,16 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "of the CPU BLAS libraries; the device's GEMMs change algorithm and split-K with the shape): set the "
             "profile's backend to auto ({device} tensors run the {auto} backend)",
             "the torch backend's row invariance is verified on CPU BLAS only"),
+    Refusal("mlp_forward_argument", MODEL, "MLP.forward argument",
+            "MLP.forward was called with {argument}, which mindspeed-tp's MLP does not compute; call it with "
+            "hidden_states (and per_token_scale) only, or pin a megatron-core release mindspeed-tp supports",
+            "a newer megatron-core's MLP argument is not modelled"),
+    Refusal("elementwise_threads", BACKEND, "torch intra-op threads",
+            "torch kept {threads} intra-op threads after torch.set_num_threads(1) (a parallel backend whose thread "
+            "count is fixed once work started; torch.__config__.parallel_info() names it); mindspeed-tp computes "
+            "silu, sigmoid, exp and log on CPU in one thread so that every element takes ATen's vector code: use a "
+            "torch built with OpenMP, or run with one intra-op thread (OMP_NUM_THREADS=1)",
+            "ATen computes a run's tail with scalar code of other bits; one thread makes the run the whole tensor"),
     Refusal("explicit_mask_on_maskless_backend", BACKEND, "attn_mask_type",
             "attn_mask_type={mask} with an explicit attention mask is not supported by the {backend} backend "
             "(causal or no_mask only); use attn_mask_type causal",

@@ -125,9 +125,11 @@ def plan(ns: argparse.Namespace) -> Plan:
         raise ConfigError(f"--engine vllm needs a profile matching the real engine (--profile vllm-cpu-tp1 or "
                           f"vllm-cpu-tp2); {profile.name!r} describes {profile.reduction}")
     if ns.engine == "vllm":  # before the engine starts (it would crash in its attention kernel)
-        from ...integrations.vllm.refusals import check_head_dim
+        from ...integrations.vllm.refusals import activation_widths, check_activation_widths, check_head_dim
+        from ..builder import DTYPES
 
         check_head_dim(spec.kv_channels)
+        check_activation_widths(activation_widths(spec), profile.rollout_tp, DTYPES[ns.dtype])
     if ns.engine == "reference" and profile.engine_name == "vllm":
         raise ConfigError(f"--profile {profile.name} describes the real vLLM: add --engine vllm")
     if ns.engine == "vllm" and float(ns.temperature) != 1.0:

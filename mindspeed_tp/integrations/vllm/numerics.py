@@ -10,7 +10,7 @@ from ... import compat
 from ...contract.refusals import refuse
 from ...numerics.rollout_layout import RolloutLayout
 from . import forward
-from .refusals import check_head_dim
+from .refusals import activation_widths, check_activation_widths, check_head_dim
 from .kernels import engine_partial_linear
 
 
@@ -38,6 +38,8 @@ class VllmEngine(RolloutLayout):
         head_dim = getattr(a["config"], "kv_channels", None)
         if head_dim:
             check_head_dim(head_dim)
+        config = a["config"]
+        check_activation_widths(activation_widths(config), self.profile.rollout_tp, config.params_dtype)
         forward.set_rope(a["config"], a.get("rotary_base", 10000), a["max_sequence_length"])
 
     def column_gemm(self, x, weight, bias):

@@ -2,7 +2,9 @@
 describes: refused by name (ConfigError), never run with a silent mismatch."""
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Dict, Mapping, Optional
+
+import torch
 
 from ...contract.refusals import refuse
 
@@ -36,9 +38,8 @@ def check_engine_settings(env: Mapping[str, str], tp: int, prefix_caching: bool 
                           enforce_eager: bool = True) -> None:
     """The engine settings the profiles assume; each violation named with the setting to change."""
     threads = int(env.get("OMP_NUM_THREADS", "0") or 0)
-    split_kv = env.get("VLLM_CPU_ATTN_SPLIT_KV", "1") != "0"
-    if threads != 1 and split_kv:
-        raise refuse("vllm_split_kv_threads", threads=threads or "unset")
+    if threads != 1:
+        raise refuse("vllm_engine_threads", threads=threads or "unset")
     if env.get("VLLM_BATCH_INVARIANT", "0") not in ("", "0"):
         raise refuse("vllm_batch_invariant")
     if prefix_caching:
@@ -47,6 +48,27 @@ def check_engine_settings(env: Mapping[str, str], tp: int, prefix_caching: bool 
         raise refuse("vllm_not_eager")
     if tp < 1 or tp & (tp - 1):
         raise ValueError(f"engine tensor_parallel_size={tp}: use a power of two")
+
+
+def activation_widths(model) -> Dict[str, Optional[int]]:
+    """The intermediate sizes the engine's SiLU-and-mul runs on (dense and shared-expert MLPs; routed
+    experts run in the engine's fused MoE kernel), from a TransformerConfig or a model spec."""
+    return {name: getattr(model, name, None) for name in ("ffn_hidden_size", "moe_shared_expert_intermediate_size")}
+
+
+def check_activation_widths(widths, engine_tp: int, dtype) -> None:
+    """The engine's SiLU-and-mul (vLLM's ``forward_native`` on x86: ATen's silu on a ``torch.chunk`` view)
+    computes the last ``width mod step`` elements of each row with ATen's scalar code: a row width (an
+    MLP's intermediate size over the engine's TP) must be a multiple of the loop step for the engine to
+    compute every element as training does (``kernels/elementwise.py``). ``widths``: name -> size."""
+    from ...kernels.elementwise import loop_step
+
+    step = loop_step(dtype)
+    for name, size in widths.items():
+        if size and (int(size) // engine_tp) % step:
+            raise refuse("vllm_activation_width", setting=name, size=size, tp=engine_tp, width=int(size) // engine_tp,
+                         step=step, dtype=str(dtype).replace("torch.", ""),
+                         capability=torch.backends.cpu.get_cpu_capability())
 
 
 def check_head_dim(head_dim: int) -> None:
