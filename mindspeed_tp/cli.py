@@ -28,7 +28,7 @@ from . import integrations, patches
 from .check import library_warnings
 from .check.main import build_parser, plan, required_world_size, resolve_args
 from .contract.refusals import refusals_page
-from .devices.cpu_shims import shim_registry
+from .devices.cpu_shims import GROUPS as SHIM_GROUPS
 from .errors import ConfigError
 
 _LAUNCH_FLAGS = ("--nproc", "--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint")
@@ -292,7 +292,8 @@ def _patches(argv: List[str]) -> int:
 
     for title, reg in (("numerics patches (enable)", patches.registry()),
                        ("integrations (applied when the module is imported)", integrations.registry()),
-                       ("CPU shims (no accelerator only)", shim_registry())):
+                       *((f"{reg.name} (where its condition holds: devices/cpu_shims.py)", reg)
+                         for reg in SHIM_GROUPS.values())):
         print(f"# {title}")
         for p in reg.entries():
             print(f"- {p.target}\n    {p.reason}")

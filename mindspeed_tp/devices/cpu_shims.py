@@ -1,20 +1,33 @@
-"""CPU shims: what megatron-core needs to run without CUDA, with gloo. Not numerics.
+"""Shims: what megatron-core needs to run where it was not written to. Not numerics.
 
-Each shim replaces a CUDA-only call with its CPU equivalent and changes no arithmetic; they are
-installed only when no accelerator is present (by ``enable()`` and by the checker, which needs them
-for vanilla runs too). docs/CONTRACT.md, "megatron-core on CPU", lists the failure each answers.
+Each shim answers one failure and changes no arithmetic. They come in three groups, each installed
+where its condition holds:
+- ``no_te_apex``: megatron-core without Transformer Engine or apex (torch norms under SP, names it
+  reads from TE without defining them): wherever TE or apex is absent, on any device, the vanilla
+  arms included;
+- ``gloo``: collectives gloo lacks (an all-gather of uneven sizes): wherever the world runs on gloo;
+- ``cuda_standins``: CUDA-only calls replaced by their CPU equivalents: only in a process without an
+  accelerator (the checkers' workers, ``enable()`` on such a machine).
+The checkers install them by condition (``install_checker_shims``); ``install_cpu_shims`` installs
+all three (a machine without accelerator). docs/CONTRACT.md, "megatron-core on CPU", lists the failure
+each answers.
 """
 import contextlib
 import functools
 import threading
 
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 import torch
 
 from ..patching import Patch, PatchRegistry
 
-_shims = PatchRegistry("cpu-shims")
+GROUPS = {
+    "no_te_apex": PatchRegistry("shims: megatron-core without Transformer Engine / apex"),
+    "gloo": PatchRegistry("shims: gloo collectives"),
+    "cuda_standins": PatchRegistry("shims: CUDA stand-ins (no accelerator)"),
+}
+_no_te_apex, _gloo, _cuda = GROUPS["no_te_apex"], GROUPS["gloo"], GROUPS["cuda_standins"]
 
 
 class _NullStream:
@@ -43,7 +56,7 @@ class _NullStream:
 
 
 def _torch_cuda(name, replacement, reason):
-    _shims.add(Patch(target=f"torch.cuda:{name}", replacement=replacement, reason=reason))
+    _cuda.add(Patch(target=f"torch.cuda:{name}", replacement=replacement, reason=reason))
 
 
 _torch_cuda("current_device", lambda: "cpu", "buffers allocated on torch.cuda.current_device()")
@@ -57,18 +70,18 @@ _torch_cuda("Event", _NullStream, "MoE dispatchers record events")
 _torch_cuda("stream", lambda *a, **k: contextlib.nullcontext(), "torch.cuda.stream(s) context")
 _torch_cuda("current_stream", lambda *a, **k: _NullStream(), "stream synchronisation")
 _torch_cuda("synchronize", lambda *a, **k: None, "explicit device synchronisation")
-_shims.add(Patch(target="torch:Tensor.cuda", replacement=lambda self, *a, **k: self,
+_cuda.add(Patch(target="torch:Tensor.cuda", replacement=lambda self, *a, **k: self,
                  reason="tied embeddings with PP > 1: LanguageModule moves the shared weight to CUDA "
                         "before all-reducing it between the first and last stage"))
 
 
-@_shims.register("megatron.core.tensor_parallel.random:_get_cuda_rng_state",
+@_cuda.register("megatron.core.tensor_parallel.random:_get_cuda_rng_state",
                  "the RNG tracker forks on the CUDA generator; use the CPU one")
 def _get_rng_state(*args, **kwargs):
     return torch.default_generator.get_state()
 
 
-@_shims.register("megatron.core.tensor_parallel.random:_set_cuda_rng_state",
+@_cuda.register("megatron.core.tensor_parallel.random:_set_cuda_rng_state",
                  "the RNG tracker restores the CUDA generator; use the CPU one")
 def _set_rng_state(new_state, *args, **kwargs):
     torch.default_generator.set_state(new_state)
@@ -79,13 +92,13 @@ def _causal_mask(sq: int) -> torch.Tensor:
     return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
 
 
-@_shims.register("megatron.core.transformer.utils:get_default_causal_mask",
+@_cuda.register("megatron.core.transformer.utils:get_default_causal_mask",
                  "the default causal mask is built on device='cuda'")
 def _get_default_causal_mask(sq: int) -> torch.Tensor:
     return _causal_mask(sq)
 
 
-@_shims.register("megatron.core.transformer.torch_norm:WrappedTorchNorm.__new__",
+@_no_te_apex.register("megatron.core.transformer.torch_norm:WrappedTorchNorm.__new__",
                  "torch norms assert sequence_parallel=False; a norm is per token, so build it "
                  "without SP and tag its parameters for the SP gradient all-reduce", wraps=True)
 def _wrapped_torch_norm_new(original):
@@ -118,12 +131,12 @@ def _pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group=None):
     return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[(seq_dim + 2):])
 
 
-_shims.add(Patch(target="megatron.core.models.common.embeddings.rope_utils:get_pos_emb_on_this_cp_rank",
+_cuda.add(Patch(target="megatron.core.models.common.embeddings.rope_utils:get_pos_emb_on_this_cp_rank",
                  replacement=_pos_emb_on_this_cp_rank, optional=True,
                  reason="context parallelism: the chunk index is built with pin_memory=True and moved to CUDA"))
 
 
-@_shims.register("megatron.core.transformer.moe.moe_utils:maybe_move_tensor_to_cpu",
+@_cuda.register("megatron.core.transformer.moe.moe_utils:maybe_move_tensor_to_cpu",
                  "only CUDA tensors become host lists/arrays; gloo's all_to_all needs plain split sizes")
 def _maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
     if torch.is_tensor(tensor) and as_numpy:
@@ -131,7 +144,7 @@ def _maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
     return tensor
 
 
-@_shims.register("megatron.core.tensor_parallel.mappings:_gather_along_first_dim",
+@_gloo.register("megatron.core.tensor_parallel.mappings:_gather_along_first_dim",
                  "gloo's all_gather needs equal sizes: pad uneven splits to the largest and slice",
                  wraps=True)
 def _gather_along_first_dim(original):
@@ -219,14 +232,14 @@ _CUDA_AS_CPU_OPTIONAL = (
      "0.19: the separate-grad-norm-group flag is allocated on device='cuda' (every step of ChainedOptimizer)"),
 )
 for _target, _why in _CUDA_AS_CPU:
-    _shims.add(Patch(target=_target, replacement=_cuda_as_cpu, wraps=True,
+    _cuda.add(Patch(target=_target, replacement=_cuda_as_cpu, wraps=True,
                      reason=_why + ": allocate on the CPU and name CPU tensors by their CUDA type while it runs"))
 for _target, _why in _CUDA_AS_CPU_OPTIONAL:
-    _shims.add(Patch(target=_target, replacement=_cuda_as_cpu, wraps=True, optional=True,
+    _cuda.add(Patch(target=_target, replacement=_cuda_as_cpu, wraps=True, optional=True,
                      reason=_why + ": allocate on the CPU and name CPU tensors by their CUDA type while it runs"))
 
 
-@_shims.register("megatron.core.fp8_utils:quantize_param_shard",
+@_no_te_apex.register("megatron.core.fp8_utils:quantize_param_shard",
                  "0.12.x without Transformer Engine: the distributed optimizer calls it after every step with no "
                  "FP8 parameters and the fallback raises anyway; nothing to quantize is a no-op (as in 0.16)",
                  wraps=True)
@@ -240,7 +253,7 @@ def _quantize_param_shard(original):
 
 
 # megatron-core 0.16 reads this name without defining it when Transformer Engine is absent.
-_shims.add(Patch(target="megatron.core.transformer.moe.moe_utils:te_general_gemm", replacement=None,
+_no_te_apex.add(Patch(target="megatron.core.transformer.moe.moe_utils:te_general_gemm", replacement=None,
                  define_if_absent=True, reason="megatron-core 0.16 MoE router gating reads te_general_gemm "
                  "(Transformer Engine) without defining it when TE is absent"))
 
@@ -255,22 +268,76 @@ def keep_under(provider: Callable[[], PatchRegistry]) -> None:
         _above.append(provider)
 
 
-def install_cpu_shims() -> None:
-    """Install every CPU shim (idempotent). Shims go under the registries of ``keep_under`` (the
+def install_shims(*names: str) -> None:
+    """Install the named groups (idempotent). Shims go under the registries of ``keep_under`` (the
     numerics patches): where a shim's target is also one of their targets that is applied, those
     patches are lifted and put back on top, so disable() still restores the shimmed original."""
-    pending = {p.target for p in _shims.patches if not p.applied}
+    groups = [GROUPS[n] for n in names]
+    pending = {p.target for g in groups for p in g.patches if not p.applied}
     lifted = [r for r in (provider() for provider in _above) if pending & {p.target for p in r.patches if p.applied}]
     for registry in lifted:
         registry.revert()
-    _shims.apply()
+    for group in groups:
+        group.apply()
     for registry in reversed(lifted):
         registry.apply()
 
 
+def install_cpu_shims() -> None:
+    """Every group: a machine without an accelerator (megatron-core on CPU, gloo, no TE or apex)."""
+    install_shims(*GROUPS)
+
+
+def needed_groups(backend: Optional[str]) -> List[str]:
+    """The groups whose condition holds in this process, for a world on ``backend`` (None: none)."""
+    from . import accelerator_available
+
+    names = []
+    if not (_importable("transformer_engine") and _importable("apex")):
+        names.append("no_te_apex")
+    if backend == "gloo":
+        names.append("gloo")
+    if not accelerator_available():
+        names.append("cuda_standins")
+    return names
+
+
+def install_checker_shims() -> List[str]:
+    """What a checker's worker needs, by condition (the world's backend read from torch.distributed);
+    returns the groups installed."""
+    import torch.distributed as dist
+
+    names = needed_groups(dist.get_backend() if dist.is_initialized() else None)
+    install_shims(*names)
+    return names
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
 def remove_cpu_shims() -> None:
-    _shims.revert()
+    """Remove every group."""
+    for group in reversed(list(GROUPS.values())):
+        group.revert()
 
 
-def shim_registry() -> PatchRegistry:
-    return _shims
+class _AllGroups:
+    """The three groups as one listing (``applied``: any of them is)."""
+
+    @property
+    def patches(self) -> list:
+        return [p for g in GROUPS.values() for p in g.patches]
+
+    def entries(self) -> list:
+        return [e for g in GROUPS.values() for e in g.entries()]
+
+    @property
+    def applied(self) -> bool:
+        return any(g.applied for g in GROUPS.values())
+
+
+def shim_registry() -> _AllGroups:
+    return _AllGroups()

@@ -14,6 +14,8 @@ checker's diagnostics work on real runs:
   perturb-input:MODULE    same layouts: add 1 to element 0 of MODULE's input hidden states: the
                           framework handing a module different inputs
   nan-logits:B:S          same layouts: logit 0 of batch row B at position S becomes NaN
+  raise-vanilla:LAYOUT     vanilla megatron-core's forward of LAYOUT raises on every rank (RANK: on
+                          one rank only, raise-vanilla:LAYOUT:RANK): an install vanilla cannot run on
   perturb-step-logprobs   rl-check: the training step's gathered logprobs of the first scored token
                           move by one ulp (the step's forward differing from the forward-only pass)
 
@@ -60,7 +62,14 @@ def apply_to_model(model, layout, tp_rank: int) -> list:
     from mindspeed_tp.models.weights import global_param_name
     from mindspeed_tp.check.bisect import global_module_name
 
+    import mindspeed_tp
+
     handles = []
+    for kind, arg in _directives():
+        name, _, rank = arg.partition(":")
+        if kind == "raise-vanilla" and not mindspeed_tp.is_enabled() and name == layout.name and (
+                not rank or int(rank) == torch.distributed.get_rank()):
+            raise RuntimeError(f"injected: vanilla cannot run {layout.name}")
     if layout.required_world_size == 1:
         return handles
     for kind, arg in _directives():

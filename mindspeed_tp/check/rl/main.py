@@ -17,7 +17,7 @@ from ...contract.refusals import refuse
 from ...errors import ConfigError
 from ...models.layout import Layout, validate_layout
 from ...models.spec import ModelSpec, load_model_spec
-from ..main import _Parser, override, run_main, verify_same_on_all_ranks
+from ..main import _Parser, add_device_flag, check_device, override, run_main, verify_same_on_all_ranks
 from ..library_warnings import add_verbose_flag
 from .loop import RLSettings
 from .. import user_config
@@ -27,7 +27,7 @@ DEFAULTS = dict(
     prompts=4, group_size=4, max_prompt=12, max_new_tokens=16, temperature=1.0, eos_token_id=None,
     micro_batch_size=2, logprob_micro_batch_size=4, logprob_max_tokens=None, lr=1e-2, clip_ratio=0.2, seed=1234, dtype="bf16",
     bitwise_training=False, compare_vanilla=False, reward="multiple-of-8", json=None, plot=None, save_state=None,
-    timeout=600.0, verbose=False, transformer_config=None,
+    timeout=600.0, verbose=False, transformer_config=None, device="cpu",
 )
 SEQ_MULTIPLE = 32  # the padded batch length: a multiple every SP split and canonical leaf width divides
 
@@ -72,6 +72,7 @@ def build_parser(prog: str = "mindspeed-tp rl-check") -> argparse.ArgumentParser
     p.add_argument("--plot", metavar="FILE.png", help="mismatch and reward per iteration (needs matplotlib)")
     p.add_argument("--save-state", help="write the final trained state (train-check's layout-free format)")
     p.add_argument("--timeout", type=float, help="seconds any collective may wait (default 600)")
+    add_device_flag(p)
     user_config.add_argument(p)
     p.add_argument("--launch-layout", help=argparse.SUPPRESS)     # the launcher: this world's layout
     p.add_argument("--first-iteration", type=int, help=argparse.SUPPRESS)
@@ -124,6 +125,7 @@ def plan(ns: argparse.Namespace) -> Plan:
     if ns.engine == "vllm" and profile.engine_name != "vllm":
         raise ConfigError(f"--engine vllm needs a profile matching the real engine (--profile vllm-cpu-tp1 or "
                           f"vllm-cpu-tp2); {profile.name!r} describes {profile.reduction}")
+    check_device(ns)
     if ns.engine == "vllm":  # before the engine starts (it would crash in its attention kernel)
         from ...integrations.vllm.refusals import activation_widths, check_activation_widths, check_head_dim
         from ..builder import DTYPES
@@ -206,15 +208,16 @@ def _make_engine(ns, pl: Plan, dtype):
     n = s.prompts * s.group_size
     if ns.engine == "vllm":
         return VllmRollouts(pl.spec, pl.profile, ns.dtype, s.seq_length, n, s.max_prompt, s.seed)
-    return ReferenceRollouts(pl.spec, pl.profile, dtype, max_running=max(1, n // 2 + 1))
+    from ..harness import run_device
+
+    return ReferenceRollouts(pl.spec, pl.profile, dtype, max_running=max(1, n // 2 + 1), device=run_device())
 
 
 def run(ns: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from ...compat import megatron_version
-    from ...devices import accelerator_available
-    from ...devices.cpu_shims import install_cpu_shims
+    from ...devices.cpu_shims import install_checker_shims
     from ..builder import DTYPES, set_user_fields
     from .. import hooks
     from ..harness import init_distributed
@@ -225,9 +228,8 @@ def run(ns: argparse.Namespace) -> int:
     reward_fn = task.load_reward(ns.reward)
     hooks.load_plugins()
     set_user_fields(ns.transformer_fields)
-    init_distributed(float(ns.timeout))
-    if not accelerator_available():
-        install_cpu_shims()
+    init_distributed(float(ns.timeout), ns.device)
+    install_checker_shims()
     rank = dist.get_rank()
     if ns.launch_layout:
         layout = Layout.parse(ns.launch_layout)

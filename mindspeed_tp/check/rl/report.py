@@ -120,7 +120,8 @@ def finish(parts: List[Dict], pl, ns) -> int:
     if ns.json:
         write_json_atomic(ns.json, {"arms": body["arms"], "all_bitwise_equal": ok, "engine": body["engine"],
                                     "layout": layout, "model": pl.spec.name, "profile": pl.profile.name,
-                                    "dtype": ns.dtype, "reward": ns.reward, "settings": pl.settings.to_dict()})
+                                    "dtype": ns.dtype, "device": ns.device, "reward": ns.reward,
+                                    "settings": pl.settings.to_dict()})
     if ns.plot:
         write_plot(ns.plot, body["arms"])
     return 0 if ok else 1

@@ -19,7 +19,7 @@ from .state_file import newest_checkpoint
 from ...models.layout import Layout, validate_layout
 from ...models.spec import ModelSpec, load_model_spec
 from ...contract.profile import Profile, load_profile
-from ..main import _Parser, _digest, override, run_main, verify_same_on_all_ranks
+from ..main import _Parser, _digest, add_device_flag, check_device, override, run_main, verify_same_on_all_ranks
 from ..library_warnings import add_verbose_flag
 from .loop import RECOMPUTE, TrainSettings
 from .. import user_config
@@ -29,7 +29,7 @@ DEFAULTS = dict(
     global_batch_size=8, seq_length=64, lr=3e-3, distributed_optimizer=False, overlap=False, recompute="none",
     dispatcher="alltoall", bitwise_training=False, json=None, vanilla=False, compare_vanilla=False, timeout=600.0, reference=None,
     save_reference=None, launch_layouts=None, results=None, load_state=None, save_state=None, checkpoint_dir=None,
-    resume=None, verbose=False, transformer_config=None,
+    resume=None, verbose=False, transformer_config=None, device="cpu",
 )
 
 
@@ -63,6 +63,7 @@ def build_parser(prog: str = "mindspeed-tp train-check") -> argparse.ArgumentPar
                    help="also run plain megatron-core and print it next to mindspeed-tp")
     p.add_argument("--timeout", type=float, help="seconds any collective may wait before the run fails with exit "
                                                  "code 3 (default 600)")
+    add_device_flag(p)
     p.add_argument("--reference", help="load the one-device run from this safetensors file (--save-reference)")
     p.add_argument("--save-reference", help="save the one-device run (world of one process) to this file")
     p.add_argument("--save-state", help="write the trained state of the (single) layout in --layouts after the last "
@@ -133,6 +134,7 @@ def parse_layouts(text: Optional[str]) -> List[Layout]:
 
 def plan(ns: argparse.Namespace) -> Plan:
     """Static validation of model, profile, layouts and batch sizes."""
+    check_device(ns)
     profile = load_profile(ns.profile)
     if ns.bitwise_training and not profile.bitwise_training:
         profile = profile.replace(bitwise_training=True)
@@ -190,7 +192,8 @@ def meta_of(pl: Plan, ns) -> Dict[str, str]:
     from ...compat import megatron_version
 
     return {"model": _digest(pl.spec.to_dict()), "profile": pl.profile.digest(),
-            "settings": _digest(pl.settings.to_dict()), "dtype": ns.dtype, "megatron-core": megatron_version(),
+            "settings": _digest(pl.settings.to_dict()), "dtype": ns.dtype, "device": ns.device,
+            "megatron-core": megatron_version(),
             "transformer config": _digest(ns.transformer_fields),
             "modes": ",".join("vanilla" if v else "consistent" for v in pl.modes)}
 
@@ -198,8 +201,7 @@ def meta_of(pl: Plan, ns) -> Dict[str, str]:
 def run(ns: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from ...devices import accelerator_available
-    from ...devices.cpu_shims import install_cpu_shims
+    from ...devices.cpu_shims import install_checker_shims
     from ...compat import megatron_version
     from ..builder import DTYPES, set_user_fields
     from .. import hooks
@@ -211,9 +213,8 @@ def run(ns: argparse.Namespace) -> int:
     pl = plan(ns)
     hooks.load_plugins()
     set_user_fields(ns.transformer_fields)
-    init_distributed(float(ns.timeout))
-    if not accelerator_available():
-        install_cpu_shims()
+    init_distributed(float(ns.timeout), ns.device)
+    install_checker_shims()
     world, rank = dist.get_world_size(), dist.get_rank()
     hooks.at_point("start", rank)
     mine = parse_layouts(ns.launch_layouts) if ns.launch_layouts is not None else pl.layouts

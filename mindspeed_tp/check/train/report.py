@@ -169,7 +169,7 @@ def finish(parts: List[List[Dict]], reference: Dict[str, Dict], pl, ns, show: bo
     promise = ("every step's loss, gradients, parameters and optimizer state" if training
                else "step-1 loss and in-step logprobs")
     if show:
-        print(f"mindspeed-tp train-check: model={pl.spec.name} dtype={ns.dtype} profile={pl.profile.name} "
+        print(f"mindspeed-tp train-check: model={pl.spec.name} dtype={ns.dtype} device={ns.device} profile={pl.profile.name} "
               f"megatron-core={megatron_version()} steps={pl.settings.steps} micro-batch={pl.settings.micro_batch_size} "
               f"global-batch={pl.settings.global_batch_size} distributed-optimizer={pl.settings.distributed_optimizer} "
               f"overlap={pl.settings.overlap} recompute={pl.settings.recompute} "
@@ -178,5 +178,5 @@ def finish(parts: List[List[Dict]], reference: Dict[str, Dict], pl, ns, show: bo
         print("RESULT:", ("" if ok else "NOT ") + f"bitwise equal to the one-device run ({promise})")
         if ns.json:
             write_json_atomic(ns.json, {"results": results, "reference": reference, "bitwise_training": training,
-                                        "all_bitwise_equal": ok})
+                                        "all_bitwise_equal": ok, "device": ns.device})
     return 0 if ok else 1
