@@ -1,4 +1,5 @@
 """Shared helpers: launch real torchrun worlds (gloo, several processes) and the CLI."""
+import contextlib
 import os
 import subprocess
 import sys
@@ -190,6 +191,19 @@ def pytest_collection_modifyitems(config, items):
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op thread count set to ``n`` inside, restored after."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def host_cpu() -> str:

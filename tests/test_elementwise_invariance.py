@@ -12,12 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import host_cpu
+from conftest import bits_equal, host_cpu, torch_threads
 from mindspeed_tp.kernels import elementwise
 
 DTYPES = [torch.float32, torch.bfloat16]
 IDS = ["fp32", "bf16"]
-BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
 WIDTHS = range(1, 1025)
 ROWS = 5
 FULL = 1024
@@ -31,21 +30,6 @@ def _values(rows, cols, seed, dtype):
     flat[5::89] = -1e-39
     flat[7::101] = -0.0
     return x.to(dtype)
-
-
-def _bits(t):
-    return t.contiguous().view(BITS[t.dtype])
-
-
-class _Threads:
-    def __init__(self, n):
-        self.n, self.before = n, torch.get_num_threads()
-
-    def __enter__(self):
-        torch.set_num_threads(self.n)
-
-    def __exit__(self, *exc):
-        torch.set_num_threads(self.before)
 
 
 def _silu_grad(x, g):
@@ -89,13 +73,13 @@ def test_elementwise_ops_are_invariant_to_shard_width_rows_and_threads(name, dty
     whole = op(gate_full, up_full)  # the unsharded tensor: every width's columns are its first ones
     bad = []
     for threads in (1, 2, 3):
-        with _Threads(threads):
+        with torch_threads(threads):
             for width in WIDTHS:
                 both = torch.cat([gate_full[:, :width], up_full[:, :width]], dim=-1)
                 gate, up = _chunk_views(both, width)
-                if not torch.equal(_bits(op(gate, up)), _bits(whole[:, :width])):
+                if not bits_equal(op(gate, up), whole[:, :width]):
                     bad.append((threads, width, "rows"))
-                if width % 97 == 1 and not torch.equal(_bits(op(gate[2:3], up[2:3])), _bits(whole[2:3, :width])):
+                if width % 97 == 1 and not bits_equal(op(gate[2:3], up[2:3]), whole[2:3, :width]):
                     bad.append((threads, width, "one row"))
     assert not bad, f"{name} {dtype} on {host_cpu()}: {len(bad)} (threads, width) cases differ: {bad[:10]}"
 
@@ -105,8 +89,8 @@ def test_atens_own_silu_is_not_invariant_on_this_host():
     (the sweep above can fail); fp32, where a scalar-tail difference is never rounded away."""
     gate_full = _values(ROWS, FULL, 1, torch.float32)
     whole = F.silu(gate_full)
-    differ = [w for w in range(1, 200) if not torch.equal(
-        _bits(F.silu(torch.chunk(torch.cat([gate_full[:, :w]] * 2, -1), 2, -1)[0])), _bits(whole[:, :w]))]
+    differ = [w for w in range(1, 200) if not bits_equal(
+        F.silu(torch.chunk(torch.cat([gate_full[:, :w]] * 2, -1), 2, -1)[0]), whole[:, :w])]
     assert differ, f"ATen's silu is position-invariant on {host_cpu()}"
 
 
@@ -120,10 +104,10 @@ def test_the_thread_count_is_restored_and_inputs_are_not_changed():
     before = torch.get_num_threads()
     x = _values(3, 100, 3, torch.float32)
     keep = x.clone()
-    with _Threads(2):
+    with torch_threads(2):
         elementwise.silu(x[:, :50])
         assert torch.get_num_threads() == 2
-    assert torch.get_num_threads() == before and torch.equal(_bits(x), _bits(keep))
+    assert torch.get_num_threads() == before and bits_equal(x, keep)
 
 
 
@@ -132,7 +116,7 @@ def test_a_torch_that_cannot_go_to_one_thread_is_refused(monkeypatch):
     would leave the op split between threads: refused by name, never computed so."""
     from mindspeed_tp.errors import ConfigError
 
-    with _Threads(2):
+    with torch_threads(2):
         monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
         with pytest.raises(ConfigError, match="kept 2 intra-op threads.*OMP_NUM_THREADS=1"):
             elementwise.silu(_values(3, 100, 4, torch.float32))

@@ -11,7 +11,7 @@ tiles, one library call over a rank's N columns failed the shard sweep on an AMD
 import pytest
 import torch
 
-from conftest import bits_equal, explain, host_cpu, run_cli
+from conftest import bits_equal, explain, host_cpu, run_cli, torch_threads
 from mindspeed_tp.kernels import invariant_linear, leaf_partials
 from mindspeed_tp.kernels.backends import torch as torch_backend
 
@@ -32,17 +32,6 @@ def _same(a, b) -> bool:
     return a.dtype == b.dtype and bits_equal(_bits(a), _bits(b))
 
 
-class _Threads:
-    def __init__(self, n):
-        self.n, self.before = n, torch.get_num_threads()
-
-    def __enter__(self):
-        torch.set_num_threads(self.n)
-
-    def __exit__(self, *exc):
-        torch.set_num_threads(self.before)
-
-
 # K and N: odd multiples of 16 and other non-powers of two from 24 to 4100, and powers of two.
 SHAPES = [(24, 8), (72, 200), (208, 1152), (400, 72), (576, 1000), (1040, 3000), (3088, 4100), (4096, 1552)]
 
@@ -52,7 +41,7 @@ SHAPES = [(24, 8), (72, 200), (208, 1152), (400, 72), (576, 1000), (1040, 3000),
 def test_a_column_does_not_depend_on_the_shard_that_holds_it(dtype, k, n):
     x = _randn(160, k, seed=k, dtype=dtype)
     w = _randn(n, k, seed=n, dtype=dtype, scale=k ** -0.5)
-    with _Threads(1):
+    with torch_threads(1):
         full = invariant_linear(x, w)
         bad = []
         for width in sorted({n // 2, n // 3, n // 4, n // 8, 7, 17, 130} - {0}):
@@ -76,7 +65,7 @@ def test_gradient_gemms_of_a_shard_are_the_full_gemms_columns(dtype, k, n):
     x = _randn(tokens, k, seed=k + 7, dtype=dtype)
     dy = _randn(tokens, n, seed=n + 7, dtype=dtype)
     weight = _randn(n, k, seed=k + n, dtype=dtype, scale=k ** -0.5)
-    with _Threads(1):
+    with torch_threads(1):
         dw = invariant_weight_grad(dy, x, dtype, 16)
         dx = invariant_input_grad(dy, weight, dtype, 16)
         bad = []
@@ -99,7 +88,7 @@ def test_gradient_gemms_of_a_shard_are_the_full_gemms_columns(dtype, k, n):
 def test_a_row_does_not_depend_on_how_many_rows_were_computed_with_it(dtype, k, n):
     x = _randn(300, k, seed=k + 1, dtype=dtype)
     w = _randn(n, k, seed=n + 1, dtype=dtype, scale=k ** -0.5)
-    with _Threads(1):
+    with torch_threads(1):
         full = invariant_linear(x, w)
         bad = [m for m in (1, 2, 5, 15, 16, 17, 31, 33, 48, 100, 128, 255, 257, 299)
                if not _same(invariant_linear(x[:m], w), full[:m])]
@@ -116,7 +105,7 @@ def test_the_thread_count_does_not_change_a_bit(dtype, m, k, n):
     w = _randn(n, k, seed=k, dtype=dtype, scale=k ** -0.5)
     results = {}
     for threads in (1, 2, 4, 8):
-        with _Threads(threads):
+        with torch_threads(threads):
             results[threads] = invariant_linear(x, w)
     bad = [t for t in (2, 4, 8) if not _same(results[t], results[1])]
     assert bad == [], f"M={m} K={k} N={n} {dtype}: {bad} threads differ from 1 on {host_cpu()}"
@@ -130,22 +119,22 @@ def test_row_parallel_leaves_do_not_depend_on_the_rank_rows_or_threads(dtype, m,
     leaves = 8
     x = _randn(m, k, seed=3, dtype=dtype)
     w = _randn(n, k, seed=4, dtype=dtype, scale=k ** -0.5)
-    with _Threads(1):
+    with torch_threads(1):
         full = leaf_partials(x, w, leaves)
     bad = []
     for tp in (2, 4, 8):
         part = k // tp
         for r in range(tp):
-            with _Threads(1):
+            with torch_threads(1):
                 got = leaf_partials(x[:, r * part:(r + 1) * part], w[:, r * part:(r + 1) * part], leaves // tp)
             if not _same(got, full[r * leaves // tp:(r + 1) * leaves // tp]):
                 bad.append(f"tp{tp} rank {r}")
     for rows in (1, 17, m // 2):
-        with _Threads(1):
+        with torch_threads(1):
             if not _same(leaf_partials(x[:rows], w, leaves), full[:, :rows]):
                 bad.append(f"M={rows}")
     for threads in (2, 4, 8):
-        with _Threads(threads):
+        with torch_threads(threads):
             if not _same(leaf_partials(x, w, leaves), full):
                 bad.append(f"{threads} threads")
     assert bad == [], f"M={m} K={k} N={n} {dtype}: {bad} on {host_cpu()}"

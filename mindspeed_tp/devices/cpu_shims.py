@@ -71,18 +71,18 @@ _torch_cuda("stream", lambda *a, **k: contextlib.nullcontext(), "torch.cuda.stre
 _torch_cuda("current_stream", lambda *a, **k: _NullStream(), "stream synchronisation")
 _torch_cuda("synchronize", lambda *a, **k: None, "explicit device synchronisation")
 _cuda.add(Patch(target="torch:Tensor.cuda", replacement=lambda self, *a, **k: self,
-                 reason="tied embeddings with PP > 1: LanguageModule moves the shared weight to CUDA "
-                        "before all-reducing it between the first and last stage"))
+                reason="tied embeddings with PP > 1: LanguageModule moves the shared weight to CUDA "
+                       "before all-reducing it between the first and last stage"))
 
 
 @_cuda.register("megatron.core.tensor_parallel.random:_get_cuda_rng_state",
-                 "the RNG tracker forks on the CUDA generator; use the CPU one")
+                "the RNG tracker forks on the CUDA generator; use the CPU one")
 def _get_rng_state(*args, **kwargs):
     return torch.default_generator.get_state()
 
 
 @_cuda.register("megatron.core.tensor_parallel.random:_set_cuda_rng_state",
-                 "the RNG tracker restores the CUDA generator; use the CPU one")
+                "the RNG tracker restores the CUDA generator; use the CPU one")
 def _set_rng_state(new_state, *args, **kwargs):
     torch.default_generator.set_state(new_state)
 
@@ -93,14 +93,14 @@ def _causal_mask(sq: int) -> torch.Tensor:
 
 
 @_cuda.register("megatron.core.transformer.utils:get_default_causal_mask",
-                 "the default causal mask is built on device='cuda'")
+                "the default causal mask is built on device='cuda'")
 def _get_default_causal_mask(sq: int) -> torch.Tensor:
     return _causal_mask(sq)
 
 
 @_no_te_apex.register("megatron.core.transformer.torch_norm:WrappedTorchNorm.__new__",
-                 "torch norms assert sequence_parallel=False; a norm is per token, so build it "
-                 "without SP and tag its parameters for the SP gradient all-reduce", wraps=True)
+                      "torch norms assert sequence_parallel=False; a norm is per token, so build it "
+                      "without SP and tag its parameters for the SP gradient all-reduce", wraps=True)
 def _wrapped_torch_norm_new(original):
     def __new__(cls, config, hidden_size, eps=1e-5, *args, **kwargs):
         if not getattr(config, "sequence_parallel", False):
@@ -132,12 +132,12 @@ def _pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group=None):
 
 
 _cuda.add(Patch(target="megatron.core.models.common.embeddings.rope_utils:get_pos_emb_on_this_cp_rank",
-                 replacement=_pos_emb_on_this_cp_rank, optional=True,
-                 reason="context parallelism: the chunk index is built with pin_memory=True and moved to CUDA"))
+                replacement=_pos_emb_on_this_cp_rank, optional=True,
+                reason="context parallelism: the chunk index is built with pin_memory=True and moved to CUDA"))
 
 
 @_cuda.register("megatron.core.transformer.moe.moe_utils:maybe_move_tensor_to_cpu",
-                 "only CUDA tensors become host lists/arrays; gloo's all_to_all needs plain split sizes")
+                "only CUDA tensors become host lists/arrays; gloo's all_to_all needs plain split sizes")
 def _maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
     if torch.is_tensor(tensor) and as_numpy:
         return tensor.cpu().numpy()
@@ -145,8 +145,8 @@ def _maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
 
 
 @_gloo.register("megatron.core.tensor_parallel.mappings:_gather_along_first_dim",
-                 "gloo's all_gather needs equal sizes: pad uneven splits to the largest and slice",
-                 wraps=True)
+                "gloo's all_gather needs equal sizes: pad uneven splits to the largest and slice",
+                wraps=True)
 def _gather_along_first_dim(original):
     def gather(input_, group=None, output_split_sizes=None, use_global_buffer=False):
         if output_split_sizes is None:
@@ -233,16 +233,16 @@ _CUDA_AS_CPU_OPTIONAL = (
 )
 for _target, _why in _CUDA_AS_CPU:
     _cuda.add(Patch(target=_target, replacement=_cuda_as_cpu, wraps=True,
-                     reason=_why + ": allocate on the CPU and name CPU tensors by their CUDA type while it runs"))
+                    reason=_why + ": allocate on the CPU and name CPU tensors by their CUDA type while it runs"))
 for _target, _why in _CUDA_AS_CPU_OPTIONAL:
     _cuda.add(Patch(target=_target, replacement=_cuda_as_cpu, wraps=True, optional=True,
-                     reason=_why + ": allocate on the CPU and name CPU tensors by their CUDA type while it runs"))
+                    reason=_why + ": allocate on the CPU and name CPU tensors by their CUDA type while it runs"))
 
 
 @_no_te_apex.register("megatron.core.fp8_utils:quantize_param_shard",
-                 "0.12.x without Transformer Engine: the distributed optimizer calls it after every step with no "
-                 "FP8 parameters and the fallback raises anyway; nothing to quantize is a no-op (as in 0.16)",
-                 wraps=True)
+                      "0.12.x without Transformer Engine: the distributed optimizer calls it after every step with no "
+                      "FP8 parameters and the fallback raises anyway; nothing to quantize is a no-op (as in 0.16)",
+                      wraps=True)
 def _quantize_param_shard(original):
     def quantize_param_shard(model_params, *args, **kwargs):
         if len(model_params) == 0:
@@ -254,8 +254,8 @@ def _quantize_param_shard(original):
 
 # megatron-core 0.16 reads this name without defining it when Transformer Engine is absent.
 _no_te_apex.add(Patch(target="megatron.core.transformer.moe.moe_utils:te_general_gemm", replacement=None,
-                 define_if_absent=True, reason="megatron-core 0.16 MoE router gating reads te_general_gemm "
-                 "(Transformer Engine) without defining it when TE is absent"))
+                      define_if_absent=True, reason="megatron-core 0.16 MoE router gating reads te_general_gemm "
+                      "(Transformer Engine) without defining it when TE is absent"))
 
 
 # Providers of the registries the shims go under: the switch registers the numerics patches'.

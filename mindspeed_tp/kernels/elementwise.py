@@ -84,80 +84,50 @@ def on_whole_runs(op: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> to
     return out[:n].view(x.shape)
 
 
-def _silu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return torch.ops.aten.silu_backward(grad, x)
-
-
-def _sigmoid_backward(grad: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return torch.ops.aten.sigmoid_backward(grad, y)
-
-
-class _Silu(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return on_whole_runs(F.silu, x)
+class _OnWholeRuns(torch.autograd.Function):
+    """``op`` on whole runs, its gradient by ``grad_of(grad, saved)``, ``saved`` the input or the
+    output as the gradient needs (one tensor kept, as autograd keeps for the ATen op)."""
 
     @staticmethod
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        return on_whole_runs(_silu_backward, grad.to(x.dtype), x)
-
-
-class _Sigmoid(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        y = on_whole_runs(torch.sigmoid, x)
-        ctx.save_for_backward(y)
+    def forward(ctx, x, op, grad_of, keeps_output):
+        y = on_whole_runs(op, x)
+        ctx.save_for_backward(y if keeps_output else x)
+        ctx.grad_of = grad_of
         return y
 
     @staticmethod
     def backward(ctx, grad):
-        (y,) = ctx.saved_tensors
-        return on_whole_runs(_sigmoid_backward, grad.to(y.dtype), y)
+        (saved,) = ctx.saved_tensors
+        return ctx.grad_of(grad.to(saved.dtype), saved), None, None, None
 
 
-class _Exp(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        y = on_whole_runs(torch.exp, x)
-        ctx.save_for_backward(y)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        (y,) = ctx.saved_tensors
-        return grad * y  # one IEEE multiply: the same bits in vector and scalar code
+def _by_aten(backward_op):
+    """The gradient by ATen's own backward kernel, itself on whole runs (its scalar tail differs too)."""
+    return lambda grad, saved: on_whole_runs(backward_op, grad, saved)
 
 
-class _Log(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return on_whole_runs(torch.log, x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        return grad / x  # one IEEE division
+_SILU_GRAD = _by_aten(torch.ops.aten.silu_backward)         # of the input
+_SIGMOID_GRAD = _by_aten(torch.ops.aten.sigmoid_backward)   # of the output
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
     """F.silu(x) (in the op's precision: fp32 math, one rounding), forward and backward by the vector
     code at every position."""
-    return _Silu.apply(x)
+    return _OnWholeRuns.apply(x, F.silu, _SILU_GRAD, False)
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
-    return _Sigmoid.apply(x)
+    return _OnWholeRuns.apply(x, torch.sigmoid, _SIGMOID_GRAD, True)
 
 
 def exp(x: torch.Tensor) -> torch.Tensor:
-    return _Exp.apply(x)
+    # The gradient is one IEEE multiply (grad * exp(x)): the same bits in vector and scalar code.
+    return _OnWholeRuns.apply(x, torch.exp, torch.mul, True)
 
 
 def log(x: torch.Tensor) -> torch.Tensor:
-    return _Log.apply(x)
+    # The gradient is one IEEE division (grad / x).
+    return _OnWholeRuns.apply(x, torch.log, torch.div, False)
 
 
 def swiglu(x: torch.Tensor) -> torch.Tensor:

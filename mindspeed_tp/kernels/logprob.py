@@ -74,7 +74,7 @@ EXP_CHUNK_ELEMENTS = 1 << 24
 def _shifted_exp(lf: torch.Tensor, lmax: torch.Tensor, real: int) -> torch.Tensor:
     """exp(lf - lmax) per row, the padded columns (>= ``real``) exactly 0: elementwise, so a run of
     rows gives the bits the whole tensor gives."""
-    e = elementwise.on_whole_runs(torch.exp, torch.sub(lf, lmax.unsqueeze(-1)))
+    e = elementwise.on_whole_runs(torch.Tensor.exp_, torch.sub(lf, lmax.unsqueeze(-1)))  # in place on the fresh difference
     if real < lf.shape[-1]:
         e[..., real:] = 0.0
     return e

@@ -31,17 +31,16 @@ class ReferenceRollouts:
     """The bundled reference engine: its model's weights are replaced in place on every sync."""
     name = "reference"
 
-    def __init__(self, spec, profile, dtype, max_running: int, device=None):
+    def __init__(self, spec, profile, dtype, max_running: int, device="cpu"):
         self.spec, self.profile, self.dtype, self.max_running = spec, profile, dtype, max_running
         self.device = device  # the run's device: the engine runs the kernels training runs there
         self.engine: Optional[ReferenceEngine] = None
 
     def sync(self, full: Dict[str, torch.Tensor]) -> None:
-        weights = {name: (t.to(self.dtype) if not name.endswith("expert_bias") else t).to(self.device or t.device)
+        weights = {name: (t if name.endswith("expert_bias") else t.to(self.dtype)).to(self.device)
                    for name, t in full.items()}
         if self.engine is None:
-            model = ReferenceModel(self.spec, self.profile, weights, self.dtype)
-            self.engine = ReferenceEngine(model.to(self.device) if self.device is not None else model,
+            self.engine = ReferenceEngine(ReferenceModel(self.spec, self.profile, weights, self.dtype).to(self.device),
                                           max_running=self.max_running)
         else:
             self.engine.model.w = weights
