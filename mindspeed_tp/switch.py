@@ -9,8 +9,8 @@ from typing import Callable, List, Union
 
 from . import compat, numerics, state
 from .contract.profile import Profile, load_profile
-from .devices import accelerator_available, machine_device_type
-from .devices.cpu_shims import install_cpu_shims, keep_under, remove_cpu_shims, shim_registry
+from .devices import machine_device_type
+from .devices.cpu_shims import GROUPS, enable_groups, install_shims, keep_under, remove_shims
 from .kernels import dispatch
 from .patches import registry as numerics_registry
 from .patching import PatchRegistry
@@ -20,7 +20,7 @@ _enabling = False
 _companions: List[PatchRegistry] = []
 _enable_checks: List[Callable[[], None]] = []
 keep_under(numerics_registry)  # CPU shims go under the numerics patches
-_installed_shims = False  # enable() installed the CPU shims (not someone before it): disable() removes them
+_installed_shims: List[str] = []  # shim groups enable() installed (not someone before it): disable() removes them
 
 
 def attach(registry: PatchRegistry) -> None:
@@ -55,9 +55,9 @@ def enable(profile: Union[str, Profile, None] = None) -> Profile:
             strategy = numerics.resolve(prof)  # the numerics every adapter calls, from here on
             strategy.check_ready()
             dispatch.prepare(prof, machine_device_type())
-            if not accelerator_available():
-                _installed_shims = _installed_shims or not shim_registry().applied
-                install_cpu_shims()
+            groups = enable_groups()  # megatron-core without TE/apex, gloo; never the CUDA stand-ins
+            _installed_shims += [g for g in groups if not GROUPS[g].applied and g not in _installed_shims]
+            install_shims(*groups)
             compat.warn_if_untested_line()
             state.set_profile(prof)
             numerics.ACTIVE.set(strategy)
@@ -71,7 +71,7 @@ def enable(profile: Union[str, Profile, None] = None) -> Profile:
 
 def disable() -> None:
     """Restore every original symbol (vanilla behaviour), numerics and integrations alike; what
-    enable() set up goes with it (the CPU shims it installed, the explicit vocab size)."""
+    enable() set up goes with it (the shims it installed, the explicit vocab size)."""
     global _installed_shims
     with _lock:
         for registry in reversed(_companions):
@@ -81,9 +81,8 @@ def disable() -> None:
         state.set_profile(None)
         state.set_vocab_size(None)
         dispatch.select("auto")
-        if _installed_shims:
-            remove_cpu_shims()
-            _installed_shims = False
+        remove_shims(*_installed_shims)
+        _installed_shims = []
 
 
 def is_enabled() -> bool:

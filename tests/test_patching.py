@@ -280,7 +280,7 @@ def test_enable_disable_real_megatron():
         if prior_profile is not None:
             mindspeed_tp.enable(prior_profile)
         elif not shims_were_applied:
-            cpu_shims.remove_cpu_shims()
+            cpu_shims.remove_shims(*cpu_shims.GROUPS)
 
 
 def test_revert_restores_modules_imported_while_applied(mods):

@@ -157,15 +157,15 @@ def test_disable_restores_every_original():
 
 
 def test_enable_reentered_from_the_import_hook_records_megatrons_originals():
-    """On a machine with an accelerator no CPU shim imports megatron-core first, so enable()'s own
-    patching imports it, and the MINDSPEED_TP=1 post-import hook re-enters enable(). Simulated:
-    accelerator_available() true, the hook registered by hand. The registry must record megatron's
+    """On a full GPU install (TE and apex present) no shim imports megatron-core first, so enable()'s
+    own patching imports it, and the MINDSPEED_TP=1 post-import hook re-enters enable(). Simulated:
+    no shim group to install, the hook registered by hand. The registry must record megatron's
     functions as the originals, so disable() restores vanilla."""
     code = textwrap.dedent("""
         import sys
         import mindspeed_tp, mindspeed_tp_autoload
         from mindspeed_tp import switch
-        switch.accelerator_available = lambda: True
+        switch.enable_groups = lambda: []
         print("MEGATRON_BEFORE", "megatron.core" in sys.modules)
         mindspeed_tp_autoload.when_imported("megatron.core", lambda m: mindspeed_tp.enable())
         mindspeed_tp.enable()
@@ -238,7 +238,7 @@ def test_cpu_shims_installed_after_enable_still_let_disable_restore_vanilla():
     code = textwrap.dedent("""
         import mindspeed_tp
         from mindspeed_tp import switch
-        switch.accelerator_available = lambda: True   # enable() installs no shims
+        switch.enable_groups = lambda: []   # enable() installs no shims (TE and apex present)
         mindspeed_tp.enable()
         from mindspeed_tp.devices.cpu_shims import install_cpu_shims
         install_cpu_shims()

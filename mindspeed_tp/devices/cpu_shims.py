@@ -5,12 +5,15 @@ where its condition holds:
 - ``no_te_apex``: megatron-core without Transformer Engine or apex (torch norms under SP, names it
   reads from TE without defining them): wherever TE or apex is absent, on any device, the vanilla
   arms included;
-- ``gloo``: collectives gloo lacks (an all-gather of uneven sizes): wherever the world runs on gloo;
+- ``gloo``: collectives gloo lacks (an all-gather of uneven sizes): wherever the world runs on gloo
+  (each call reads its group's backend, so the group is inert on any other);
 - ``cuda_standins``: CUDA-only calls replaced by their CPU equivalents: only in a process without an
-  accelerator (the checkers' workers, ``enable()`` on such a machine).
-The checkers install them by condition (``install_checker_shims``); ``install_cpu_shims`` installs
-all three (a machine without accelerator). docs/CONTRACT.md, "megatron-core on CPU", lists the failure
-each answers.
+  accelerator that runs megatron-core on the CPU on purpose (the checkers' workers, the tests and
+  benchmarks: ``install_cpu_shims``), never by ``enable()`` (a user's CPU-only driver, verl's for
+  one, keeps ``Tensor.cuda`` and ``torch.cuda``).
+``enable()`` installs the first two (``enable_groups``); the checkers install by condition
+(``install_checker_shims``); ``install_cpu_shims`` installs all three. docs/CONTRACT.md,
+"megatron-core on CPU", lists the failure each answers.
 """
 import contextlib
 import functools
@@ -149,9 +152,10 @@ def _maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
                 wraps=True)
 def _gather_along_first_dim(original):
     def gather(input_, group=None, output_split_sizes=None, use_global_buffer=False):
-        if output_split_sizes is None:
-            return original(input_, group, None, use_global_buffer)
         import torch.distributed as dist
+
+        if output_split_sizes is None or not _on_gloo(group):
+            return original(input_, group, output_split_sizes, use_global_buffer)
 
         sizes = [int(n) for n in output_split_sizes]
         world = len(sizes)
@@ -164,6 +168,16 @@ def _gather_along_first_dim(original):
         return torch.cat([parts[i, : sizes[i]] for i in range(world)], dim=0)
 
     return gather
+
+
+def _on_gloo(group) -> bool:
+    import torch.distributed as dist
+
+    if group is None:
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_tensor_model_parallel_group()
+    return dist.get_backend(group) == "gloo"
 
 
 class _CudaAsCpu(torch.overrides.TorchFunctionMode):
@@ -302,6 +316,12 @@ def needed_groups(backend: Optional[str]) -> List[str]:
     return names
 
 
+def enable_groups() -> List[str]:
+    """The groups ``enable()`` installs in any process: megatron-core without TE/apex and the gloo
+    collectives (inert off gloo, and the world may not exist yet). Never the CUDA stand-ins."""
+    return [name for name in needed_groups("gloo") if name != "cuda_standins"]
+
+
 def install_checker_shims() -> List[str]:
     """What a checker's worker needs, by condition (the world's backend read from torch.distributed);
     returns the groups installed."""
@@ -318,10 +338,10 @@ def _importable(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def remove_cpu_shims() -> None:
-    """Remove every group."""
-    for group in reversed(list(GROUPS.values())):
-        group.revert()
+def remove_shims(*names: str) -> None:
+    """Remove the named groups (``*GROUPS``: all of them)."""
+    for name in reversed(names):
+        GROUPS[name].revert()
 
 
 class _AllGroups:
