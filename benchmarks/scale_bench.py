@@ -461,7 +461,7 @@ def lm_head_input_grad(shapes: ComponentShapes, repeats: int) -> Dict:
     import torch
 
     from mindspeed_tp.contract.profile import load_profile
-    from mindspeed_tp.modes.bitwise_training.column_parallel import column_linear
+    from mindspeed_tp.numerics.bitwise_training.column_parallel import column_linear
 
     g = torch.Generator().manual_seed(0)
     m, h, n = shapes.tokens, shapes.hidden, shapes.vocab_rows
@@ -484,7 +484,7 @@ def lm_head_input_grad(shapes: ComponentShapes, repeats: int) -> Dict:
 def exact_norm(shapes: ComponentShapes, repeats: int) -> Dict:
     import torch
 
-    from mindspeed_tp.modes.bitwise_training.grad_norm import grad_norm
+    from mindspeed_tp.numerics.bitwise_training.grad_norm import grad_norm
 
     g = torch.Generator().manual_seed(1)
     # A few tensors of a rank's sizes: one large (the vocab shard), the rest in layer-sized pieces.

@@ -1,4 +1,4 @@
-"""Bitwise training of MoE models (``modes/bitwise_training/experts.py``): with the same global batch,
+"""Bitwise training of MoE models (``numerics/bitwise_training/experts.py``): with the same global batch,
 every layout's loss, gradients, parameters and optimizer state are ``torch.equal`` to the one-device
 run after every step -- router weights, routed experts (fc1 gated, fc2), shared experts, the aux and
 z-loss gradients -- across EP x expert-TP x SP x PP x DP: bf16 with the distributed optimizer,
@@ -165,7 +165,7 @@ def test_refusals_of_moe_layouts_the_mode_does_not_cover():
     from types import SimpleNamespace
 
     from mindspeed_tp.errors import ConfigError
-    from mindspeed_tp.numerics.bitwise_training import check_ddp
+    from mindspeed_tp.numerics.bitwise_training.patches import check_ddp
 
     ddp = SimpleNamespace(num_distributed_optimizer_instances=1)
     check_ddp(_moe_model(), ddp)  # EP x ETP = TP: each micro-batch's SP slices meet in one expert group
@@ -195,7 +195,7 @@ class _Router:
 @pytest.mark.parametrize("balancing", ["seq_aux_loss", "global_aux_loss"])
 def test_router_losses_without_a_layout_free_scale_are_refused(balancing):
     from mindspeed_tp.errors import ConfigError
-    from mindspeed_tp.modes.bitwise_training.experts import router_losses
+    from mindspeed_tp.numerics.bitwise_training.experts import router_losses
 
     with pytest.raises(ConfigError, match="moe_router_load_balancing_type"):
         router_losses(_Router(balancing), torch.zeros(4, 1, 8), None, None)
@@ -206,7 +206,7 @@ def test_router_losses_run_the_plain_path_times_the_micro_batch_tokens(per_token
     """Per-token loss: megatron's router runs its plain path (the same gradient in every layout and
     megatron-core line) and that gradient is multiplied by the micro-batch's token count, padding
     excluded; its flag is restored. Without per-token loss: untouched."""
-    from mindspeed_tp.modes.bitwise_training.experts import router_losses
+    from mindspeed_tp.numerics.bitwise_training.experts import router_losses
 
     router = _Router(per_token=per_token)
     logits = torch.randn(4, 2, 8, requires_grad=True)
@@ -229,8 +229,9 @@ def test_chained_norm_of_optimizers_on_different_groups_is_rounded_once(monkeypa
 
     from mindspeed_tp import numerics
     from mindspeed_tp.contract.profile import load_profile
-    from mindspeed_tp.modes.bitwise_training.grad_norm import grad_norm
-    from mindspeed_tp.numerics.bitwise_training import BitwiseTraining, chained_grad_norm
+    from mindspeed_tp.numerics.bitwise_training.grad_norm import grad_norm
+    from mindspeed_tp.numerics.bitwise_training.patches import chained_grad_norm
+    from mindspeed_tp.numerics.bitwise_training.strategy import BitwiseTraining
 
     monkeypatch.setattr(numerics.ACTIVE, "_strategy", BitwiseTraining(load_profile("default").replace(
         bitwise_training=True)))

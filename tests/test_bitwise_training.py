@@ -156,7 +156,7 @@ def norm_path(request, monkeypatch):
 
 
 def test_exact_grad_norm_is_order_independent_and_correctly_rounded(norm_path):
-    from mindspeed_tp.modes.bitwise_training.grad_norm import exact_sum_of_squares, exponent_sums
+    from mindspeed_tp.numerics.bitwise_training.grad_norm import exact_sum_of_squares, exponent_sums
 
     gen = torch.Generator().manual_seed(0)
     random.seed(0)
@@ -170,7 +170,7 @@ def test_exact_grad_norm_is_order_independent_and_correctly_rounded(norm_path):
 
 
 def test_exact_grad_norm_edge_values(norm_path):
-    from mindspeed_tp.modes.bitwise_training.grad_norm import exact_sum_of_squares, exponent_sums
+    from mindspeed_tp.numerics.bitwise_training.grad_norm import exact_sum_of_squares, exponent_sums
 
     assert exact_sum_of_squares(exponent_sums([torch.zeros(4)])) == 0.0
     tiny = torch.tensor([1e-45, -3e-39, 3.0e38])  # subnormals and the largest exponents
@@ -187,7 +187,7 @@ def _negative_nan():
     [1.0, float("inf")], [float("-inf"), 2.0], ["-nan", 1.0], [float("nan"), float("inf")], ["-nan", float("-inf")],
 ])
 def test_exact_grad_norm_propagates_non_finite_values_as_vector_norm_does(values, norm_path):
-    from mindspeed_tp.modes.bitwise_training.grad_norm import grad_norm
+    from mindspeed_tp.numerics.bitwise_training.grad_norm import grad_norm
 
     assert _negative_nan().view(torch.int32).item() < 0
     grads = torch.cat([_negative_nan() if v == "-nan" else torch.tensor([v]) for v in values])
@@ -199,7 +199,7 @@ def test_exact_grad_norm_propagates_non_finite_values_as_vector_norm_does(values
 def test_exact_grad_norm_accumulators_never_wrap():
     """An accumulator near 2^63 (beyond ~2^38 elements in one exponent bin, or the ranks' sum) is
     normalised exactly, by a fixed number of carries, instead of wrapping."""
-    from mindspeed_tp.modes.bitwise_training import grad_norm as gn
+    from mindspeed_tp.numerics.bitwise_training import grad_norm as gn
 
     acc = gn.exponent_sums([torch.tensor([3.0, 1e-3, 7e5, 3.0e38])])
     scale = (1 << 62) // int(acc.max())
@@ -216,7 +216,7 @@ def test_exact_grad_norm_accumulators_never_wrap():
 
 def test_exact_grad_norm_normalises_while_it_accumulates(monkeypatch, norm_path):
     """Chunks of 3 elements, a normalisation every 2 chunks: the periodic carries keep the total exact."""
-    from mindspeed_tp.modes.bitwise_training import grad_norm as gn
+    from mindspeed_tp.numerics.bitwise_training import grad_norm as gn
 
     gen = torch.Generator().manual_seed(1)
     grads = [torch.randn(40, generator=gen) * 1e3, torch.randn(17, generator=gen).bfloat16()]
@@ -231,7 +231,7 @@ def test_exact_grad_norm_host_loop_and_torch_ops_give_the_same_total(monkeypatch
     multiple of the loop's 4 bin copies and beyond its 2^14-element blocks, fp32 and bf16: the C
     loop's total is the torch operations' and the exact one, and its accumulators stay in range."""
     from mindspeed_tp.kernels import host_square_sums
-    from mindspeed_tp.modes.bitwise_training import grad_norm as gn
+    from mindspeed_tp.numerics.bitwise_training import grad_norm as gn
 
     gen = torch.Generator().manual_seed(5)
     bits = torch.randint(0, 0x7F800000, (40_003,), generator=gen, dtype=torch.int32)  # every finite |value|
@@ -262,7 +262,7 @@ def test_exact_grad_norm_windowed_blocks_give_the_histograms_total(build):
     every run uses (a CPU with AVX2 must have the windowed path); ``avx2``: the AVX2 variant built
     for x86-64-v3, so a CPU with AVX-512 tests the code an AVX2-only CPU runs too."""
     from mindspeed_tp.kernels import host_square_sums as hs
-    from mindspeed_tp.modes.bitwise_training import grad_norm as gn
+    from mindspeed_tp.numerics.bitwise_training import grad_norm as gn
 
     flags = _cpu_flags()
     vector_isa = "avx2" in flags
@@ -305,14 +305,14 @@ def test_exact_grad_norm_windowed_blocks_give_the_histograms_total(build):
 @pytest.mark.parametrize("microbatches,dp,groups", [(1, 1, 2), (3, 2, 2), (2, 4, 2), (4, 2, 1), (6, 1, 2)])
 def test_refusals_microbatch_plan(microbatches, dp, groups):
     from mindspeed_tp.errors import ConfigError
-    from mindspeed_tp.modes.bitwise_training import accumulation
+    from mindspeed_tp.numerics.bitwise_training import accumulation
 
     with pytest.raises(ConfigError, match="microbatch_groups"):
         accumulation.set_schedule(microbatches, dp, 0, groups)
 
 
 def test_microbatch_plan_accepted_and_groups_follow_the_sampler():
-    from mindspeed_tp.modes.bitwise_training import accumulation
+    from mindspeed_tp.numerics.bitwise_training import accumulation
 
     accumulation.set_schedule(4, 1, 0, 2)
     assert [accumulation._group(k) for k in range(4)] == [0, 1, 0, 1]
@@ -325,7 +325,7 @@ def test_refusals_models_the_mode_does_not_cover():
     from types import SimpleNamespace
 
     from mindspeed_tp.errors import ConfigError
-    from mindspeed_tp.numerics.bitwise_training import check_ddp
+    from mindspeed_tp.numerics.bitwise_training.patches import check_ddp
 
     class Model(torch.nn.Module):
         def __init__(self, **config):
@@ -342,7 +342,7 @@ def test_a_sync_run_by_the_tree_refuses_the_nan_check_and_keeps_shards_as_megatr
     from types import SimpleNamespace
 
     from mindspeed_tp.errors import ConfigError
-    from mindspeed_tp.numerics.bitwise_training import _sharded_sync
+    from mindspeed_tp.numerics.bitwise_training.patches import _sharded_sync
 
     def group(nan=False, sharded=True):
         return SimpleNamespace(ddp_config=SimpleNamespace(check_for_nan_in_grad=nan, use_distributed_optimizer=sharded))
@@ -528,7 +528,7 @@ def test_bitwise_training_on_this_megatron_line(tmp_path, tmp_path_factory):
 
 def _bitwise_strategy():
     from mindspeed_tp.contract.profile import load_profile
-    from mindspeed_tp.numerics.bitwise_training import BitwiseTraining
+    from mindspeed_tp.numerics.bitwise_training.strategy import BitwiseTraining
 
     return BitwiseTraining(load_profile("default").replace(bitwise_training=True))
 
@@ -536,8 +536,8 @@ def _bitwise_strategy():
 def test_forward_only_passes_are_neither_planned_nor_reset(monkeypatch):
     """verl's compute_log_prob runs forward_only passes with its own (dynamic) micro-batch counts."""
     from mindspeed_tp import numerics
-    from mindspeed_tp.modes.bitwise_training import accumulation
-    from mindspeed_tp.numerics.bitwise_training import forward_backward_func
+    from mindspeed_tp.numerics.bitwise_training import accumulation
+    from mindspeed_tp.numerics.bitwise_training.patches import forward_backward_func
 
     monkeypatch.setattr(numerics.ACTIVE, "_strategy", _bitwise_strategy())
     accumulation.set_schedule(4, 1, 0, 2)
@@ -560,7 +560,7 @@ def _holder():
 
 
 def _step(holder, grads):
-    from mindspeed_tp.modes.bitwise_training import accumulation
+    from mindspeed_tp.numerics.bitwise_training import accumulation
 
     accumulation.reset()
     accumulation.set_schedule(len(grads), 1, 0, 2)
@@ -575,7 +575,7 @@ def test_two_groups_of_one_micro_batch_each_fold_in_main_grad_without_a_buffer()
     """Two micro-batches in two groups: the tree is one addition of their gradients, accumulated
     straight in main_grad (no fp32 group buffer: the bitwise step's memory at DP=1) with the bits the
     group path gives, (0 + m_a) + (0 + m_b), -0.0 included."""
-    from mindspeed_tp.modes.bitwise_training import accumulation
+    from mindspeed_tp.numerics.bitwise_training import accumulation
 
     m0 = torch.tensor([-0.0, 1e-8, 3.0, -0.0])
     m1 = torch.tensor([-0.0, 1.0, -3.0, 2.0])
@@ -598,7 +598,7 @@ def test_an_embeddings_gradient_by_its_distinct_rows_is_the_dense_backwards(by_i
     additions shows in the bits, more than 1000 tokens (the kernel's parallel path), a row whose only
     gradient is -0.0 -- every row the dense backward's bits (``F.embedding`` and megatron's
     deterministic ``weight[ids]``), the rows no id names +0.0 there."""
-    from mindspeed_tp.modes.bitwise_training.embedding import _lookup, distinct_rows_grad
+    from mindspeed_tp.numerics.bitwise_training.embedding import _lookup, distinct_rows_grad
 
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 6, (3, 400), generator=gen)
@@ -637,8 +637,8 @@ def test_tied_embedding_rows_add_to_the_lm_heads_gradient_as_the_dense_chains_do
     from types import SimpleNamespace
 
     from mindspeed_tp.models.marks import TIED_HEAD_ATTR
-    from mindspeed_tp.modes.bitwise_training import accumulation
-    from mindspeed_tp.modes.bitwise_training.embedding import distinct_rows_grad
+    from mindspeed_tp.numerics.bitwise_training import accumulation
+    from mindspeed_tp.numerics.bitwise_training.embedding import distinct_rows_grad
 
     gen = torch.Generator().manual_seed(2)
     weight = torch.nn.Parameter(torch.zeros(10, 4, dtype=torch.bfloat16))
@@ -676,7 +676,7 @@ def test_tied_embedding_rows_add_to_the_lm_heads_gradient_as_the_dense_chains_do
 
 
 def test_a_step_aborted_after_some_micro_batches_leaves_nothing_for_the_next():
-    from mindspeed_tp.modes.bitwise_training import accumulation
+    from mindspeed_tp.numerics.bitwise_training import accumulation
 
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(4, generator=gen) for _ in range(4)]
@@ -695,7 +695,7 @@ def test_a_freed_holder_leaves_no_count_behind():
     address must start at micro-batch 0."""
     import gc
 
-    from mindspeed_tp.modes.bitwise_training import accumulation
+    from mindspeed_tp.numerics.bitwise_training import accumulation
 
     accumulation.reset()
     accumulation.set_schedule(4, 1, 0, 2)
@@ -715,7 +715,7 @@ def test_bitwise_training_is_refused_off_the_torch_backend(monkeypatch, backend,
     import mindspeed_tp
     from mindspeed_tp.contract.profile import load_profile
     from mindspeed_tp.errors import ConfigError
-    from mindspeed_tp.numerics import bitwise_training
+    from mindspeed_tp.numerics.bitwise_training import strategy as bitwise_training
 
     monkeypatch.setattr(bitwise_training, "machine_device_type", lambda: device)
     profile = load_profile("default").replace(bitwise_training=True, backend=backend)
@@ -759,7 +759,7 @@ def test_a_tp_reduced_gradient_of_a_category_megatron_adds_is_refused_not_skippe
     from mindspeed_tp import numerics
     from mindspeed_tp.errors import ConfigError
     from mindspeed_tp.models.marks import mark_per_token_params
-    from mindspeed_tp.numerics.bitwise_training import tp_norm_allreduce
+    from mindspeed_tp.numerics.bitwise_training.patches import tp_norm_allreduce
 
     future = _finalize_module(monkeypatch, "future_finalize", _FUTURE_FINALIZE)
     monkeypatch.setattr(numerics.ACTIVE, "_strategy", _bitwise_strategy())
@@ -799,7 +799,7 @@ def test_a_tp_reduction_through_another_collective_api_is_refused_not_passed(mon
     from mindspeed_tp import numerics
     from mindspeed_tp.errors import ConfigError
     from mindspeed_tp.models.marks import mark_per_token_params
-    from mindspeed_tp.numerics.bitwise_training import tp_norm_allreduce
+    from mindspeed_tp.numerics.bitwise_training.patches import tp_norm_allreduce
 
     other = _finalize_module(monkeypatch, "other_api_finalize", _OTHER_API_FINALIZE)
     monkeypatch.setattr(numerics.ACTIVE, "_strategy", _bitwise_strategy())

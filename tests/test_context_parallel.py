@@ -134,7 +134,7 @@ def test_layout_names_and_worlds():
 def test_bitwise_training_with_cp_is_planned_and_packed_cp_is_refused_by_name():
     from mindspeed_tp import ConfigError, load_profile
     from mindspeed_tp.check.train.main import plan, resolve_args
-    from mindspeed_tp.numerics.bitwise_training import BitwiseTraining
+    from mindspeed_tp.numerics.bitwise_training.strategy import BitwiseTraining
 
     assert [l.cp for l in plan(resolve_args(["--bitwise-training", "--layouts", "tp2-sp-cp2"])).layouts] == [2]
     strategy = BitwiseTraining(load_profile("default"))

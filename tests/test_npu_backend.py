@@ -266,7 +266,7 @@ def test_npu_attention_mask_types():
     """The patched DotProductAttention on the npu backend: causal drops Megatron's mask (the
     kernel applies its own), no_mask passes, anything with an explicit mask is refused."""
     from mindspeed_tp import ConfigError
-    from mindspeed_tp.numerics.canonical import mask_for_maskless_kernel as _mask_for_maskless_kernel
+    from mindspeed_tp.numerics.canonical.strategy import mask_for_maskless_kernel as _mask_for_maskless_kernel
 
     assert _mask_for_maskless_kernel("causal", torch.ones(1, 1, 4, 4, dtype=torch.bool), "npu") is None
     assert _mask_for_maskless_kernel("no_mask", None, "npu") is None

@@ -1,9 +1,11 @@
 """The numerics strategies (mindspeed_tp/numerics/): every bundled profile resolves to one, the
-megatron-core adapters hold no mode or engine branch, and an engine registered in one line of
-``numerics.ENGINES`` is what the adapters call, with no edit to them."""
+megatron-core adapters hold no mode or engine branch, an engine registered in one line of
+``numerics.ENGINES`` is what the adapters call, with no edit to them, and a mode added as one package
+plus one line of ``numerics.MODES`` brings its own patch entries."""
 import dataclasses
 import os
 import re
+import sys
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ from conftest import ROOT, bits_equal
 import mindspeed_tp
 from mindspeed_tp import numerics, state
 from mindspeed_tp.contract.profile import PROFILE_DIR, load_profile
-from mindspeed_tp.numerics.canonical import CanonicalTree
+from mindspeed_tp.numerics.canonical.strategy import CanonicalTree
 
 BUNDLED = {"default": "CanonicalTree", "rollout-tp1": "RolloutLayout", "rollout-tp2": "RolloutLayout",
            "vllm-cpu-tp1": "VllmEngine", "vllm-cpu-tp2": "VllmEngine"}
@@ -76,3 +78,22 @@ def test_an_engine_registered_in_one_line_is_what_the_adapters_call(monkeypatch)
             mindspeed_tp.enable(prior)
         else:
             mindspeed_tp.disable()
+
+
+def test_a_mode_added_as_one_package_and_one_line_brings_its_strategy_and_patch_entries(tmp_path, monkeypatch):
+    from mindspeed_tp import patches
+
+    package = tmp_path / "probe_mode"
+    package.mkdir()
+    (package / "strategy.py").write_text("from mindspeed_tp.numerics.canonical import CanonicalTree\n\n\n"
+                                         "class ProbeMode(CanonicalTree):\n    name = 'probe_mode'\n")
+    (package / "patches.py").write_text("def register(reg):\n    reg.register('json:dumps', 'probe_mode: an entry of "
+                                        "its own', wraps=True)(lambda original: original)\n")
+    (package / "__init__.py").write_text("from .patches import register as register_patches\n"
+                                         "from .strategy import ProbeMode\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "probe_mode", raising=False)
+    monkeypatch.setitem(numerics.MODES, "probe_mode", "probe_mode:ProbeMode")
+    assert numerics.strategy_class("probe_mode").__name__ == "ProbeMode"
+    targets = [p.target for p in patches.build_registry().patches]  # the adapters', then each mode's in order
+    assert targets == [p.target for p in patches.registry().patches] + ["json:dumps"]

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from conftest import assert_grads_match_vanilla, bits_equal, explain, run_cli, run_torchrun, tiered
 from mindspeed_tp.errors import ConfigError
 from mindspeed_tp.kernels import invariant_linear
-from mindspeed_tp.modes.rollout_layout.engine_math import full_vocab_logprob, rollout_row_parallel
+from mindspeed_tp.numerics.rollout_layout.engine_math import full_vocab_logprob, rollout_row_parallel
 from mindspeed_tp.contract.profile import load_profile, profile_from_dict
 
 DTYPES = [torch.bfloat16, torch.float32]

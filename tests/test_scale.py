@@ -41,7 +41,7 @@ def test_the_exact_norm_accumulates_on_the_gradients_device_without_a_host_trans
     the final (2, bins) read leaves the device, and the total is the exact one. The torch operations
     are what a device runs, so the host's C loop is switched off here."""
     from mindspeed_tp.kernels import host_square_sums
-    from mindspeed_tp.modes.bitwise_training import grad_norm as gn
+    from mindspeed_tp.numerics.bitwise_training import grad_norm as gn
 
     monkeypatch.setattr(host_square_sums, "library", lambda: None)
 

@@ -19,7 +19,7 @@ import json
 import pytest
 import torch
 
-from mindspeed_tp.integrations.vllm import host
+from mindspeed_tp.numerics.vllm import host
 
 from conftest import explain, run_torchrun
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import mindspeed_tp
-from mindspeed_tp.integrations.vllm import host, kernels
-from mindspeed_tp.integrations.vllm.scoring import ScoringPlan
+from mindspeed_tp.numerics.vllm import host, kernels
+from mindspeed_tp.numerics.vllm.scoring import ScoringPlan
 from conftest import bits_equal, explain, full_tier, run_torchrun
 
 DTYPES = [torch.bfloat16, torch.float32]
@@ -156,8 +156,8 @@ def test_engine_tp2_partials_are_prepacked_once_per_weight_version(monkeypatch):
     and the output is the updated weight's."""
     from mindspeed_tp import invalidate_weight_caches
     from mindspeed_tp.contract.profile import load_profile
-    from mindspeed_tp.integrations.vllm.numerics import VllmEngine
-    from mindspeed_tp.modes.rollout_layout.engine_math import rollout_row_parallel
+    from mindspeed_tp.numerics.vllm.strategy import VllmEngine
+    from mindspeed_tp.numerics.rollout_layout.engine_math import rollout_row_parallel
 
     engine = VllmEngine(load_profile("vllm-cpu-tp2"))
     dispatch, calls = kernels._vllm()["dispatch"], []
@@ -192,7 +192,7 @@ def test_engine_tp2_partials_are_prepacked_once_per_weight_version(monkeypatch):
 
 def test_engine_slices_are_split_among_ep_ranks_with_every_token_covered_once():
     """Every (engine slice, token) is computed by exactly one EP rank, for EP sizes around the engine's TP."""
-    from mindspeed_tp.integrations.vllm.expert_slices import _chunk_rows, assignment
+    from mindspeed_tp.numerics.vllm.expert_slices import _chunk_rows, assignment
 
     for world in (1, 2, 3, 4, 8):
         for tp in (1, 2, 4):
@@ -241,7 +241,7 @@ def test_a_head_size_the_engines_cpu_attention_lacks_is_refused_before_it_starts
     import yaml
 
     from mindspeed_tp.check.main import main
-    from mindspeed_tp.integrations.vllm.refusals import check_head_dim
+    from mindspeed_tp.numerics.vllm.refusals import check_head_dim
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     supported = CPUAttentionBackend.get_supported_head_sizes()

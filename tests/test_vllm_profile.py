@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mindspeed_tp.errors import ConfigError
-from mindspeed_tp.integrations.vllm import host, refusals
+from mindspeed_tp.numerics.vllm import host, refusals
 from mindspeed_tp.contract.profile import EngineSpec, load_profile, profile_from_dict
 
 
@@ -126,8 +126,8 @@ def test_the_engine_rope_and_scoring_plan_belong_to_their_model_and_thread():
 
     from mindspeed_tp.contract.profile import load_profile
     from mindspeed_tp.errors import ConfigError
-    from mindspeed_tp.integrations.vllm import forward, scoring
-    from mindspeed_tp.integrations.vllm.numerics import VllmEngine
+    from mindspeed_tp.numerics.vllm import forward, scoring
+    from mindspeed_tp.numerics.vllm.strategy import VllmEngine
 
     def gpt_init(self, config, transformer_layer_spec, vocab_size, max_sequence_length,
                  position_embedding_type="rope", rotary_percent=1.0, rotary_base=10000, rope_scaling=False):

@@ -68,7 +68,7 @@ def test_verl_logprob_excludes_the_padded_columns_its_logits_carry_and_refuses_w
     from mindspeed_tp.integrations.verl import _verl_logprob
     from mindspeed_tp.kernels import vocab_parallel_logprob
     from mindspeed_tp.models.marks import TRUE_VOCAB_ATTR
-    from mindspeed_tp.numerics.canonical import CanonicalTree
+    from mindspeed_tp.numerics.canonical.strategy import CanonicalTree
 
     monkeypatch.setattr(numerics.ACTIVE, "_strategy", CanonicalTree(load_profile("default")))
     monkeypatch.setattr(compat, "tp_group_of", lambda module=None: None)  # one process, no megatron groups

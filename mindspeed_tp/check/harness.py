@@ -175,11 +175,11 @@ def _engine_scoring(profile: Profile, vanilla: bool, batch: ScoringBatch, spec: 
     """A real-engine profile scores prompts as the engine's prefill and the rest as its decode steps."""
     from contextlib import nullcontext
 
-    from ..integrations.vllm import forward as vllm_forward
+    from ..numerics.vllm import forward as vllm_forward
 
     if vanilla or not vllm_forward.is_vllm(profile):
         return nullcontext()
-    from ..integrations.vllm.scoring import engine_scoring
+    from ..numerics.vllm.scoring import engine_scoring
 
     b, s = batch.tokens.shape
     return engine_scoring(batch.prompt_lens or [s] * b, spec.vocab_size, batch.prefill_chunks)
@@ -188,7 +188,7 @@ def _engine_scoring(profile: Profile, vanilla: bool, batch: ScoringBatch, spec: 
 def _stage_dtype(profile: Profile, vanilla: bool, dtype):
     """What pipeline stages send: the model dtype, or fp32 under a real-engine profile (the residual
     stream is the engine's unrounded fused-add sum)."""
-    from ..integrations.vllm import forward as vllm_forward
+    from ..numerics.vllm import forward as vllm_forward
 
     return torch.float32 if not vanilla and vllm_forward.is_vllm(profile) else dtype
 

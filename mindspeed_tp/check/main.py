@@ -245,7 +245,7 @@ def plan(ns: argparse.Namespace) -> Plan:
                           f"vllm-cpu-tp2); {profile.name!r} describes {profile.reduction}")
     check_device(ns)
     if ns.engine == "vllm":  # before the engine starts (it would crash in its attention kernel)
-        from ..integrations.vllm.refusals import activation_widths, check_activation_widths, check_head_dim
+        from ..numerics.vllm.refusals import activation_widths, check_activation_widths, check_head_dim
 
         check_head_dim(spec.kv_channels)
         check_activation_widths(activation_widths(spec), profile.rollout_tp, DTYPES[ns.dtype])
@@ -423,7 +423,7 @@ def run(ns: argparse.Namespace) -> int:
         batch, engine_lp, engine_report = make_vllm_rollouts(
             spec, profile, ns.dtype, int(ns.seed), int(ns.rollout), int(ns.max_new_tokens), float(ns.temperature),
             int(ns.seq_length) // 2, multiple, weights, prompts, ns.hf_checkpoint, ns.engine_max_batched_tokens)
-        from ..integrations.vllm.host import check_engine_family
+        from ..numerics.vllm.host import check_engine_family
 
         check_engine_family(engine_report["cpu_isa"])  # every rank: another node may be another host type
         temperature = 1.0  # vLLM returns raw logprobs: log_softmax of the logits before temperature

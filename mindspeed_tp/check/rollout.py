@@ -135,8 +135,8 @@ def broadcast_json(obj, size: int = 8192):
 def engine_report(engine, profile: Profile, generate_seconds: float, budget: int):
     """What ran: the engine's release and TP, its kernel choices as its worker reported them
     (``kernels``; ``cpu_isa`` the kernel family), and the family this training process matched."""
-    from ..integrations.vllm.host import kernel_choices
-    from ..integrations.vllm.refusals import require_vllm
+    from ..numerics.vllm.host import kernel_choices
+    from ..numerics.vllm.refusals import require_vllm
 
     return {"name": "vllm", "version": require_vllm(profile.engine.version), "tp": engine.tp,
             "start_seconds": round(engine.start_seconds, 1), "generate_seconds": round(generate_seconds, 1),

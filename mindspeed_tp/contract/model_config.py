@@ -57,7 +57,7 @@ def _is_swiglu(config: Any) -> bool:
 
 
 def check_router_dtype(config: Any) -> None:
-    """MoE: the router computes in fp32 (numerics/canonical.py); any other setting is refused by name."""
+    """MoE: the router computes in fp32 (numerics/canonical/strategy.py); any other setting is refused by name."""
     value = getattr(config, "moe_router_dtype", "fp32")
     if value != "fp32":
         raise refuse("moe_router_dtype", value=value)

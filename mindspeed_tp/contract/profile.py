@@ -29,7 +29,7 @@ ROLLOUT_ALLREDUCE_ORDERS = ("rank_sequential",)
 # token's experts on each rank and all-reduces the combined partials once (vLLM fused MoE).
 ROLLOUT_MOE_EXPERT_REDUCES = ("per_expert", "after_combine")
 BACKENDS = ("auto", "torch", "npu", "triton")
-# auto: follow the kernels the engine selects on the host (integrations/vllm/host.py); a named family
+# auto: follow the kernels the engine selects on the host (numerics/vllm/host.py); a named family
 # pins the profile to hosts where the engine selects it (refused elsewhere).
 ENGINE_CPU_ISAS = ("auto", "avx2", "avx512", "avx512_bf16", "amx")
 

@@ -118,7 +118,7 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "compiled or captured graphs may fuse or reorder ops"),
     Refusal("vllm_scoring_plan", ENGINE, "engine_scoring(prompt_lens, vocab_size)",
             "a vllm-cpu-* profile scores prompts as the engine's prefill and generated tokens as its decode steps: "
-            "run the forward inside mindspeed_tp.integrations.vllm.scoring.engine_scoring(prompt_lens, vocab_size)",
+            "run the forward inside mindspeed_tp.numerics.vllm.scoring.engine_scoring(prompt_lens, vocab_size)",
             "prefill and q_len=1 decode attention tile differently"),
     Refusal("vllm_model_shape", ENGINE, "add_bias_linear, normalization, hidden_dropout, RoPE, causal attention",
             "{what} with a vllm-cpu profile: the engine's Qwen3 / Qwen3-MoE layers have {engine}; {fix}",
@@ -559,7 +559,7 @@ _ENTRIES: Tuple[Refusal, ...] = (
     Refusal("balanced_moe_experts", MINDSPEED, "--balanced-moe-experts", "--balanced-moe-experts",
             "replicates hot experts on other ranks, so a token's expert GEMM runs where the layout puts it",
             "balanced_moe_experts", _set),
-    # ---- bitwise training (profile bitwise_training, modes/bitwise_training) ----
+    # ---- bitwise training (profile bitwise_training, numerics/bitwise_training) ----
     Refusal("weight_cache_stale", LINEAR, "mindspeed_tp.invalidate_weight_caches()",
             "{what} cached for a weight of shape {shape} is stale: the weight was written without bumping its version "
             "(through param.data) by a path mindspeed-tp does not hook; call mindspeed_tp.invalidate_weight_caches() "

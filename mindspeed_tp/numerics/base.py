@@ -10,7 +10,6 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from ..contract.profile import Profile
-from ..patching import PatchRegistry
 
 
 class Numerics:
@@ -21,10 +20,6 @@ class Numerics:
     def __init__(self, profile: Profile):
         self.profile = profile
         self.row_multiple = profile.gemm_row_multiple
-
-    @classmethod
-    def register_patches(cls, reg: PatchRegistry) -> None:
-        """Patch entries only this strategy needs (wrappers that act while it is active)."""
 
     # ------------------------------------------------------------------ set-up
     def check_ready(self) -> None:

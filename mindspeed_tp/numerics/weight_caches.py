@@ -1,5 +1,5 @@
 """When a cache derived from weights is stale: the rollout layout's re-laid row-parallel weights
-(``modes/rollout_layout/relayout.py``) and the vLLM engine's prepacked GEMM and expert weights
+(``numerics/rollout_layout/relayout.py``) and the vLLM engine's prepacked GEMM and expert weights
 (``integrations/vllm``).
 
 An entry's key holds a process-wide generation, the weight's in-place version counter and its

@@ -11,14 +11,22 @@ from . import attention, mlp, models, moe, norms, residual, tensor_parallel
 _registry: Optional[PatchRegistry] = None
 
 
+def build_registry() -> PatchRegistry:
+    """The patch set: every adapter module's targets, then each registered mode's own entries (its
+    package's ``register_patches``), in registry order."""
+    reg = PatchRegistry("mindspeed-tp")
+    for module in (tensor_parallel, attention, norms, mlp, models, moe, residual):
+        module.register(reg)
+    for package in numerics.strategy_packages():
+        register = getattr(package, "register_patches", None)  # entries a mode defines itself
+        if register is not None:
+            register(reg)
+    return reg
+
+
 def registry() -> PatchRegistry:
+    """The one patch set enable() applies (built once)."""
     global _registry
     if _registry is None:
-        reg = PatchRegistry("mindspeed-tp")
-        for module in (tensor_parallel, attention, norms, mlp, models, moe, residual):
-            module.register(reg)
-        for strategy in numerics.strategy_classes():
-            if "register_patches" in vars(strategy):  # entries a strategy defines itself, once
-                strategy.register_patches(reg)
-        _registry = reg
+        _registry = build_registry()
     return _registry

@@ -1,6 +1,6 @@
 """Adapter of megatron.core MoELayer: megatron's arguments and the layer's settings checked, then
 the active strategy's MoE (by default routing, dispatch, experts and combine in one fixed order,
-``numerics/moe_layer.py``); routing decisions are published to observers (the checker's bisect)."""
+``numerics/canonical/moe_layer.py``); routing decisions are published to observers (the checker's bisect)."""
 from ..contract import refusals
 from ..contract.model_config import check_router_dtype
 from ..contract.refusals import refuse

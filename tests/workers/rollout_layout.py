@@ -20,8 +20,8 @@ from safetensors.torch import save_file
 from grad_helpers import finalize_grads, scored_loss, with_ddp
 
 import mindspeed_tp
-from mindspeed_tp.modes.rollout_layout import linear as rollout_layout
-from mindspeed_tp.modes.rollout_layout import relayout
+from mindspeed_tp.numerics.rollout_layout import linear as rollout_layout
+from mindspeed_tp.numerics.rollout_layout import relayout
 from mindspeed_tp.devices.cpu_shims import install_cpu_shims
 from mindspeed_tp.check.batch import make_batch
 from mindspeed_tp.check.harness import (

@@ -130,7 +130,7 @@ def main():
 
 def training_gemms(spec, dtype):
     """The engine GEMM this process's scoring path dispatches per vLLM layer kind (same shapes)."""
-    from mindspeed_tp.integrations.vllm.kernels import engine_gemm_name
+    from mindspeed_tp.numerics.vllm.kernels import engine_gemm_name
 
     heads, groups, hd = spec.num_attention_heads, spec.num_query_groups, spec.kv_channels
     shapes = {"qkv_proj": ((heads + 2 * groups) * hd, spec.hidden_size), "o_proj": (spec.hidden_size, heads * hd)}

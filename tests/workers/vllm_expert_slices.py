@@ -1,5 +1,5 @@
 """Worker (torchrun, 2 or 4 processes, vLLM installed): the engine's MoE across the ranks of an
-expert tensor-and-model-parallel group (``integrations/vllm/expert_slices``) against one process
+expert tensor-and-model-parallel group (``numerics/vllm/expert_slices``) against one process
 running every slice of every expert.
 
 For each expert grid the world can hold (EP x ETP, positions numbered EP-major or ETP-major), dtype
@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from mindspeed_tp.check.harness import init_distributed
 from mindspeed_tp.check.metrics import same_bits
-from mindspeed_tp.integrations.vllm import expert_slices, kernels
+from mindspeed_tp.numerics.vllm import expert_slices, kernels
 from worker_exit import finish_worker
 
 E, H, I, K, T = 8, 64, 128, 2, 12

@@ -127,7 +127,7 @@ def plan(ns: argparse.Namespace) -> Plan:
                           f"vllm-cpu-tp2); {profile.name!r} describes {profile.reduction}")
     check_device(ns)
     if ns.engine == "vllm":  # before the engine starts (it would crash in its attention kernel)
-        from ...integrations.vllm.refusals import activation_widths, check_activation_widths, check_head_dim
+        from ...numerics.vllm.refusals import activation_widths, check_activation_widths, check_head_dim
         from ..builder import DTYPES
 
         check_head_dim(spec.kv_channels)

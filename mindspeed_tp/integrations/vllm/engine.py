@@ -17,8 +17,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from .host import check_engine_family
-from .refusals import check_engine_settings, require_vllm
+from ...numerics.vllm.host import check_engine_family
+from ...numerics.vllm.refusals import check_engine_settings, require_vllm
 
 # One OpenMP thread per engine worker (what the profiles were measured with); KV split off so
 # that decode attention does not depend on the thread count; 1 GiB of KV cache.

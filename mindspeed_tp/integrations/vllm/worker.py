@@ -28,7 +28,7 @@ class EngineInfo:
     """Mixed into vLLM's worker class."""
 
     def mindspeed_tp_engine_info(self):
-        from .kernels import describe_engine_model
+        from ...numerics.vllm.kernels import describe_engine_model
 
         return describe_engine_model(self.model_runner.model, self.vllm_config)
 

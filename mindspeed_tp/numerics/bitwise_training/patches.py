@@ -1,6 +1,4 @@
-"""The bitwise-training strategy (profile ``bitwise_training: true``): the backward pass and the
-optimizer step in canonical order too, so every layout gives the same gradients, parameters and
-optimizer state after each step (docs/CONTRACT.md, section 9; the math: ``modes/bitwise_training``).
+"""The bitwise-training strategy's megatron-core patch entries (the strategy: ``strategy.py``).
 
 Its patch entries (megatron-core's DDP, schedules, finalize and clipping) do nothing unless this
 strategy is active, then:
@@ -14,13 +12,13 @@ strategy is active, then:
 - finalize's TP all-reduce of norm gradients: skipped, they were folded across TP in the backward
   (``token_sums``); megatron's own function is dry-run to learn which gradients it would reduce, and
   any that is not a per-token layer's (a category a future line adds included) is refused;
-- the word embedding's forward (``modes/bitwise_training/embedding.py``): on one stage with tied
+- the word embedding's forward (``embedding.py``): on one stage with tied
   embeddings, its gradient kept apart as rows of the step's token ids; under CP, from the whole
   micro-batch;
 - finalize's word-embedding all-reduce: on one stage with tied embeddings, adds the embedding's rows,
   DP-reduced, to the shared weight's gradient (``accumulation.add_tied_embeddings``);
 - ``get_grad_norm_fp32``: the exact sum of squares (``grad_norm``);
-- under context parallelism (``modes/bitwise_training/context_parallel.py``): the backward's sums
+- under context parallelism (``context_parallel.py``): the backward's sums
   over the sequence on the whole micro-batch gathered over CP, attention on the whole sequence's
   queries, the embedding's gradient from the whole micro-batch, and the DP x CP gradient sync folding the DP ranks' values only.
 """
@@ -30,155 +28,18 @@ import sys
 import torch
 import torch.distributed as dist
 
-from .. import compat, state
-from ..contract.refusals import refuse
-from ..devices import machine_device_type
-from ..kernels import dispatch, invariant_linear
-from ..kernels.collectives import group_size
-from ..kernels.norm import normalized
-from ..models.marks import PER_TOKEN_PARAM_ATTR
-from ..modes.bitwise_training import accumulation, column_parallel, embedding, experts, token_sums
-from ..modes.bitwise_training import context_parallel as cp_training
-from ..modes.bitwise_training.grad_norm import grad_norm, norm_of, square_sums
-from ..patching import PatchRegistry
-from . import ACTIVE
-from .canonical import CanonicalTree
-from .vocab import true_vocab_size
+from ...contract.refusals import refuse
+from ...models.marks import PER_TOKEN_PARAM_ATTR
+from ...patching import PatchRegistry
+from .. import ACTIVE
+from . import accumulation, embedding, experts
+from . import context_parallel as cp_training
+from .grad_norm import grad_norm, norm_of, square_sums
+from .strategy import active
 
 DDP = "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel"
 BUCKETS = "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup"
 FINALIZE = "megatron.core.distributed.finalize_model_grads"
-
-
-class BitwiseTraining(CanonicalTree):
-    """The canonical tree's forward; the backward in canonical order too: the invariant GEMMs for
-    dx and dW, column-parallel input gradients by canonical leaves folded by moving data, per-token
-    parameter gradients as canonical token sums; the micro-batch and DP accumulation and the
-    clipping norm by this module's patch entries."""
-
-    name = "bitwise_training"
-
-    def __init__(self, profile):
-        super().__init__(profile)
-        self.backward = cp_training.WholeSequenceBackward(self.row_multiple)
-
-    @classmethod
-    def register_patches(cls, reg: PatchRegistry) -> None:
-        register(reg)
-
-    def check_context_parallel(self, packed: bool = False) -> None:
-        """Padded (bshd) CP batches are covered; packed (thd) ones not yet: a rank's tokens of each
-        packed sequence are not mapped back to their global rows."""
-        if packed:
-            raise refuse("bitwise_context_parallel")
-
-    def cp_gather(self, x, total, group):
-        """The whole sequence on every CP rank; backward: this rank's rows of a gradient computed
-        whole on every rank (nothing summed)."""
-        return cp_training.whole_sequence(x, group)
-
-    def cp_attention(self, module, query, key_full, value_full, attention_mask, mask_name, causal, q_positions):
-        """The one-device attention on the whole sequence's queries (and mask rows), gathered by moving
-        data, then this rank's rows: its backward gets the whole output gradient by an all-gather, so
-        dK/dV are folded over the query tiles in the one-device order on every CP rank."""
-        group = cp_training.cp_group()
-        query_full = cp_training.whole_sequence(query, group)
-        if attention_mask is not None and attention_mask.shape[-2] == query.shape[0]:
-            attention_mask = cp_training.gather_rows(attention_mask, group, dim=-2)
-        out = self.attention(module, query_full, key_full, value_full, attention_mask, mask_name, causal)
-        return cp_training.this_ranks_rows(out, group)
-
-    def check_ready(self) -> None:
-        """Only where it was verified: the torch backend, the one CPUs run."""
-        device = machine_device_type()
-        backend = dispatch.backend_for_device(device, self.profile.backend)
-        if backend != "torch" or device in dispatch.NOT_INVARIANT_ON["torch"]:
-            raise refuse("bitwise_training_backend", backend=backend, device=device)
-
-    def column_linear(self, input, weight, bias, group, sequence_parallel, allreduce_dgrad):
-        """The SP gather and the dgrad sum inside one function whose input gradient is folded in
-        canonical order (modes/bitwise_training/column_parallel.py)."""
-        if bias is not None:
-            raise refuse("bitwise_training_bias", layer="column-parallel")
-        logits = state.want_fp32_output()
-        out_dtype = torch.float32 if logits else input.dtype
-        vocab = true_vocab_size(weight.shape[0] * group_size(group)) if logits else None
-        # The gradient is summed over TP when the input is shared (SP gather or replicated input).
-        reduce_group = group if (sequence_parallel or allreduce_dgrad) else None
-        row_multiple = self.row_multiple
-
-        def compute(x2d, w, dtype):
-            return dispatch.kernel("linear", x2d)(x2d, w, dtype, row_multiple)
-
-        return column_parallel.column_linear(input, weight, reduce_group, sequence_parallel, out_dtype, compute,
-                                             self.profile, vocab)
-
-    def check_row_bias(self, layer) -> None:
-        if layer.bias is not None:
-            raise refuse("bitwise_training_bias", layer="row-parallel")
-
-    # ------------------------------------------------------------------ MoE (modes/bitwise_training/experts.py)
-    def router_logits(self, h, weight, config):
-        """dW over the whole micro-batch's tokens (SP slices gathered), the same on every TP rank."""
-        rm = self.row_multiple
-
-        def compute(x, w):
-            return invariant_linear(x, w, out_dtype=torch.float32, row_multiple=rm)
-
-        return experts.RouterLogits.apply(h, weight, compat.tp_group_of(), bool(config.sequence_parallel), compute, rm)
-
-    def router_losses(self, router, logits, padding_mask):
-        """The router losses' gradients at one device's scale (``experts.router_losses``)."""
-        from megatron.core import parallel_state as ps
-
-        return experts.router_losses(router, logits, padding_mask, ps.get_tensor_and_context_parallel_group())
-
-    def moe_dispatch(self, h, plan, group, k):
-        """Backward: a token's slot gradients from the owner ranks, summed in slot order."""
-        return list(experts.CanonicalDispatch.apply(h, plan, group, k).split(plan.expert_counts))
-
-    def expert_rows(self, plan, group, local_experts):
-        """Each expert's rows by micro-batch (``experts.expert_rows``)."""
-        expert_buffers = {not getattr(e.linear_fc1.weight, "allreduce", True) for e in local_experts}
-        if len(expert_buffers) != 1:
-            raise RuntimeError("bitwise_training: the local experts of one layer are in different gradient buffers")
-        return experts.expert_rows(plan, group, expert_buffers.pop())
-
-    def _expert_leaves(self, n_local, etp_group, parts):
-        leaves = self.profile.canonical_shards // group_size(etp_group)
-        if n_local % (parts * leaves):
-            raise refuse("bitwise_column_indivisible", n=n_local * group_size(etp_group), parts=parts,
-                         c=self.profile.canonical_shards)
-        return leaves
-
-    def expert_up_proj(self, x, weight, etp_group, gated, rows):
-        """dx by canonical leaves folded across expert TP; dW per micro-batch."""
-        parts = 2 if gated else 1
-        rm = self.row_multiple
-
-        def compute(a, w):
-            return invariant_linear(a, w, row_multiple=rm)
-
-        return experts.ExpertUpProj.apply(x, weight, etp_group, self._expert_leaves(weight.shape[0], etp_group, parts),
-                                          parts, rows, compute, rm)
-
-    def expert_down_proj(self, a, weight, etp_group, dtype, rows):
-        """The canonical fold across expert TP; dW per micro-batch, the owner's gradient moved back."""
-        leaves = self.profile.canonical_shards // group_size(etp_group)
-        partial = experts.ExpertDownProjLeaves.apply(a, weight, leaves, rows, self.row_multiple)
-        return experts.FoldToOwner.apply(partial, etp_group, dtype)
-
-    def norm(self, module, x):
-        """Parameter gradients as canonical token sums (``token_sums``)."""
-        x_hat = normalized(x, module.eps, module.normalization)
-        seq_parallel = getattr(module.weight, "sequence_parallel", False)
-        return token_sums.scale(x_hat, module.weight, module.bias, seq_parallel, compat.tp_group_of(),
-                                self.profile.canonical_shards).to(x.dtype)
-
-
-def active() -> bool:
-    """True while the patches are on under this strategy."""
-    return isinstance(ACTIVE.current(), BitwiseTraining)
 
 
 def check_ddp(module, ddp_config) -> None:
@@ -387,6 +248,18 @@ def word_embedding_allreduce(original):
     return _allreduce_word_embedding_grads
 
 
+def embedding_forward(original):
+    """VocabParallelEmbedding.forward: under CP or with a tied weight on this stage, the weight's
+    gradient by rows of its token ids (``embedding.lookup_forward``); megatron's own forward otherwise."""
+
+    def forward(self, input_):
+        if not active():
+            return original(self, input_)
+        return embedding.lookup_forward(self, input_, original)
+
+    return forward
+
+
 def clip_norm(original):
     def get_grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=None):
         if not active() or float(norm_type) == math.inf:  # max is exact in any order
@@ -439,7 +312,7 @@ def register(reg: PatchRegistry) -> None:
     reg.register("megatron.core.tensor_parallel.layers:VocabParallelEmbedding.forward", why + "the embedding's "
                  "gradient by the rows of its token ids: kept apart when the LM head shares the weight on this stage; "
                  "under context parallelism from the whole micro-batch's ids and output gradients (gathered in sequence "
-                 "order)", wraps=True)(embedding.embedding_forward)
+                 "order)", wraps=True)(embedding_forward)
     reg.register("megatron.core.optimizer.clip_grads:get_grad_norm_fp32", why + "the clipping norm from an exact, "
                  "order-independent sum of squares", wraps=True)(clip_norm)
     reg.register("megatron.core.optimizer.optimizer:ChainedOptimizer.get_grad_norm", why + "the norm of dense and "

@@ -8,7 +8,7 @@ import inspect
 
 from ... import compat
 from ...contract.refusals import refuse
-from ...numerics.rollout_layout import RolloutLayout
+from ..rollout_layout.strategy import RolloutLayout
 from . import forward
 from .refusals import activation_widths, check_activation_widths, check_head_dim
 from .kernels import engine_partial_linear

@@ -1,22 +1,19 @@
 """The rollout-layout strategy (profile ``reduction: rollout_layout``): training reproduces a stock
-rollout engine running at TP=R, whatever its own layout (the math: ``modes/rollout_layout``).
+rollout engine running at TP=R, whatever its own layout (the math: the modules beside this one;
+its patch entries: ``patches.py``).
 
 Row-parallel layers (attention out-proj, MLP and expert down-proj) compute the engine's R partials
 for this rank's output columns; logprobs are one fp32 log-softmax over the whole vocab. Everything
 else is the canonical tree's (row-local, so the same bits as the engine's reference kernels). The
 engine is the project's reference engine (``reference/``); a real engine's strategy subclasses this
-one with its own kernels (``integrations/vllm/numerics.py``)."""
+one with its own kernels (``numerics/vllm/strategy.py``)."""
 from __future__ import annotations
 
-from ..contract.refusals import refuse
-from ..kernels import mask_padded_vocab
-from ..kernels.collectives import group_rank
-from ..modes.rollout_layout.linear import full_vocab_parallel_logprob, rollout_layout_linear
-from ..modes.rollout_layout.relayout import install_optimizer_hook
-from ..patching import Hook, Patch, PatchRegistry
-from .canonical import CanonicalTree
-from .weight_caches import invalidating
-
+from ...contract.refusals import refuse
+from ...kernels import mask_padded_vocab
+from ...kernels.collectives import group_rank
+from ..canonical.strategy import CanonicalTree
+from .linear import full_vocab_parallel_logprob, rollout_layout_linear
 
 
 class RolloutLayout(CanonicalTree):
@@ -29,18 +26,6 @@ class RolloutLayout(CanonicalTree):
     def partial_gemm_for(self, weight):
         """The partial GEMM for row-parallel ``weight`` (a real engine keys its packed-weight cache on it)."""
         return self.partial_gemm
-
-    @classmethod
-    def register_patches(cls, reg: PatchRegistry) -> None:
-        reg.add_hook(Hook(target="torch.optim.optimizer:register_optimizer_step_post_hook",
-                          install=install_optimizer_hook, remove=lambda handle: handle.remove(),
-                          reason="rollout_layout: an optimizer step invalidates the re-laid row-parallel weights"))
-        why = "rollout_layout / engine profiles: the re-laid and prepacked weight caches are invalidated after "
-        reg.add(Patch(target="torch.nn.modules.module:Module.load_state_dict", replacement=invalidating, wraps=True,
-                      reason=why + "a state dict is loaded"))
-        reg.add(Patch(target="megatron.core.dist_checkpointing.serialization:load", replacement=invalidating,
-                      wraps=True, reason=why + "a distributed checkpoint is loaded (into existing tensors)"))
-        # mbridge's load_weights: integrations/verl.py (applied when mbridge is imported)
 
     def check_expert_ffn(self, ffn: int) -> None:
         """K of an expert's fc2 is cut into the engine's rollout_tp parts."""

@@ -61,7 +61,7 @@ def _engine_holder(weight: torch.Tensor, source: Optional[torch.Tensor] = None) 
     weight is): the entry is then kept on the parameter under the slice's place in its tensor, and
     its freshness is the parameter's. Without it, a fresh copy each forward (an engine rank's K slice)
     would miss every time and re-prepack."""
-    from ...numerics import weight_caches
+    from .. import weight_caches
 
     what = "the engine's prepacked GEMM weight"
     if source is None:
@@ -115,7 +115,7 @@ def engine_linear(x: torch.Tensor, weight: torch.Tensor, source: Optional[torch.
 
 def engine_partial_linear(x: torch.Tensor, weight: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
     """A row-parallel partial as an engine rank computes it (its K/R slice, output in the model
-    dtype): the GEMM ``modes.rollout_layout.engine_math.rollout_row_parallel`` takes. The K slice
+    dtype): the GEMM ``numerics.rollout_layout.engine_math.rollout_row_parallel`` takes. The K slice
     of a weight is a strided view; the engine holds it as its own contiguous weight, prepacked once
     per (``source`` parameter, slice) and weight version."""
     return engine_linear(x.contiguous(), weight, source)

@@ -18,7 +18,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ...kernels.collectives import _all_to_all_rows, group_rank, group_size
-from ...numerics import weight_caches
+from .. import weight_caches
 
 _ATTR = "_mindspeed_tp_relaid"
 _cache_enabled = True

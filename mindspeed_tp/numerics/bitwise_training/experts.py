@@ -1,6 +1,6 @@
 """MoE layers under bitwise training: the router's and the experts' gradients in canonical order.
 
-The forward is the canonical one (``numerics/moe_layer.py``); what changes is the backward:
+The forward is the canonical one (``numerics/canonical/moe_layer.py``); what changes is the backward:
 
 - the router weight's gradient (a sum over tokens; megatron all-reduces it over TP under SP) is one
   invariant GEMM over the whole micro-batch's tokens in sequence order, the SP slices gathered

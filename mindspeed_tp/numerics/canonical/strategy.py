@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import torch
 
-from .. import compat, state
-from ..contract.refusals import refuse
-from ..kernels import moe_dispatch
-from ..kernels import (apply_rope, consistent_attention, dispatch, folded_leaf_partials, invariant_linear,
+from ... import compat, state
+from ...contract.refusals import refuse
+from ...kernels import moe_dispatch
+from ...kernels import (apply_rope, consistent_attention, dispatch, folded_leaf_partials, invariant_linear,
                        packed_attention, vocab_parallel_logprob)
-from ..kernels.collectives import fold_across_ranks, group_size
-from ..kernels.context_parallel import cp_attention, packed_cp_attention
-from ..kernels.norm import affine_norm
-from .base import Numerics
+from ...kernels.collectives import fold_across_ranks, group_size
+from ...kernels.context_parallel import cp_attention, packed_cp_attention
+from ...kernels.norm import affine_norm
+from ..base import Numerics
 from .moe_layer import canonical_moe
 
 
@@ -80,7 +80,7 @@ class CanonicalTree(Numerics):
     def check_row_bias(self, layer) -> None:
         """A row-parallel bias is added after the fold (allowed here)."""
 
-    # ------------------------------------------------------------------ MoE pieces (numerics/moe_layer.py)
+    # ------------------------------------------------------------------ MoE pieces (numerics/canonical/moe_layer.py)
     def router_logits(self, h, weight, config):
         """fp32 router logits by the invariant GEMM (plain backward)."""
         return invariant_linear(h, weight, out_dtype=torch.float32, row_multiple=self.row_multiple)

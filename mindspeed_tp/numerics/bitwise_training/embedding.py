@@ -85,24 +85,16 @@ class _LookupWeight:
         raise TypeError(f"bitwise_training: the embedding weight used by {func}, not by its lookup")
 
 
-def embedding_forward(original):
-    """VocabParallelEmbedding.forward: under CP or with a tied weight on this stage, the weight's
-    gradient by ``_EmbeddingLookup``; megatron's own forward otherwise."""
-
-    def forward(self, input_):
-        from ...numerics.bitwise_training import active
-
-        if not active():
-            return original(self, input_)
-        group, tied = cp_group(), getattr(self.weight, TIED_HEAD_ATTR, False)
-        if group is None and not tied:
-            return original(self, input_)
-        # An instance attribute shadows the registered parameter for this call only: the module's own
-        # masking and TP reduction run around the lookup.
-        object.__setattr__(self, "weight", _LookupWeight(self.weight, group, tied))
-        try:
-            return original(self, input_)
-        finally:
-            object.__delattr__(self, "weight")
-
-    return forward
+def lookup_forward(module, input_, original):
+    """megatron's VocabParallelEmbedding.forward (``original``) with, under CP or with a tied weight on
+    this stage, the weight's gradient by ``_EmbeddingLookup`` (the patch entry: ``patches.py``)."""
+    group, tied = cp_group(), getattr(module.weight, TIED_HEAD_ATTR, False)
+    if group is None and not tied:
+        return original(module, input_)
+    # An instance attribute shadows the registered parameter for this call only: the module's own
+    # masking and TP reduction run around the lookup.
+    object.__setattr__(module, "weight", _LookupWeight(module.weight, group, tied))
+    try:
+        return original(module, input_)
+    finally:
+        object.__delattr__(module, "weight")

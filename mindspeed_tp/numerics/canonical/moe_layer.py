@@ -15,9 +15,9 @@ The dispatcher type (allgather or alltoall) therefore no longer changes any valu
 """
 import torch
 
-from ..kernels import moe_dispatch
-from ..kernels.collectives import gather_along_rank, group_rank
-from ..kernels.moe import combine_slots, route
+from ...kernels import moe_dispatch
+from ...kernels.collectives import gather_along_rank, group_rank
+from ...kernels.moe import combine_slots, route
 
 
 def _groups():

@@ -145,7 +145,7 @@ def _local_experts(layer):
 def _prepacked_all_experts(layer, prof, w13, w2, weights):
     """Without expert parallelism: every engine rank's slice of this rank's (all) experts, prepacked
     once per weight version (the engine holds them the same way)."""
-    from ...numerics import weight_caches
+    from .. import weight_caches
 
     key = weight_caches.key(weights)
     entry = getattr(layer, _EXPERTS_ATTR, None)

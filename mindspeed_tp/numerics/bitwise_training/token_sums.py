@@ -8,7 +8,7 @@ positions of every sequence); inside a leaf its tokens ([s, b] order) are added 
 holds C/TP leaves, a subtree. A QK-norm's leaves are (head, position leaf) pairs, heads outer, so a
 rank's heads are a subtree. Each rank folds its subtree in fp32; the ranks' results are gathered
 (moved, never summed) and every rank folds the top levels identically, so no later all-reduce is
-needed (``numerics/bitwise_training.py`` skips Megatron's).
+needed (``patches.py`` skips Megatron's).
 """
 from typing import Optional
 
