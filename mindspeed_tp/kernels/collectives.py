@@ -18,15 +18,19 @@ def group_size(group) -> int:
     return dist.get_world_size(group=group)
 
 
-def _all_to_all_rows(x: torch.Tensor, group) -> torch.Tensor:
-    """x: (world*r, n) -> (world, r, n) where slot i holds rank i's slice for this rank."""
+def all_to_all_slots(x: torch.Tensor, group) -> torch.Tensor:
+    """x: (world*r, n) -> (world, r, n) where slot i holds rank i's slice for this rank. No autograd:
+    for code inside an autograd Function's forward or backward (``all_to_all_rows`` is the
+    differentiable one)."""
     world = group_size(group)
     out = torch.empty_like(x)
     dist.all_to_all_single(out, x.contiguous(), group=group)
     return out.reshape(world, x.shape[0] // world, *x.shape[1:])
 
 
-def _all_gather_rows(x: torch.Tensor, group) -> torch.Tensor:
+def all_gather_rows(x: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's rows of ``x`` stacked in rank order along dim 0 (world * rows). No autograd: for
+    code inside an autograd Function's forward or backward."""
     world = group_size(group)
     out = x.new_empty((world * x.shape[0], *x.shape[1:]))
     dist.all_gather_into_tensor(out, x.contiguous(), group=group)
@@ -35,7 +39,7 @@ def _all_gather_rows(x: torch.Tensor, group) -> torch.Tensor:
 
 def _fold_rows(partial: torch.Tensor, group, out_dtype) -> torch.Tensor:
     """(rows, n) fp32 subtree result -> this rank's rows/world slice of the tree sum, cast."""
-    received = _all_to_all_rows(partial, group)
+    received = all_to_all_slots(partial, group)
     return tree_fold(received, dim=0).to(out_dtype)
 
 
@@ -54,7 +58,7 @@ class _FoldScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         shape = grad.shape
-        full = _all_gather_rows(grad.reshape(shape[0], -1), ctx.group)
+        full = all_gather_rows(grad.reshape(shape[0], -1), ctx.group)
         return full.reshape(-1, *shape[1:]).to(ctx.in_dtype), None, None
 
 
@@ -74,7 +78,7 @@ class _FoldAll(torch.autograd.Function):
         if padded != rows:
             flat = torch.cat([flat, flat.new_zeros(padded - rows, flat.shape[1])])
         mine = _fold_rows(flat, group, out_dtype)
-        return _all_gather_rows(mine, group)[:rows].reshape(shape)
+        return all_gather_rows(mine, group)[:rows].reshape(shape)
 
     @staticmethod
     def backward(ctx, grad):
@@ -148,7 +152,7 @@ class _GatherLastDimSumGrad(torch.autograd.Function):
     def forward(ctx, x, group):
         ctx.group = group
         world = group_size(group)
-        gathered = _all_gather_rows(x.reshape(1, -1), group).reshape(world, *x.shape)
+        gathered = all_gather_rows(x.reshape(1, -1), group).reshape(world, *x.shape)
         return gathered.movedim(0, -2).reshape(*x.shape[:-1], world * x.shape[-1])
 
     @staticmethod
@@ -186,7 +190,7 @@ class _ColumnsToRows(torch.autograd.Function):
         ctx.group = group
         world = group_size(group)
         m, n = x.shape
-        received = _all_to_all_rows(x, group)  # (world, m/world, n): slot s = rank s's columns
+        received = all_to_all_slots(x, group)  # (world, m/world, n): slot s = rank s's columns
         return received.permute(1, 0, 2).reshape(m // world, world * n)
 
     @staticmethod
@@ -194,7 +198,7 @@ class _ColumnsToRows(torch.autograd.Function):
         world = group_size(ctx.group)
         rows, n = grad.shape[0], grad.shape[1] // world
         blocks = grad.reshape(rows, world, n).permute(1, 0, 2).reshape(world * rows, n)
-        return _all_to_all_rows(blocks, ctx.group).reshape(world * rows, n), None
+        return all_to_all_slots(blocks, ctx.group).reshape(world * rows, n), None
 
 
 def gather_last_dim(x: torch.Tensor, group, replicated_downstream: bool) -> torch.Tensor:

@@ -88,9 +88,10 @@ class _PlainBackward(torch.autograd.Function):
         return dx, dw, None, None
 
 
-def _with_plain_backward(x2d: torch.Tensor, weight: torch.Tensor, compute,
-                         backward: Optional[InvariantBackward] = None):
-    """``compute(x2d, weight)`` with the plain backward, or ``backward``'s invariant GEMMs."""
+def with_plain_backward(x2d: torch.Tensor, weight: torch.Tensor, compute,
+                        backward: Optional[InvariantBackward] = None):
+    """``compute(x2d, weight)`` (any forward GEMM, e.g. an engine's) with the plain backward, or
+    ``backward``'s invariant GEMMs, whatever ``compute`` is."""
     if torch.is_grad_enabled() and (x2d.requires_grad or weight.requires_grad):
         return _PlainBackward.apply(x2d, weight, compute, backward)
     return compute(x2d, weight)
@@ -111,10 +112,10 @@ def invariant_linear(
     x2d = x.reshape(-1, x.shape[-1])
     if bias is None:
         linear = dispatch.kernel("linear", x2d)
-        out = _with_plain_backward(x2d, weight, lambda a, w: linear(a, w, out_dtype, row_multiple), backward)
+        out = with_plain_backward(x2d, weight, lambda a, w: linear(a, w, out_dtype, row_multiple), backward)
         return out.reshape(*lead, weight.shape[0])
     linear = dispatch.kernel("linear", x2d)
-    out = _with_plain_backward(x2d, weight, lambda a, w: linear(a, w, torch.float32, row_multiple), backward)
+    out = with_plain_backward(x2d, weight, lambda a, w: linear(a, w, torch.float32, row_multiple), backward)
     return (out + bias.float()).to(out_dtype).reshape(*lead, weight.shape[0])
 
 
@@ -148,10 +149,13 @@ def folded_leaf_partials(
     """
     if num_leaves < 1 or num_leaves & (num_leaves - 1):
         raise ValueError(f"folded_leaf_partials needs a power-of-two number of leaves, got {num_leaves}")
-    return _with_plain_backward(x, weight, lambda a, w: _fold_leaves(a, w, num_leaves, row_multiple), backward)
+    return with_plain_backward(x, weight, lambda a, w: fold_leaf_products(a, w, num_leaves, row_multiple), backward)
 
 
-def _fold_leaves(x: torch.Tensor, weight: torch.Tensor, num_leaves: int, row_multiple: int) -> torch.Tensor:
+def fold_leaf_products(x: torch.Tensor, weight: torch.Tensor, num_leaves: int, row_multiple: int) -> torch.Tensor:
+    """``folded_leaf_partials``'s value without its autograd Function: x (M, K) times weight (N, K)
+    cut along K into ``num_leaves`` leaves, their fp32 products folded in tree order as they come.
+    For code inside an autograd Function's forward or backward."""
     if num_leaves == 1:
         return leaf_partials(x, weight, 1, row_multiple)[0]
     kl = x.shape[-1] // num_leaves

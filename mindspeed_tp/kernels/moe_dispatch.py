@@ -22,7 +22,7 @@ from typing import List
 
 import torch
 
-from .collectives import _all_to_all_rows, all_to_all_split, group_size
+from .collectives import all_to_all_slots, all_to_all_split, group_size
 
 
 @dataclass
@@ -80,7 +80,7 @@ def plan(idx: torch.Tensor, ep_of_position: torch.Tensor, position: int, num_exp
     hist = torch.bincount(idx.reshape(-1), minlength=num_experts)  # this rank's slots per expert
     # Rows this rank sends to each position, per local expert there; the same from every position.
     to_each = hist.view(num_ep, num_local)[ep_of_position.long()]  # (W, num_local)
-    from_each = to_each if group_size(group) == 1 else _all_to_all_rows(to_each, group).reshape(world, num_local)
+    from_each = to_each if group_size(group) == 1 else all_to_all_slots(to_each, group).reshape(world, num_local)
     # The one host read of the layer: the group's layout and slot counts.
     host = torch.cat([ep_of_position.reshape(-1).long(), to_each.reshape(-1), from_each.reshape(-1)]).tolist()
     ep_h = host[:world]

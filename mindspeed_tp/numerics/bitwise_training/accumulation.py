@@ -39,7 +39,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ...contract.refusals import refuse
 from ...contract.tree import tree_fold
 from ...errors import ConfigError
-from ...kernels.collectives import _all_gather_rows, _all_to_all_rows, gather_along_rank
+from ...kernels.collectives import all_gather_rows, all_to_all_slots, gather_along_rank
 from ...models.marks import TIED_HEAD_ATTR
 from .context_parallel import cp_copy_members, cp_group
 
@@ -240,10 +240,10 @@ def _folded_embedding_rows(weight):
     if len(leaves) == 1:
         return leaves[0]
     union = torch.unique(torch.cat([rows for rows, _ in leaves]))
-    return union, _fold_leaves([_spread(leaf, union, leaf[1]) for leaf in leaves])
+    return union, _fold_rank_leaves([_spread(leaf, union, leaf[1]) for leaf in leaves])
 
 
-def _fold_leaves(leaves):
+def _fold_rank_leaves(leaves):
     """A rank's group leaves (in tree order) folded by the tree: one as it is, two by one addition
     into the last (the same bits in either operand order), more by ``tree_fold``."""
     if len(leaves) == 1:
@@ -262,7 +262,7 @@ def _fold(holder) -> None:
     if not seen or not buffers or _plan["direct"]:
         return
     # main_grad holds the home group, the last leaf: two leaves add into it in place.
-    folded = _fold_leaves([holder.main_grad if g == _plan["home"] else buffers[g] for g in _plan["rank_groups"]])
+    folded = _fold_rank_leaves([holder.main_grad if g == _plan["home"] else buffers[g] for g in _plan["rank_groups"]])
     if folded is not holder.main_grad:
         holder.main_grad.copy_(folded)
     for buf in buffers.values():
@@ -340,13 +340,13 @@ def _fold_slices(leaves: torch.Tensor, group, order) -> torch.Tensor:
     world = dist.get_world_size(group=group)
     count, per = leaves.shape[0], leaves.shape[1] // world
     send = leaves.view(count, world, per).transpose(0, 1).reshape(world, count * per)
-    received = _all_to_all_rows(send, group).view(world, count, per) if world > 1 else send.view(1, count, per)
+    received = all_to_all_slots(send, group).view(world, count, per) if world > 1 else send.view(1, count, per)
     return tree_fold(torch.stack([received[member, leaf] for member, leaf in order]), dim=0)
 
 
 def _gathered(mine: torch.Tensor, group, n: int) -> torch.Tensor:
     """Every member's folded slice gathered back, in member order: the first ``n`` elements."""
-    whole = _all_gather_rows(mine.view(1, -1), group).view(-1) if dist.get_world_size(group=group) > 1 else mine
+    whole = all_gather_rows(mine.view(1, -1), group).view(-1) if dist.get_world_size(group=group) > 1 else mine
     return whole[:n]
 
 
@@ -374,6 +374,14 @@ def reduce_over_dp(bucket_group, sharded: bool) -> None:
 def _sync_group(bucket_group):
     return bucket_group.intra_distributed_optimizer_instance_group \
         if bucket_group.ddp_config.use_distributed_optimizer else bucket_group.data_parallel_group
+
+
+def reduce_over_dp_cp(bucket_group, sharded: bool, dp_order) -> None:
+    """The DP x CP gradient sync when every CP rank holds its DP replica's whole gradient: the
+    CP-rank-0 copy of every DP rank's slice folded in the tree's DP order (``dp_order``: the DP ranks
+    in the tree's leaf order; one DP rank: the copy itself, nothing added). Replaces megatron's
+    reduction over the DP x CP group, which would add the CP copies."""
+    fold_bucket_slices(bucket_group, sharded, cp_copy_members(_sync_group(bucket_group), dp_order))
 
 
 def fold_bucket_slices(bucket_group, sharded: bool, picks) -> None:

@@ -17,14 +17,14 @@ from typing import Optional
 import torch
 
 from ...contract.refusals import refuse
-from ...kernels.collectives import _all_gather_rows, fold_across_ranks, group_size
-from ...kernels.linear import _fold_leaves, invariant_weight_grad
+from ...kernels.collectives import all_gather_rows, fold_across_ranks, group_size
+from ...kernels.linear import fold_leaf_products, invariant_weight_grad
 from ...models.marks import OUTPUT_PARTS_ATTR
 from .context_parallel import weight_grad_operands
 from .lm_head_grad import lm_head_input_grad
 
 
-def _leaf_rows(n_local: int, parts: int, leaves: int, device) -> Optional[torch.Tensor]:
+def leaf_rows(n_local: int, parts: int, leaves: int, device) -> Optional[torch.Tensor]:
     """Row order putting leaf i's rows (chunk i of every part, part order) contiguously; None if
     the rows are in that order already (one part)."""
     if parts == 1:
@@ -53,7 +53,7 @@ class CanonicalColumnLinear(torch.autograd.Function):
     def forward(ctx, x, weight, group, sequence_parallel, out_dtype, leaves, compute, row_multiple):
         ctx.group, ctx.sp, ctx.leaves, ctx.row_multiple = group, sequence_parallel, leaves, row_multiple
         ctx.save_for_backward(x, weight)
-        full = _gather_sequence(x, group) if sequence_parallel else x
+        full = gather_sequence(x, group) if sequence_parallel else x
         lead = full.shape[:-1]
         out = compute(full.reshape(-1, full.shape[-1]), weight, out_dtype)
         return out.reshape(*lead, weight.shape[0])
@@ -61,7 +61,7 @@ class CanonicalColumnLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        full = _gather_sequence(x, ctx.group) if ctx.sp else x
+        full = gather_sequence(x, ctx.group) if ctx.sp else x
         lead = full.shape[:-1]
         x2d = full.reshape(-1, full.shape[-1])
         dtype = torch.promote_types(x.dtype, weight.dtype)
@@ -76,19 +76,20 @@ class CanonicalColumnLinear(torch.autograd.Function):
             dx = lm_head_input_grad(dy, weight.to(dtype), ctx.group, vocab, shards, width, x.dtype, ctx.sp,
                                     ctx.row_multiple).reshape(*x.shape)
         elif ctx.needs_input_grad[0]:
-            order = _leaf_rows(weight.shape[0], getattr(weight, OUTPUT_PARTS_ATTR, 1), ctx.leaves, weight.device)
+            order = leaf_rows(weight.shape[0], getattr(weight, OUTPUT_PARTS_ATTR, 1), ctx.leaves, weight.device)
             dyl, wl = (dy, weight) if order is None else (dy[:, order], weight[order])
             # x = dy's leaf columns, "weight" = W^T: leaf i is dy[:, leaf_i] @ W[leaf_i, :] in fp32.
-            partial = _fold_leaves(dyl, wl.t().to(dtype), ctx.leaves, ctx.row_multiple)
+            partial = fold_leaf_products(dyl, wl.t().to(dtype), ctx.leaves, ctx.row_multiple)
             partial = partial.reshape(*lead, partial.shape[-1])
             dx = fold_across_ranks(partial, ctx.group, x.dtype, scatter_dim0=ctx.sp)
         return dx, dw, None, None, None, None, None, None
 
 
-def _gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """The SP slices of ``x`` (sequence first) gathered in rank order: the whole sequence (no autograd)."""
     if group_size(group) == 1:
         return x
-    full = _all_gather_rows(x.reshape(x.shape[0], -1), group)
+    full = all_gather_rows(x.reshape(x.shape[0], -1), group)
     return full.reshape(-1, *x.shape[1:])
 
 

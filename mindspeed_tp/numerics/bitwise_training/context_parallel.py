@@ -15,7 +15,7 @@ attention backward run once per CP rank on the whole micro-batch (CP times the o
 operands travel once per layer.
 
 The CP copies of a gradient are then equal, so the DP x CP gradient sync folds the DP ranks' values
-only, one CP copy each (``reduce_over_dp_cp``), never adding a CP copy.
+only, one CP copy each (``accumulation.reduce_over_dp_cp``), never adding a CP copy.
 
 Padded (bshd) sequences only: a rank's rows are [s_local, b, ...] in Megatron's s-major order, its
 two chunks the two halves. Packed (thd) sequences stay refused (``bitwise_context_parallel``).
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ...kernels import context_parallel as cp
-from ...kernels.collectives import _all_gather_rows, gather_along_rank, group_rank, group_size
+from ...kernels.collectives import all_gather_rows, gather_along_rank, group_rank, group_size
 from ...kernels.linear import InvariantBackward
 
 
@@ -52,7 +52,7 @@ def gather_rows(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     if n % 2:
         raise ValueError(f"a CP rank holds two equal chunks; got {n} rows")
     order = cp.sequence_order([0, size * n], size).to(x.device)  # the default mode's K/V order
-    full = _all_gather_rows(x.reshape(n, -1), group).index_select(0, order).reshape(size * n, *x.shape[1:])
+    full = all_gather_rows(x.reshape(n, -1), group).index_select(0, order).reshape(size * n, *x.shape[1:])
     return full.movedim(0, dim)
 
 
@@ -119,7 +119,7 @@ def token_values(values: torch.Tensor, seq_split: bool, tp_group) -> tuple:
     if group is None:
         return values, seq_split
     if seq_split and group_size(tp_group) > 1:
-        values = _all_gather_rows(values.contiguous(), tp_group)  # the SP slices in rank order: moved
+        values = all_gather_rows(values.contiguous(), tp_group)  # the SP slices in rank order: moved
     return gather_rows(values.contiguous(), group), False
 
 
@@ -136,16 +136,6 @@ def cp_copy_members(group, dp_order) -> list:
     one taken: the CP-rank-0 member of each DP rank, in ``dp_order``."""
     source = {d: i for i, (d, c) in enumerate(_dp_cp_coordinates(group)) if c == 0}
     return [source[d] for d in dp_order]
-
-
-def reduce_over_dp_cp(bucket_group, sharded: bool, dp_order) -> None:
-    """The DP x CP gradient sync when every CP rank holds its DP replica's whole gradient: the
-    CP-rank-0 copy of every DP rank's slice folded in the tree's DP order (``dp_order``: the DP ranks
-    in the tree's leaf order; one DP rank: the copy itself, nothing added). Replaces megatron's
-    reduction over the DP x CP group, which would add the CP copies."""
-    from .accumulation import _sync_group, fold_bucket_slices
-
-    fold_bucket_slices(bucket_group, sharded, cp_copy_members(_sync_group(bucket_group), dp_order))
 
 
 class WholeSequenceBackward(InvariantBackward):

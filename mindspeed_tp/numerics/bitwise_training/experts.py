@@ -29,15 +29,15 @@ import torch
 from ...contract.refusals import refuse
 from ...kernels import moe_dispatch
 from ...kernels.collectives import fold_across_ranks, gather_along_rank, group_size
-from ...kernels.linear import _fold_leaves, invariant_input_grad, invariant_weight_grad
+from ...kernels.linear import fold_leaf_products, invariant_input_grad, invariant_weight_grad
 from ...kernels.moe import slot_sum_fp32
 from . import accumulation
-from .column_parallel import _gather_sequence, _leaf_rows
+from .column_parallel import gather_sequence, leaf_rows
 
 
 def _gather_tokens(x: torch.Tensor, group, seq_split: bool) -> torch.Tensor:
     """(rows, n) of this rank's SP slice -> the micro-batch's rows in sequence order (moved)."""
-    return _gather_sequence(x, group) if seq_split else x
+    return gather_sequence(x, group) if seq_split else x
 
 
 class RouterLogits(torch.autograd.Function):
@@ -210,9 +210,9 @@ class ExpertUpProj(torch.autograd.Function):
         dw = _weight_grad(weight, dy, x.to(dtype), ctx.rows, ctx.rm) if ctx.needs_input_grad[1] else None
         dx = None
         if ctx.needs_input_grad[0]:
-            order = _leaf_rows(weight.shape[0], ctx.parts, ctx.leaves, weight.device)
+            order = leaf_rows(weight.shape[0], ctx.parts, ctx.leaves, weight.device)
             dyl, wl = (dy, weight) if order is None else (dy[:, order], weight[order])
-            partial = _fold_leaves(dyl, wl.t().to(dtype), ctx.leaves, ctx.rm)
+            partial = fold_leaf_products(dyl, wl.t().to(dtype), ctx.leaves, ctx.rm)
             dx = fold_across_ranks(partial, ctx.etp_group, x.dtype)
         return dx, dw, None, None, None, None, None, None
 
@@ -225,7 +225,7 @@ class ExpertDownProjLeaves(torch.autograd.Function):
     def forward(ctx, a, weight, leaves, rows, row_multiple):
         ctx.rows, ctx.rm = rows, row_multiple
         ctx.save_for_backward(a, weight)
-        return _fold_leaves(a, weight, leaves, row_multiple)
+        return fold_leaf_products(a, weight, leaves, row_multiple)
 
     @staticmethod
     def backward(ctx, grad):

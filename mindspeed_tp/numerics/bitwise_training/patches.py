@@ -127,8 +127,8 @@ def start_grad_sync(original):
                 return None
             accumulation.fold_groups(self.params)
             if cp_training.cp_group() is not None:  # every CP rank holds its DP replica's whole gradient
-                cp_training.reduce_over_dp_cp(self, _sharded_sync(self, args, kwargs, "the DP x CP tree reduction"),
-                                              accumulation.dp_tree_order())
+                accumulation.reduce_over_dp_cp(self, _sharded_sync(self, args, kwargs, "the DP x CP tree reduction"),
+                                               accumulation.dp_tree_order())
                 return None
             if _dp_size(self) > 2:  # two ranks: one addition, whoever adds; more: the tree by moving data
                 accumulation.reduce_over_dp(self, _sharded_sync(self, args, kwargs, "the tree reduction over more "

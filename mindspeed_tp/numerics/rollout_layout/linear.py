@@ -12,7 +12,7 @@ import torch
 
 from ...kernels import elementwise
 from ...kernels.collectives import (
-    _all_gather_rows, _all_to_all_rows, columns_to_rows, gather_last_dim, group_rank, group_size,
+    all_gather_rows, all_to_all_slots, columns_to_rows, gather_last_dim, group_rank, group_size,
 )
 from .engine_math import full_vocab_log_softmax, rollout_row_parallel
 from .relayout import relaid_weight
@@ -60,13 +60,13 @@ class _FullVocabLogprob(torch.autograd.Function):
             if per * world != c:
                 rows = torch.cat([rows, rows.new_zeros(per * world - c, v_local)])
             # Slot s: rank s's vocab shard of my `per` rows -> my rows over the whole vocab.
-            mine = _all_to_all_rows(rows, group) if world > 1 else rows.unsqueeze(0)
+            mine = all_to_all_slots(rows, group) if world > 1 else rows.unsqueeze(0)
             full = mine.permute(1, 0, 2).reshape(per, world * v_local)
             idx = torch.arange(start + rank * per, start + (rank + 1) * per).clamp(max=n - 1)
             my_t = tgt[idx]
             lsm = log_softmax(full)
             lp = lsm.gather(-1, my_t.unsqueeze(-1)).squeeze(-1)
-            gathered = _all_gather_rows(lp.unsqueeze(-1), group).reshape(-1) if world > 1 else lp
+            gathered = all_gather_rows(lp.unsqueeze(-1), group).reshape(-1) if world > 1 else lp
             out[start:start + c] = gathered[:c]
             if keep:
                 saved.append((start, c, per, lsm, my_t))
@@ -87,7 +87,7 @@ class _FullVocabLogprob(torch.autograd.Function):
             d = -elementwise.on_whole_runs(torch.exp, lsm) * g_mine.unsqueeze(-1)
             d.scatter_add_(-1, my_t.unsqueeze(-1), g_mine.unsqueeze(-1))
             blocks = d.reshape(per, world, v_local).permute(1, 0, 2).reshape(world * per, v_local)
-            back = _all_to_all_rows(blocks, group).reshape(world * per, v_local) if world > 1 else blocks
+            back = all_to_all_slots(blocks, group).reshape(world * per, v_local) if world > 1 else blocks
             out[start:start + c] = back[:c]
         ctx.saved = None
         return out.reshape(ctx.shape).to(ctx.dtype), None, None, None, None

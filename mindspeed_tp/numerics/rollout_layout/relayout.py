@@ -17,7 +17,7 @@ import weakref
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ...kernels.collectives import _all_to_all_rows, group_rank, group_size
+from ...kernels.collectives import all_to_all_slots, group_rank, group_size
 from .. import weight_caches
 
 _ATTR = "_mindspeed_tp_relaid"
@@ -74,7 +74,7 @@ def _relay(weight: torch.Tensor, group) -> torch.Tensor:
     n, kt = weight.shape
     if n % world:
         raise ValueError(f"output size {n} does not split over {world} ranks")
-    received = _all_to_all_rows(weight.detach().contiguous(), group)  # slot s: W[N_t, K_s]
+    received = all_to_all_slots(weight.detach().contiguous(), group)  # slot s: W[N_t, K_s]
     return received.permute(1, 0, 2).reshape(n // world, world * kt)
 
 
@@ -83,7 +83,7 @@ def _unrelay(grad: torch.Tensor, group) -> torch.Tensor:
     world = group_size(group)
     rows, k = grad.shape
     blocks = grad.reshape(rows, world, k // world).permute(1, 0, 2).reshape(world * rows, k // world)
-    return _all_to_all_rows(blocks, group).reshape(world * rows, k // world)
+    return all_to_all_slots(blocks, group).reshape(world * rows, k // world)
 
 
 def _key(weight: torch.Tensor, group):

@@ -23,7 +23,7 @@ from typing import Dict, Optional
 
 import torch
 
-from ...kernels.linear import _with_plain_backward
+from ...kernels.linear import with_plain_backward
 from . import host
 
 _HOLDER_ATTR = "_mindspeed_tp_vllm_linear"
@@ -109,7 +109,7 @@ def engine_linear(x: torch.Tensor, weight: torch.Tensor, source: Optional[torch.
     if weight.dtype != x2d.dtype:
         raise TypeError(f"engine_linear: input {x2d.dtype} and weight {weight.dtype} differ (the engine runs one dtype)")
     gemm = _engine_gemm(weight, source)
-    out = _with_plain_backward(x2d, weight, lambda a, w: gemm(a.contiguous()))
+    out = with_plain_backward(x2d, weight, lambda a, w: gemm(a.contiguous()))
     return out.reshape(*lead, out.shape[-1])
 
 
