@@ -1,6 +1,8 @@
 """Build a megatron-core GPTModel (local spec) for the current parallel state from a ModelSpec."""
 from __future__ import annotations
 
+from typing import Any, Dict
+
 import torch
 import torch.nn.functional as F
 
@@ -164,3 +166,15 @@ def _build_gpt(spec: ModelSpec, layout: Layout, dtype: torch.dtype, profile: Pro
     mark_true_vocab(model, spec.vocab_size)
     model.to(dtype)
     return model
+
+
+def check_before_launch(spec, layouts, profile, dtype, fields: Dict[str, Any], dispatcher: str = "alltoall") -> None:
+    """Build each layout's TransformerConfig with the user's fields and run the refusal checks a
+    user's GPTModel construction runs: bad settings exit 2 here, before any process starts."""
+    if not fields:
+        return
+    from ..contract.model_config import check_model_config
+
+    for layout in layouts:
+        config = transformer_config(spec, layout, dtype, dispatcher, user_fields=fields)
+        check_model_config(config, profile)

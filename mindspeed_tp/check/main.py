@@ -27,7 +27,7 @@ from ..errors import ConfigError
 from ..hf import open_hf_model
 from ..kernels.collectives import gather_along_rank
 from ..kernels.dispatch import build_identity
-from . import bisect, hooks, user_config
+from . import bisect, builder, hooks, user_config
 from .batch import make_batch
 from .harness import CUDA_MISSING, init_distributed, layout_logprobs, run_device
 from .library_warnings import add_verbose_flag
@@ -258,7 +258,7 @@ def plan(ns: argparse.Namespace) -> Plan:
         raise ConfigError(
             f"--seq-length={ns.seq_length} exceeds the model's max_position_embeddings={spec.max_position_embeddings}"
         )
-    user_config.check_before_launch(spec, layouts, profile, DTYPES[ns.dtype], ns.transformer_fields, ns.dispatcher)
+    builder.check_before_launch(spec, layouts, profile, DTYPES[ns.dtype], ns.transformer_fields, ns.dispatcher)
     modes = [True] if ns.vanilla else ([True, False] if ns.compare_vanilla else [False])
     return Plan(spec, profile, layouts, modes, weights, prompts)
 

@@ -75,19 +75,6 @@ def apply(kwargs: Dict[str, Any], fields: Dict[str, Any], model: str) -> Dict[st
     return out
 
 
-def check_before_launch(spec, layouts, profile, dtype, fields: Dict[str, Any], dispatcher: str = "alltoall") -> None:
-    """Build each layout's TransformerConfig with the user's fields and run the refusal checks a
-    user's GPTModel construction runs: bad settings exit 2 here, before any process starts."""
-    if not fields:
-        return
-    from ..contract.model_config import check_model_config
-    from .builder import transformer_config
-
-    for layout in layouts:
-        config = transformer_config(spec, layout, dtype, dispatcher, user_fields=fields)
-        check_model_config(config, profile)
-
-
 def add_argument(parser) -> None:
     parser.add_argument("--transformer-config", metavar="FILE.yaml",
                         help="YAML mapping of megatron-core TransformerConfig fields (the config you train with: "

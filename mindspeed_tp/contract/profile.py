@@ -15,12 +15,22 @@ from typing import Any, Dict, Optional, Tuple
 import yaml
 
 from ..errors import ConfigError
-from ..numerics import ENGINES as ENGINE_STRATEGIES
 from . import refusals
 
 PROFILE_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "profiles")
 CONTRACT_VERSION = 1
 REDUCTION_MODES = ("canonical_tree", "rollout_layout")
+# The real engines a profile's engine.name may name: the numerics registry's ENGINES table, handed
+# over by numerics at import (``register_engines``); the contract sits below numerics and names none.
+_engine_strategies: dict = {}
+
+
+def register_engines(table) -> None:
+    """The table of real engines (name -> strategy) whose keys ``engine.name`` is checked against;
+    the live table, so an engine added to it later is known too."""
+    global _engine_strategies
+    _engine_strategies = table
+
 # rollout_layout: how the stock rollout engine rounds a rank's row-parallel partial, and in which
 # dtype its all-reduce adds the partials ("activation": the model's dtype, e.g. bf16).
 ROLLOUT_DTYPES = ("activation", "float32")
@@ -51,8 +61,8 @@ class EngineSpec:
     settings: Tuple[Tuple[str, str], ...] = ()
 
     def validate(self) -> None:
-        if self.name not in ENGINE_STRATEGIES:  # a real engine is a numerics strategy (numerics.ENGINES)
-            raise ConfigError(f"profile field 'engine.name' must be one of {tuple(ENGINE_STRATEGIES)}, "
+        if self.name not in _engine_strategies:  # a real engine is a numerics strategy (numerics.ENGINES)
+            raise ConfigError(f"profile field 'engine.name' must be one of {tuple(_engine_strategies)}, "
                               f"got {self.name!r}")
         if not isinstance(self.version, str) or not self.version.strip():
             raise ConfigError("profile field 'engine.version' must name the engine releases, e.g. '0.32.0'")

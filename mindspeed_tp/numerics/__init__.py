@@ -25,6 +25,8 @@ import importlib
 from types import ModuleType
 from typing import List, Optional, Type
 
+from ..contract.profile import register_engines
+
 # Strategy name -> "package:Class"; the package may define ``register_patches(reg)``, its own patch
 # entries. The name comes from the profile (``strategy_name``).
 MODES = {
@@ -36,6 +38,7 @@ MODES = {
 ENGINES = {
     "vllm": "mindspeed_tp.numerics.vllm:VllmEngine",
 }
+register_engines(ENGINES)  # a profile's engine.name is checked against this table
 
 
 def strategy_name(profile) -> str:
