@@ -24,11 +24,9 @@ import tempfile
 import time
 from typing import Dict, List, Optional
 
-from . import integrations, patches
 from .check import library_warnings
 from .check.main import build_parser, plan, required_world_size, resolve_args
 from .contract.refusals import refusals_page
-from .devices.cpu_shims import GROUPS as SHIM_GROUPS
 from .errors import ConfigError
 
 _LAUNCH_FLAGS = ("--nproc", "--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint")
@@ -289,13 +287,12 @@ def _rl_worlds(argv: List[str], pl, ns, tmp: str) -> int:
 
 
 def _patches(argv: List[str]) -> int:
+    """Every patch set mindspeed-tp registers (``registries.REGISTRIES``) and its entries."""
+    from .registries import REGISTRIES
 
-    for title, reg in (("numerics patches (enable)", patches.registry()),
-                       ("integrations (applied when the module is imported)", integrations.registry()),
-                       *((f"{reg.name} (where its condition holds: devices/cpu_shims.py)", reg)
-                         for reg in SHIM_GROUPS.values())):
+    for title, registry in REGISTRIES:
         print(f"# {title}")
-        for p in reg.entries():
+        for p in registry().entries():
             print(f"- {p.target}\n    {p.reason}")
     return 0
 
