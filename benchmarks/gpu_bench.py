@@ -113,12 +113,11 @@ def run_model(args):
 
     import mindspeed_tp
     from mindspeed_tp.check.batch import make_batch
-    from mindspeed_tp.check.harness import (_logprobs_from_logits, _pipeline_forward, _setup_parallel_state,
-                                            _teardown_parallel_state, init_distributed, run_device)
-    from mindspeed_tp.check.builder import DTYPES, build_gpt_stage
+    from mindspeed_tp.check.driver import (build_stage, init_distributed, logprobs_from_logits, pipeline_forward,
+                                           run_device, setup_parallel_state, teardown_parallel_state)
+    from mindspeed_tp.check.builder import DTYPES
     from mindspeed_tp.models.layout import Layout
     from mindspeed_tp.models.spec import load_model_spec
-    from mindspeed_tp.models.weights import load_seeded_weights
     from mindspeed_tp.contract.profile import load_profile
     from mindspeed_tp.devices import accelerator_available
     from mindspeed_tp.devices.cpu_shims import install_cpu_shims
@@ -138,14 +137,12 @@ def run_model(args):
     times = {"vanilla": {"forward_s": [], "step_s": []}, "consistent": {"forward_s": [], "step_s": []}}
     for mode in ("vanilla", "consistent") * args.rounds:  # interleaved against drift
         mindspeed_tp.disable() if mode == "vanilla" else mindspeed_tp.enable(profile)
-        _setup_parallel_state(layout, 0)
-        model = build_gpt_stage(spec, layout, dtype, profile)
-        load_seeded_weights(model, spec, 0, layout)
-        model.to(device)
+        setup_parallel_state(layout, 0)
+        model = build_stage(spec, layout, dtype, profile, 0)
 
         def forward():
-            logits = _pipeline_forward(model, layout, batch, spec.hidden_size, dtype)
-            return None if logits is None else _logprobs_from_logits(logits, batch, spec.vocab_size)
+            logits = pipeline_forward(model, layout, batch, spec.hidden_size, dtype)
+            return None if logits is None else logprobs_from_logits(logits, batch, spec.vocab_size)
 
         def timed(fn):
             dist.barrier()
@@ -176,7 +173,7 @@ def run_model(args):
             if i:
                 times[mode]["step_s"].append(t)
         model = None  # the closures above hold it: clear (freed as del would)
-        _teardown_parallel_state()
+        teardown_parallel_state()
     mindspeed_tp.disable()
     med = {m: {k: statistics.median(v) for k, v in d.items()} for m, d in times.items()}
     ratios = {k: med["consistent"][k] / med["vanilla"][k] for k in ("forward_s", "step_s")}

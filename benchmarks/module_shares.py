@@ -23,14 +23,13 @@ import torch.distributed as dist  # noqa: E402
 import mindspeed_tp  # noqa: E402
 from mindspeed_tp.devices.cpu_shims import install_cpu_shims  # noqa: E402
 from mindspeed_tp.check.batch import make_batch  # noqa: E402
-from mindspeed_tp.check.harness import (  # noqa: E402
-    _logprobs_from_logits, _pipeline_forward, _setup_parallel_state, _teardown_parallel_state, init_distributed,
+from mindspeed_tp.check.driver import (  # noqa: E402
+    build_stage, init_distributed, logprobs_from_logits, pipeline_forward, setup_parallel_state, teardown_parallel_state,
 )
-from mindspeed_tp.check.builder import DTYPES, build_gpt_stage  # noqa: E402
+from mindspeed_tp.check.builder import DTYPES  # noqa: E402
 from mindspeed_tp.check.library_warnings import add_verbose_flag, report_after_run  # noqa: E402
 from mindspeed_tp.models.layout import Layout  # noqa: E402
 from mindspeed_tp.models.spec import load_model_spec  # noqa: E402
-from mindspeed_tp.models.weights import load_seeded_weights  # noqa: E402
 from mindspeed_tp.contract.profile import load_profile  # noqa: E402
 
 # Module name suffix -> kind reported (the last matching suffix wins for nested names).
@@ -73,25 +72,24 @@ class ModuleTimer:
 
 def measure(spec, layout, dtype, profile, batch, mode, repeats):
     mindspeed_tp.disable() if mode == "vanilla" else mindspeed_tp.enable(profile)
-    _setup_parallel_state(layout, 0)
-    model = build_gpt_stage(spec, layout, dtype, profile)
-    load_seeded_weights(model, spec, 0, layout)
+    setup_parallel_state(layout, 0)
+    model = build_stage(spec, layout, dtype, profile, 0)
     runs = []
     for i in range(repeats + 1):
         timer = ModuleTimer(model)
         dist.barrier()
         t0 = time.perf_counter()
         with torch.no_grad():
-            logits = _pipeline_forward(model, layout, batch, spec.hidden_size, dtype)
+            logits = pipeline_forward(model, layout, batch, spec.hidden_size, dtype)
             t1 = time.perf_counter()
-            _logprobs_from_logits(logits, batch, spec.vocab_size)
+            logprobs_from_logits(logits, batch, spec.vocab_size)
         t2 = time.perf_counter()
         timer.close()
         if i:  # the first run warms up
             row = dict(timer.totals)
             row.update(logprob=t2 - t1, total=t2 - t0)
             runs.append(row)
-    _teardown_parallel_state()
+    teardown_parallel_state()
     return {k: statistics.median(r.get(k, 0.0) for r in runs) for k in set().union(*runs)}
 
 

@@ -212,8 +212,6 @@ def mode_profile(mode: str):
 
 def measure_mode(case: Case, mode: str, repeats: int, quiet: bool = False, forward_only: bool = False,
                  profile_dir: Optional[str] = None, live_memory: bool = False) -> Dict:
-    from functools import partial
-
     import torch
     import torch.distributed as dist
 
@@ -224,16 +222,13 @@ def measure_mode(case: Case, mode: str, repeats: int, quiet: bool = False, forwa
     from mindspeed_tp import disable, enable
     from mindspeed_tp.check.builder import DTYPES
     from mindspeed_tp.check.context_parallel import cp_state, local_columns
-    from mindspeed_tp.check.builder import build_gpt_stage
-    from mindspeed_tp.check.harness import (_engine_scoring, _logprobs_from_logits, _pipeline_forward,
-                                            _setup_parallel_state, _teardown_parallel_state, run_device)
-    from mindspeed_tp.check.train.loop import (TrainSettings, _data, _forward_step, _LossRecorder,
-                                               model_parallel_chunks, make_optimizer, wire_config, micro_batch_rows,
-                                               release_models,
-                                               train_batch)
+    from mindspeed_tp.check.driver import (build_ddp_chunks, build_stage, engine_scoring, logprobs_from_logits,
+                                           make_optimizer, micro_batch_rows, pipeline_forward, release_models,
+                                           setup_parallel_state, teardown_parallel_state, wire_config)
+    from mindspeed_tp.check.settings import TrainSettings
+    from mindspeed_tp.check.train.loop import LossPass, train_batch
     from mindspeed_tp.models.layout import Layout
     from mindspeed_tp.models.spec import load_model_spec
-    from mindspeed_tp.models.weights import SeededWeights, load_weights
 
     spec, layout, dtype = load_model_spec(case.model), Layout.parse(case.layout), DTYPES[case.dtype]
     # RoPE learns nothing per position: a tiny model's 512-position limit stretches to the case's length.
@@ -245,22 +240,21 @@ def measure_mode(case: Case, mode: str, repeats: int, quiet: bool = False, forwa
     settings = TrainSettings(steps=repeats + 1, micro_batch_size=1, global_batch_size=case.sequences,
                              seq_length=case.seq_length, distributed_optimizer=case.optimizer == "adam")
     disable() if mode == "vanilla" else enable(profile)
-    _setup_parallel_state(layout, settings.seed, training=True)
+    setup_parallel_state(layout, settings.seed, training=True)
     gc.collect()
     _release_free_heap()
     base = _rss_mb()
     _reset_peak()
     if steps:
-        chunks, wrapped, ddp_config = model_parallel_chunks(spec, layout, dtype, profile, settings)
+        chunks, wrapped, ddp_config = build_ddp_chunks(spec, layout, dtype, profile, settings)
         optimizer = make_optimizer(wrapped, dtype, settings, case.optimizer)  # sgd: not distributed (settings above)
         wire_config(chunks[0].config, wrapped, ddp_config, optimizer)
     else:  # what a scoring job holds: the model, no DDP gradient buffers, no optimizer
-        chunks = [build_gpt_stage(spec, layout, dtype, profile, settings.dispatcher)]
-        load_weights(chunks[0], spec, layout, SeededWeights(spec, settings.seed))
-        chunks[0].to(run_device())
+        chunks = [build_stage(spec, layout, dtype, profile, settings.seed, settings.dispatcher)]
         wrapped, optimizer = chunks, None
     batch = train_batch(spec, settings)
-    rows = micro_batch_rows(settings, layout.dp, ps.get_data_parallel_rank())
+    rows = micro_batch_rows(settings.global_batch_size, settings.micro_batch_size, layout.dp,
+                            ps.get_data_parallel_rank())
     model = chunks[0]
 
     def timed(fn) -> float:
@@ -291,20 +285,17 @@ def measure_mode(case: Case, mode: str, repeats: int, quiet: bool = False, forwa
     columns = local_columns(case.seq_length, cp_size, cp_rank) if cp_size > 1 else None  # this CP rank's chunks
 
     def forward():  # under the engine profile: the whole sequence scored as the engine's prefill
-        with torch.no_grad(), _engine_scoring(profile, mode == "vanilla", batch, spec):
-            logits = _pipeline_forward(model, layout, batch, spec.hidden_size, dtype, None, columns)
+        with torch.no_grad(), engine_scoring(profile, mode == "vanilla", batch, spec):
+            logits = pipeline_forward(model, layout, batch, spec.hidden_size, dtype, None, columns)
             if logits is not None:  # the last pipeline stage
                 targets = None if columns is None else batch.targets[:, columns]
-                _logprobs_from_logits(logits, batch, spec.vocab_size, 1.0, targets)
+                logprobs_from_logits(logits, batch, spec.vocab_size, 1.0, targets)
 
     def step():
         for m in wrapped:
             m.zero_grad_buffer()
         optimizer.zero_grad()
-        pipeline_parallel.get_forward_backward_func()(
-            forward_step_func=partial(_forward_step, _LossRecorder(settings.seq_length)), data_iterator=_data(batch, rows),
-            model=wrapped[0], num_microbatches=len(rows), seq_length=settings.seq_length, micro_batch_size=1,
-            decoder_seq_length=settings.seq_length, forward_only=False)
+        LossPass(batch).run(pipeline_parallel.get_forward_backward_func(), wrapped[:1], rows, 1, forward_only=False)
         optimizer.step()
 
     model.eval()
@@ -342,7 +333,7 @@ def measure_mode(case: Case, mode: str, repeats: int, quiet: bool = False, forwa
                   f"{float(out[3]) / 2 ** 20:.1f} MiB sent per step")
     release_models(wrapped, chunks[0].config)
     model = chunks = wrapped = optimizer = None  # the closures above hold them: clear, not del (freed alike)
-    _teardown_parallel_state()
+    teardown_parallel_state()
     disable()
     gc.collect()
     row = {"forward_s": float(out[0]), "forward_peak_mb": float(out[4]),
@@ -401,7 +392,7 @@ def worker(ns) -> None:
     import torch.distributed as dist
 
     import comm_counter
-    from mindspeed_tp.check.harness import init_distributed
+    from mindspeed_tp.check.driver import init_distributed
     from mindspeed_tp.devices.cpu_shims import install_cpu_shims
 
     init_distributed(3600.0)

@@ -102,18 +102,6 @@ LAYERS = [
     ("verl", "megatron_adaptor"),  # entry points: importing them enables
 ]
 
-# Private names imported from one module of check/ by another: check/ is being merged into one driver
-# (issue #45 item 4), which removes them; empty this set then. No other exemption.
-CHECK_PRIVATE_IMPORTS = {
-    ("mindspeed_tp.check.rl.loop", "mindspeed_tp.check.harness", "_setup_parallel_state"),
-    ("mindspeed_tp.check.rl.loop", "mindspeed_tp.check.harness", "_stage_dtype"),
-    ("mindspeed_tp.check.rl.main", "mindspeed_tp.check.main", "_Parser"),
-    ("mindspeed_tp.check.rl.step", "mindspeed_tp.check.harness", "_engine_scoring"),
-    ("mindspeed_tp.check.rl.step", "mindspeed_tp.check.harness", "_logprobs_from_logits"),
-    ("mindspeed_tp.check.train.loop", "mindspeed_tp.check.harness", "_setup_parallel_state"),
-    ("mindspeed_tp.check.train.main", "mindspeed_tp.check.main", "_Parser"),
-    ("mindspeed_tp.check.train.main", "mindspeed_tp.check.main", "_digest"),
-}
 # The one documented import circle: the package imports its interpreter-start hook
 # (mindspeed_tp_autoload.when_imported), whose hooks import the package.
 AUTOLOAD_PAIR = {"mindspeed_tp", "mindspeed_tp_autoload"}
@@ -173,7 +161,7 @@ def test_no_private_name_is_imported_across_modules():
     for m, p in sorted(paths.items()):
         for target, name, line in _all_imports(m, p, paths):
             if name and name.startswith("_") and not name.startswith("__") and target != m \
-                    and target.startswith("mindspeed_tp") and (m, target, name) not in CHECK_PRIVATE_IMPORTS:
+                    and target.startswith("mindspeed_tp"):
                 found.append(f"{os.path.relpath(p, ROOT)}:{line}: from {target} import {name}")
     assert found == []
 
@@ -215,3 +203,29 @@ def test_no_import_cycle_counting_function_level_imports():
         if m not in state:
             visit(m, [m])
     assert cycles == []
+
+
+def test_the_checkers_and_benchmarks_drive_megatron_through_one_driver():
+    """check/driver.py is the only module of check/ that sets up megatron's parallel state, wraps
+    models in its DDP, builds its optimizer or calls its schedules; the checkers and the benchmarks
+    that run megatron-core import it."""
+    calls = ("initialize_model_parallel(", "DistributedDataParallel(", "get_megatron_optimizer(", "forward_step_func=")
+    check = os.path.join(ROOT, "mindspeed_tp", "check")
+    drivers = []
+    for directory, _, files in os.walk(check):
+        for name in files:
+            if name.endswith(".py"):
+                with open(os.path.join(directory, name)) as f:
+                    text = f.read()
+                if any(c in text for c in calls):
+                    drivers.append(os.path.relpath(os.path.join(directory, name), check))
+    assert drivers == ["driver.py"]
+    users = ["main.py", "harness.py", os.path.join("train", "loop.py"), os.path.join("rl", "loop.py"),
+             os.path.join("rl", "step.py")]
+    for rel in users:
+        with open(os.path.join(check, rel)) as f:
+            text = f.read()
+        assert "from .driver import" in text or "from ..driver import" in text, rel
+    for bench in ("scale_bench.py", "gpu_bench.py", "module_shares.py"):
+        with open(os.path.join(ROOT, "benchmarks", bench)) as f:
+            assert "from mindspeed_tp.check.driver import" in f.read(), bench

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.version_lines  # also run on megatron-core 0.12.x (scri
 CODE = """
 import torch, torch.nn.functional as F, torch.distributed as dist
 import mindspeed_tp
-from mindspeed_tp.check.harness import init_distributed
+from mindspeed_tp.check.driver import init_distributed
 init_distributed()
 mindspeed_tp.enable()
 from megatron.core import parallel_state
@@ -105,7 +105,7 @@ def test_megatrons_mlp_computes_the_position_invariant_swiglu():
 FUSED_NORM_CODE = """
 import torch.nn.functional as F
 import mindspeed_tp
-from mindspeed_tp.check.harness import init_distributed
+from mindspeed_tp.check.driver import init_distributed
 init_distributed()
 mindspeed_tp.enable()
 from megatron.core import parallel_state

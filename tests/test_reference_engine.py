@@ -13,7 +13,7 @@ from conftest import bits_equal, explain, run_python
 
 SHAPES_CODE = """
 import torch, mindspeed_tp
-from mindspeed_tp.check.harness import init_distributed, _setup_parallel_state
+from mindspeed_tp.check.driver import init_distributed, setup_parallel_state
 from mindspeed_tp.devices.cpu_shims import install_cpu_shims
 from mindspeed_tp.check.builder import build_gpt_stage
 from mindspeed_tp.models.layout import Layout
@@ -26,7 +26,7 @@ init_distributed(); install_cpu_shims(); mindspeed_tp.enable()
 prof = load_profile()
 for name in ("tiny-dense", "tiny-moe", "tiny-moe-shared"):
     spec = load_model_spec(name)
-    _setup_parallel_state(Layout(), 0)
+    setup_parallel_state(Layout(), 0)
     model = build_gpt_stage(spec, Layout(), torch.float32, prof)
     got = {k: tuple(v.shape) for k, v in model.named_parameters()}
     got.update({k: tuple(v.shape) for k, v in model.named_buffers() if k.endswith("expert_bias")})

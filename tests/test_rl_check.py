@@ -65,7 +65,7 @@ def test_the_forward_only_pass_cuts_micro_batches_by_a_token_budget(short_run):
     """The shared run's forward-only pass ran under --logprob-max-tokens 56 (micro-batches of varying
     size, as verl's use_dynamic_bsz) and its logprobs are still bitwise the engine's (above); the cut:
     in order, within the budget, every row of the rank's share once, sizes that differ."""
-    from mindspeed_tp.check.rl.step import token_budget_rows
+    from mindspeed_tp.check.driver import token_budget_rows
 
     proc, path, _ = short_run
     assert proc.returncode == 0, explain(proc)

@@ -20,6 +20,13 @@ class ScoringBatch:
     # ... and where the engine's prefill chunks of each prompt ended (None: one step per prompt).
     prefill_chunks: Optional[List[List[int]]] = None
 
+    def select(self, rows: torch.Tensor) -> "ScoringBatch":
+        """The sequences ``rows`` (a micro-batch), with their lengths, score mask and prompt lengths."""
+        idx = rows.tolist()
+        return ScoringBatch(tokens=self.tokens[rows], lengths=[self.lengths[i] for i in idx],
+                            score_mask=self.scored[rows],
+                            prompt_lens=None if self.prompt_lens is None else [self.prompt_lens[i] for i in idx])
+
     @property
     def targets(self) -> torch.Tensor:
         """Token t+1 is the target of position t (the last column's target is padding)."""

@@ -17,7 +17,6 @@ token is the divergence point; it is classed
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 from typing import Dict, List, Optional, Tuple
@@ -26,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..kernels.collectives import gather_along_rank
+from .metrics import tensor_digest
 from .reference import save_reference
 
 # (module name suffix, how the input is sharded over TP, how the output is sharded over TP)
@@ -207,10 +207,6 @@ def collect(recorder: Optional[ModuleRecorder], layout, num_layers: int, batch, 
 
 # -- comparison ----------------------------------------------------------------------------------
 
-def _digest(x: torch.Tensor) -> str:
-    return hashlib.sha256(x.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
-
-
 def _token_differs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """(batch, seq) bool: any raw bit of the token's features differs."""
     if a.shape != b.shape or a.dtype != b.dtype:
@@ -239,7 +235,7 @@ def compare_modules(test: ModuleTensors, ref: ModuleTensors, real: torch.Tensor,
         mask = scored if name == "logprob" else real
         differs = _token_differs(to, ro) & mask
         rec = {"module": name, "layer": layer_of(name), "tokens": int(mask.sum()),
-               "tokens_differing": int(differs.sum()), "digest": _digest(to), "reference_digest": _digest(ro)}
+               "tokens_differing": int(differs.sum()), "digest": tensor_digest(to), "reference_digest": tensor_digest(ro)}
         if to.shape == ro.shape and to.is_floating_point():
             both = torch.isfinite(to) & torch.isfinite(ro) & mask.unsqueeze(-1)
             d = (to.double() - ro.double()).abs()[both]

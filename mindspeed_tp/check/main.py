@@ -21,7 +21,6 @@ import yaml
 
 from ..compat import megatron_version, vanilla_layout_problem
 from ..contract.profile import Profile, load_profile
-from ..devices.cpu_shims import install_checker_shims
 from ..contract.refusals import refuse
 from ..errors import ConfigError
 from ..hf import open_hf_model
@@ -29,10 +28,11 @@ from ..kernels.collectives import gather_along_rank
 from ..kernels.dispatch import build_identity
 from . import bisect, builder, hooks, user_config
 from .batch import make_batch
-from .harness import CUDA_MISSING, init_distributed, layout_logprobs, run_device
+from .driver import CUDA_MISSING, run_device, start_world
+from .harness import layout_logprobs
 from .library_warnings import add_verbose_flag
 from .metrics import compare_logprobs, require_scored
-from .builder import DTYPES, set_user_fields
+from .builder import DTYPES
 from ..models.layout import Layout, validate_layout
 from ..models.spec import ModelSpec, load_model_spec
 from ..models.weights import SeededWeights
@@ -58,13 +58,38 @@ class UsageError(ConfigError):
     pass
 
 
-class _Parser(argparse.ArgumentParser):
+class CheckerParser(argparse.ArgumentParser):
+    """The checkers' argument parser: a usage error raises (exit 2 through ``run_main``)."""
+
     def error(self, message):  # argparse exits 2 already; keep its message, raise for one path
         raise UsageError(f"{self.prog}: {message}")
 
 
+def require_counts(ns: argparse.Namespace, names) -> None:
+    """Each of the checker's ``names`` (counts) is >= 1 and ``--timeout`` is positive."""
+    for name in names:
+        if int(getattr(ns, name)) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+    if float(ns.timeout) <= 0:
+        raise ConfigError("--timeout must be > 0 seconds")
+
+
+def check_engine_and_device(ns: argparse.Namespace, spec, profile) -> None:
+    """Before any worker starts: the profile matches ``--engine``, the device exists (``check_device``),
+    and the real engine can run the model (it would crash in its attention kernel)."""
+    if ns.engine == "vllm" and profile.engine_name != "vllm":
+        raise ConfigError(f"--engine vllm needs a profile matching the real engine (--profile vllm-cpu-tp1 or "
+                          f"vllm-cpu-tp2); {profile.name!r} describes {profile.reduction}")
+    check_device(ns)
+    if ns.engine == "vllm":
+        from ..numerics.vllm.refusals import activation_widths, check_activation_widths, check_head_dim
+
+        check_head_dim(spec.kv_channels)
+        check_activation_widths(activation_widths(spec), profile.rollout_tp, DTYPES[ns.dtype])
+
+
 def build_parser(prog: str = "mindspeed-tp check") -> argparse.ArgumentParser:
-    p = _Parser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = CheckerParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML file (or bundled name, e.g. 'demo') whose keys set any flag below")
     p.add_argument("--model", help="bundled model name (default tiny-dense) or a model config YAML path")
     p.add_argument("--hf-checkpoint", metavar="DIR",
@@ -161,13 +186,9 @@ def resolve_args(argv: Optional[List[str]]) -> argparse.Namespace:
     override(merged, args)
     merged["status_file"] = args.status_file
     ns = argparse.Namespace(**merged)
-    for name in ("batch_size", "seq_length", "max_new_tokens"):
-        if int(getattr(ns, name)) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+    require_counts(ns, ("batch_size", "seq_length", "max_new_tokens"))
     if int(ns.rollout) < 0 or float(ns.temperature) < 0:
         raise ConfigError("--rollout and --temperature must be >= 0")
-    if float(ns.timeout) <= 0:
-        raise ConfigError("--timeout must be > 0 seconds")
     if ns.plot:
         from .plot import require_matplotlib
 
@@ -240,15 +261,7 @@ def plan(ns: argparse.Namespace) -> Plan:
         if not int(ns.rollout):  # scored as given: the batch is as long as the longest prompt
             multiple = required_world_size(layouts) * 8
             ns.seq_length = -(-max(len(p) for p in prompts) // multiple) * multiple
-    if ns.engine == "vllm" and profile.engine_name != "vllm":
-        raise ConfigError(f"--engine vllm needs a profile matching the real engine (--profile vllm-cpu-tp1 or "
-                          f"vllm-cpu-tp2); {profile.name!r} describes {profile.reduction}")
-    check_device(ns)
-    if ns.engine == "vllm":  # before the engine starts (it would crash in its attention kernel)
-        from ..numerics.vllm.refusals import activation_widths, check_activation_widths, check_head_dim
-
-        check_head_dim(spec.kv_channels)
-        check_activation_widths(activation_widths(spec), profile.rollout_tp, DTYPES[ns.dtype])
+    check_engine_and_device(ns, spec, profile)
     for layout in layouts:
         validate_layout(layout, spec, profile, int(ns.seq_length))
         if layout.cp > 1 and ns.bisect:
@@ -267,7 +280,8 @@ def required_world_size(layouts: List[Layout]) -> int:
     return reduce(lambda a, b: a * b // math.gcd(a, b), [l.required_world_size for l in layouts], 1)
 
 
-def _digest(obj) -> str:
+def json_digest(obj) -> str:
+    """16 hex digits of the SHA-256 of ``obj`` as sorted JSON (what a reference file's meta holds)."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -281,7 +295,7 @@ def verify_same_on_all_ranks(fields: Dict[str, object]) -> None:
 
 
     names = sorted(fields)
-    mine = torch.tensor([int(_digest(fields[n]), 16) & ((1 << 62) - 1) for n in names], dtype=torch.int64)
+    mine = torch.tensor([int(json_digest(fields[n]), 16) & ((1 << 62) - 1) for n in names], dtype=torch.int64)
     gathered = gather_along_rank(mine, dist.group.WORLD)
     host = torch.zeros(64, dtype=torch.uint8)
     raw = socket.gethostname().encode()[:64]
@@ -390,18 +404,14 @@ def check_device(ns: argparse.Namespace) -> None:
 def run(ns: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-
     spec, profile, layouts, modes, weights, prompts = plan(ns)
-    hooks.load_plugins()
-    set_user_fields(ns.transformer_fields)
-    init_distributed(float(ns.timeout), ns.device)
-    install_checker_shims()
+    start_world(ns)
     rank = dist.get_rank()
     hooks.at_point("start", rank)
     dtype = DTYPES[ns.dtype]
     inputs = {"seed": ns.seed, "batch_size": ns.batch_size, "seq_length": ns.seq_length, "dtype": ns.dtype,
               "rollout": int(ns.rollout), "temperature": float(ns.temperature),
-              "max_new_tokens": int(ns.max_new_tokens), "prompts": _digest(prompts) if prompts else None,
+              "max_new_tokens": int(ns.max_new_tokens), "prompts": json_digest(prompts) if prompts else None,
               "packed": bool(ns.packed)}
     kernel_build = build_identity(run_device().type)  # the triton backend: its version and FP contraction
     verify_same_on_all_ranks(
@@ -446,10 +456,10 @@ def run(ns: argparse.Namespace) -> int:
          "input tokens": hashlib.sha256(batch.tokens.numpy().tobytes()).hexdigest(),
          "reference file": _file_digest(ns.reference)}
     )
-    meta = {"model": _digest(spec.to_dict()), "profile": profile.digest(), "inputs": _digest(inputs),
-            "weights": _digest(weights.describe()), "transformer config": _digest(ns.transformer_fields)}
+    meta = {"model": json_digest(spec.to_dict()), "profile": profile.digest(), "inputs": json_digest(inputs),
+            "weights": json_digest(weights.describe()), "transformer config": json_digest(ns.transformer_fields)}
     if kernel_build:  # a reference computed by other compiled kernels is refused by name
-        meta["kernel build"] = _digest(kernel_build)
+        meta["kernel build"] = json_digest(kernel_build)
     loaded = load_reference(ns.reference, meta) if ns.reference else {}
     single = Layout()
     # (key, vanilla, profile) per mode; against the real engine, vanilla and the canonical-tree

@@ -1,4 +1,5 @@
-"""Distances between two per-token logprob tensors over the scored tokens."""
+"""Distances between two per-token logprob tensors over the scored tokens; tensors' raw bits."""
+import hashlib
 from typing import Dict
 
 import torch
@@ -9,6 +10,11 @@ from ..errors import ConfigError
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Element-wise equality of the raw fp32 bit patterns (so -0 != +0 and NaN == same NaN)."""
     return a.float().contiguous().view(torch.int32) == b.float().contiguous().view(torch.int32)
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """16 hex digits of the SHA-256 of the tensor's raw bytes."""
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
 
 _INT_VIEWS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -29,12 +29,8 @@ def make_rollouts(spec: ModelSpec, profile: Profile, dtype, seed: int, num: int,
     prompt); default: seeded random prompts. weights: default the seeded weights of ``seed``.
     The engine runs on ``device`` (the checker's, so on an NPU it runs the npu kernels too)."""
     prompts = rollout_prompts(spec, seed, num, max_prompt, prompts)
-    prompt_lens = [len(p) for p in prompts]
-    total = max(p + max_new_tokens for p in prompt_lens)
-    length = -(-total // multiple) * multiple
-    tokens = torch.zeros(num, length, dtype=torch.long)
-    engine_lp = torch.zeros(num, length, dtype=torch.float32)
-    mask = torch.zeros(num, length, dtype=torch.bool)
+    length = padded_length([len(p) for p in prompts], max_new_tokens, multiple)
+    rollouts, tracer = None, None
     if dist.get_rank() == 0:
         model = ReferenceModel.from_source(spec, profile, weights or SeededWeights(spec, seed), dtype)
         if device is not None:
@@ -46,24 +42,48 @@ def make_rollouts(spec: ModelSpec, profile: Profile, dtype, seed: int, num: int,
         requests = [Request(prompt=p, max_new_tokens=max_new_tokens, request_id=i, temperature=temperature,
                             arrival_step=i % 3) for i, p in enumerate(prompts)]
         engine.generate(requests)
-        for i, r in enumerate(requests):
-            seq = r.prompt + r.output
-            tokens[i, : len(seq)] = torch.tensor(seq)
-            start = len(r.prompt) - 1  # position predicting the first response token
-            engine_lp[i, start : start + len(r.output)] = r.logprob_tensor
-            mask[i, start : start + len(r.output)] = True
-    flags = mask.to(torch.uint8)
-    for t in (tokens, engine_lp, flags):
-        dist.broadcast(t, src=0)
-    mask = flags.bool()
-    lengths = [p + max_new_tokens for p in prompt_lens]
-    batch = ScoringBatch(tokens=tokens, lengths=lengths, score_mask=mask)
+        rollouts = [(r.prompt, r.output, r.logprob_tensor) for r in requests]
+    batch, engine_lp = rollout_batch(rollouts, num, length)
     modules = None
     if record_modules and dist.get_rank() == 0:
         modules = tracer.modules
         modules["logprob"] = (modules["output_layer"][1], engine_lp.reshape(num, length, 1))
         batch.real_mask = tracer.computed  # the engine never runs the last sampled token
     return batch, engine_lp, modules
+
+
+def padded_length(prompt_lens, max_new_tokens: int, multiple: int) -> int:
+    """The batch length of rollouts of these prompts: the longest prompt + response, rounded up to
+    ``multiple`` (so any SP split of the scored length divides evenly)."""
+    return -(-max(p + max_new_tokens for p in prompt_lens) // multiple) * multiple
+
+
+def rollout_batch(rollouts, num: int, length: int):
+    """The one rollout batch builder. Rank 0's rollouts, (prompt, output, logprobs) per request
+    (None on the other ranks) -> on every rank a ScoringBatch of prompt + response right-padded to
+    ``length``, with each sequence's prompt length and its score mask (the positions predicting
+    response tokens, i.e. the response mask), and the engine's logprobs (num, length) there.
+    Tensors only (no pickle)."""
+    tokens = torch.zeros(num, length, dtype=torch.long)
+    engine_lp = torch.zeros(num, length, dtype=torch.float32)
+    mask = torch.zeros(num, length, dtype=torch.uint8)
+    sizes = torch.zeros(num, 2, dtype=torch.long)  # prompt length, response length
+    if dist.get_rank() == 0:
+        for i, (prompt, output, lps) in enumerate(rollouts):
+            seq = list(prompt) + list(output)
+            if len(seq) > length:
+                raise RuntimeError(f"a rollout of {len(seq)} tokens exceeds the batch length {length}")
+            tokens[i, : len(seq)] = torch.tensor(seq)
+            start = len(prompt) - 1  # the position predicting the first response token
+            engine_lp[i, start: start + len(output)] = torch.as_tensor(lps, dtype=torch.float32)
+            mask[i, start: start + len(output)] = 1
+            sizes[i] = torch.tensor([len(prompt), len(output)])
+    for t in (tokens, engine_lp, mask, sizes):
+        dist.broadcast(t, src=0)
+    prompt_lens = sizes[:, 0].tolist()
+    lengths = (sizes[:, 0] + sizes[:, 1]).tolist()
+    batch = ScoringBatch(tokens=tokens, lengths=lengths, score_mask=mask.bool(), prompt_lens=prompt_lens)
+    return batch, engine_lp
 
 
 class EngineTrace:
@@ -96,26 +116,10 @@ class EngineTrace:
 
 
 def broadcast_rollouts(rollouts, num: int, prompt_lens, max_new_tokens: int, multiple: int):
-    """Rank 0's engine rollouts (prompt, output, logprobs) -> on every rank a ScoringBatch over
-    prompt+response (with the prompt lengths) and the engine's logprobs (b, s) at the positions
-    predicting response tokens. Tensors only (no pickle)."""
-    total = max(p + max_new_tokens for p in prompt_lens)
-    length = -(-total // multiple) * multiple
-    tokens = torch.zeros(num, length, dtype=torch.long)
-    engine_lp = torch.zeros(num, length, dtype=torch.float32)
-    mask = torch.zeros(num, length, dtype=torch.bool)
-    if dist.get_rank() == 0:
-        for i, r in enumerate(rollouts):
-            seq = r.prompt + r.output
-            tokens[i, : len(seq)] = torch.tensor(seq)
-            start = len(r.prompt) - 1  # position predicting the first response token
-            engine_lp[i, start : start + len(r.output)] = torch.tensor(r.logprobs, dtype=torch.float32)
-            mask[i, start : start + len(r.output)] = True
-    flags = mask.to(torch.uint8)
-    for t in (tokens, engine_lp, flags):
-        dist.broadcast(t, src=0)
-    lengths = [p + max_new_tokens for p in prompt_lens]
-    return ScoringBatch(tokens=tokens, lengths=lengths, score_mask=flags.bool(), prompt_lens=list(prompt_lens)), engine_lp
+    """A real engine's results on rank 0 (``.prompt``, ``.output``, ``.logprobs``; None elsewhere)
+    -> ``rollout_batch`` at the padded length of these prompts."""
+    triples = None if rollouts is None else [(r.prompt, r.output, r.logprobs) for r in rollouts]
+    return rollout_batch(triples, num, padded_length(prompt_lens, max_new_tokens, multiple))
 
 
 def broadcast_json(obj, size: int = 8192):
@@ -151,41 +155,49 @@ def engine_budget(prompt_lens, max_batched_tokens=None) -> int:
     return int(max_batched_tokens or max(2048, sum(prompt_lens) + len(prompt_lens)))
 
 
+def start_vllm(spec: ModelSpec, profile: Profile, dtype_name: str, weights, max_len: int, budget: int, seed: int,
+               max_num_seqs: int, hf_checkpoint=None):
+    """The real vLLM at TP=profile.rollout_tp on this process's node, from ``hf_checkpoint`` or from
+    ``weights`` (a ``models.weights`` source) written as one in a temporary directory."""
+    import tempfile
+
+    from ..integrations.vllm.checkpoint import write_hf_checkpoint
+    from ..integrations.vllm.engine import start_engine
+    from .builder import DTYPES
+
+    with tempfile.TemporaryDirectory(prefix="mindspeed-tp-vllm-") as tmp:
+        model_dir = hf_checkpoint or write_hf_checkpoint(spec, weights, spec.padded_vocab(profile), DTYPES[dtype_name],
+                                                         tmp)
+        return start_engine(model_dir, profile.rollout_tp, {"bf16": "bfloat16", "fp32": "float32"}[dtype_name],
+                            max_model_len=-(-max_len // 128) * 128, max_num_batched_tokens=budget, seed=seed,
+                            max_num_seqs=max_num_seqs)
+
+
 def make_vllm_rollouts(spec: ModelSpec, profile: Profile, dtype_name: str, seed: int, num: int, max_new_tokens: int,
                        temperature: float, max_prompt: int, multiple: int, weights, prompts=None,
                        hf_checkpoint=None, max_batched_tokens=None):
     """Rollouts from the real vLLM at TP=profile.rollout_tp, started on rank 0 of this node for the
     duration of the generation. Returns (ScoringBatch with prompt lengths, vLLM's logprobs (b, s)
     at the scoring positions, the engine report: version, tp, start/generate seconds, kernels)."""
-    import tempfile
     import time
 
     prompts = rollout_prompts(spec, seed, num, max_prompt, prompts)
     prompt_lens = [len(p) for p in prompts]
-    total = max(p + max_new_tokens for p in prompt_lens)
     rollouts, report = None, None
     if dist.get_rank() == 0:
-        from ..integrations.vllm.checkpoint import write_hf_checkpoint
-        from ..integrations.vllm.engine import start_engine
-        from .builder import DTYPES
-
-        with tempfile.TemporaryDirectory(prefix="mindspeed-tp-vllm-") as tmp:
-            model_dir = hf_checkpoint or write_hf_checkpoint(spec, weights, spec.padded_vocab(profile),
-                                                             DTYPES[dtype_name], tmp)
-            budget = engine_budget(prompt_lens, max_batched_tokens)
-            engine = start_engine(model_dir, profile.rollout_tp, {"bf16": "bfloat16", "fp32": "float32"}[dtype_name],
-                                  max_model_len=-(-total // 128) * 128, max_num_batched_tokens=budget, seed=seed,
-                                  max_num_seqs=max(1, num))
-            began = time.time()
-            try:
-                if max_batched_tokens:  # one request per step: its prefill chunks are budget-sized
-                    rollouts = [engine.generate([p], temperature, max_new_tokens, seed + i)[0]
-                                for i, p in enumerate(prompts)]
-                else:
-                    rollouts = engine.generate(prompts, temperature, max_new_tokens, seed)
-            finally:
-                generated = time.time() - began
-                engine.shutdown()
+        budget = engine_budget(prompt_lens, max_batched_tokens)
+        engine = start_vllm(spec, profile, dtype_name, weights, max(p + max_new_tokens for p in prompt_lens), budget,
+                            seed, max(1, num), hf_checkpoint)
+        began = time.time()
+        try:
+            if max_batched_tokens:  # one request per step: its prefill chunks are budget-sized
+                rollouts = [engine.generate([p], temperature, max_new_tokens, seed + i)[0]
+                            for i, p in enumerate(prompts)]
+            else:
+                rollouts = engine.generate(prompts, temperature, max_new_tokens, seed)
+        finally:
+            generated = time.time() - began
+            engine.shutdown()
         report = engine_report(engine, profile, generated, budget)
     batch, engine_lp = broadcast_rollouts(rollouts, num, prompt_lens, max_new_tokens, multiple)
     if max_batched_tokens:

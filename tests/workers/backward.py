@@ -12,7 +12,7 @@ from grad_helpers import as_param_grads, finalize_grads, scored_loss, with_ddp, 
 import mindspeed_tp
 from mindspeed_tp.devices.cpu_shims import install_cpu_shims
 from mindspeed_tp.check.batch import make_batch
-from mindspeed_tp.check.harness import _setup_parallel_state, init_distributed
+from mindspeed_tp.check.driver import setup_parallel_state, init_distributed
 from mindspeed_tp.check.builder import build_gpt_stage
 from mindspeed_tp.models.layout import Layout
 from mindspeed_tp.models.spec import load_model_spec
@@ -34,7 +34,7 @@ def loss_of(model):
 
 
 def fresh_model():
-    _setup_parallel_state(layout, 0)
+    setup_parallel_state(layout, 0)
     model = build_gpt_stage(spec, layout, torch.float32, profile)
     load_seeded_weights(model, spec, 0, layout)
     model.train()

@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import torch.distributed as dist  # noqa: E402
 
-from mindspeed_tp.check.harness import init_distributed  # noqa: E402
+from mindspeed_tp.check.driver import init_distributed  # noqa: E402
 
 import gpu_bench  # noqa: E402
 import module_shares  # noqa: E402

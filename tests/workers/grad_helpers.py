@@ -4,14 +4,14 @@ Gradients go through megatron-core's own machinery: the model is wrapped in its
 DistributedDataParallel (whose hooks accumulate each gradient into ``main_grad``), and
 ``finalize_model_grads`` reduces them (over DP, the SP-replicated norms over TP, embeddings over PP).
 """
-from mindspeed_tp.check.harness import _logprobs_from_logits, _pipeline_forward
+from mindspeed_tp.check.driver import logprobs_from_logits, pipeline_forward
 
 
 def scored_loss(model, layout, batch, spec, dtype):
     """Mean negative logprob of the batch's scored tokens (the training objective's shape)."""
     scored = batch.scored.float()
-    logits = _pipeline_forward(model, layout, batch, spec.hidden_size, dtype)
-    return -(_logprobs_from_logits(logits, batch, spec.vocab_size) * scored).sum() / scored.sum()
+    logits = pipeline_forward(model, layout, batch, spec.hidden_size, dtype)
+    return -(logprobs_from_logits(logits, batch, spec.vocab_size) * scored).sum() / scored.sum()
 
 
 def with_ddp(model):

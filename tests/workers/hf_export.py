@@ -5,7 +5,7 @@ import sys
 
 import mindspeed_tp
 from mindspeed_tp.devices.cpu_shims import install_cpu_shims
-from mindspeed_tp.check.harness import _setup_parallel_state, init_distributed
+from mindspeed_tp.check.driver import setup_parallel_state, init_distributed
 from mindspeed_tp.hf import export_hf_checkpoint, open_hf_model, read_hf_config
 from mindspeed_tp.check.builder import DTYPES, build_gpt_stage
 from mindspeed_tp.models.layout import Layout
@@ -19,7 +19,7 @@ install_cpu_shims()
 profile, layout = load_profile(), Layout.parse(layout_name)
 mindspeed_tp.enable(profile)
 spec, weights = open_hf_model(hf_dir, profile)
-_setup_parallel_state(layout, 0)
+setup_parallel_state(layout, 0)
 model = build_gpt_stage(spec, layout, DTYPES[dtype_name], profile)
 load_weights(model, spec, layout, weights)
 export_hf_checkpoint(model, spec, layout, spec.padded_vocab(profile), out_dir, hf_config=read_hf_config(hf_dir),

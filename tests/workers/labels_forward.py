@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 import mindspeed_tp
 from mindspeed_tp.devices.cpu_shims import install_cpu_shims
 from mindspeed_tp.check.batch import make_batch
-from mindspeed_tp.check.harness import _setup_parallel_state, init_distributed
+from mindspeed_tp.check.driver import setup_parallel_state, init_distributed
 from mindspeed_tp.check.builder import build_gpt_stage
 from mindspeed_tp.models.layout import Layout
 from mindspeed_tp.models.spec import load_model_spec
@@ -30,7 +30,7 @@ mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).view(1, 1, s, 
 out = {}
 for name in ("tp1", "tp2-sp"):
     layout = Layout.parse(name)
-    _setup_parallel_state(layout, 0)
+    setup_parallel_state(layout, 0)
     model = build_gpt_stage(spec, layout, torch.bfloat16, profile)
     load_seeded_weights(model, spec, 0, layout)
     with torch.no_grad():

@@ -15,7 +15,7 @@ from grad_helpers import finalize_grads, with_ddp
 
 import mindspeed_tp
 from mindspeed_tp.check.batch import make_batch
-from mindspeed_tp.check.harness import _setup_parallel_state, init_distributed
+from mindspeed_tp.check.driver import setup_parallel_state, init_distributed
 from mindspeed_tp.check.builder import build_gpt_stage
 from mindspeed_tp.models.layout import Layout
 from mindspeed_tp.models.spec import load_model_spec
@@ -55,7 +55,7 @@ scored = batch.scored.float()
 
 def run(spec, layout, vanilla, backward):
     mindspeed_tp.disable() if vanilla else mindspeed_tp.enable(profile)
-    _setup_parallel_state(layout, 0)
+    setup_parallel_state(layout, 0)
     model = build_gpt_stage(spec, layout, torch.float32, profile)
     load_seeded_weights(model, spec, 0, layout)
     model.train()

@@ -24,9 +24,8 @@ from mindspeed_tp.numerics.rollout_layout import linear as rollout_layout
 from mindspeed_tp.numerics.rollout_layout import relayout
 from mindspeed_tp.devices.cpu_shims import install_cpu_shims
 from mindspeed_tp.check.batch import make_batch
-from mindspeed_tp.check.harness import (
-    _logprobs_from_logits, _pipeline_forward, _setup_parallel_state, init_distributed, layout_logprobs,
-)
+from mindspeed_tp.check.driver import init_distributed, logprobs_from_logits, pipeline_forward, setup_parallel_state
+from mindspeed_tp.check.harness import layout_logprobs
 from mindspeed_tp.check.builder import build_gpt_stage
 from mindspeed_tp.models.layout import Layout
 from mindspeed_tp.models.spec import load_model_spec
@@ -63,7 +62,7 @@ def engine_logprobs(profile, dtype):
 
 
 def fresh_model(layout, profile, dtype, train):
-    _setup_parallel_state(layout, SEED)
+    setup_parallel_state(layout, SEED)
     model = build_gpt_stage(spec, layout, dtype, profile)
     load_seeded_weights(model, spec, SEED, layout)
     model.train(train)
@@ -74,8 +73,8 @@ def logprobs_with_grad(layout, profile):
     """Scored with autograd recording (training mode); every TP rank holds every token's logprob."""
     mindspeed_tp.enable(profile)
     model = fresh_model(layout, profile, torch.bfloat16, True)
-    logits = _pipeline_forward(model, layout, batch, spec.hidden_size, torch.bfloat16)
-    lp = _logprobs_from_logits(logits, batch, spec.vocab_size)
+    logits = pipeline_forward(model, layout, batch, spec.hidden_size, torch.bfloat16)
+    lp = logprobs_from_logits(logits, batch, spec.vocab_size)
     assert lp.requires_grad
     return lp.detach()
 

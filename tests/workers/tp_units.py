@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 
 import mindspeed_tp
 from mindspeed_tp.devices.cpu_shims import install_cpu_shims
-from mindspeed_tp.check.harness import init_distributed
+from mindspeed_tp.check.driver import init_distributed
 from mindspeed_tp.kernels import vocab_parallel_logprob
 
 out_path = sys.argv[1]

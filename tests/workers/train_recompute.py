@@ -9,8 +9,9 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from mindspeed_tp.devices.cpu_shims import install_cpu_shims
-from mindspeed_tp.check.harness import init_distributed
-from mindspeed_tp.check.train.loop import TrainSettings, train_layout
+from mindspeed_tp.check.driver import init_distributed
+from mindspeed_tp.check.settings import TrainSettings
+from mindspeed_tp.check.train.loop import train_layout
 from mindspeed_tp.models.layout import Layout
 from mindspeed_tp.models.spec import load_model_spec
 from mindspeed_tp.contract.profile import load_profile

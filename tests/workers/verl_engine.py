@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 import verl  # noqa: F401  (imports mindspeed_tp.verl from the environment variable)
 import mindspeed_tp
 from mindspeed_tp.devices.cpu_shims import install_cpu_shims
-from mindspeed_tp.check.harness import _setup_parallel_state, init_distributed
+from mindspeed_tp.check.driver import setup_parallel_state, init_distributed
 from mindspeed_tp.hf import open_hf_model
 from mindspeed_tp.check.builder import build_gpt_stage
 from mindspeed_tp.models.layout import Layout
@@ -124,7 +124,7 @@ for directory in checkpoints:
         seqs = sequences(spec.vocab_size)
         for layout_name in ("tp1", "tp2-sp"):
             layout = Layout.parse(layout_name)
-            _setup_parallel_state(layout, 0)
+            setup_parallel_state(layout, 0)
             if spec.is_moe and layout.tp > 1 and MBRIDGE_USABLE:  # local-spec experts at TP=EP=1 only: refused
                 try:
                     mbridge_model(directory)

@@ -20,10 +20,10 @@ import torch.distributed as dist
 
 from mindspeed_tp import enable
 from mindspeed_tp.devices.cpu_shims import install_cpu_shims
-from mindspeed_tp.check.harness import (
-    _engine_scoring, _logprobs_from_logits, _pipeline_forward, _setup_parallel_state, _stage_dtype, init_distributed,
-    layout_logprobs,
+from mindspeed_tp.check.driver import (
+    engine_scoring, init_distributed, logprobs_from_logits, pipeline_forward, setup_parallel_state, stage_dtype,
 )
+from mindspeed_tp.check.harness import layout_logprobs
 from mindspeed_tp.check.rollout import (
     broadcast_json, broadcast_rollouts, engine_budget, engine_report, prefill_chunk_ends, rollout_prompts,
 )
@@ -140,9 +140,9 @@ def training_gemms(spec, dtype):
 
 
 def _forward(model, layout, batch, spec, dtype, profile):
-    with _engine_scoring(profile, False, batch, spec):
-        logits = _pipeline_forward(model, layout, batch, spec.hidden_size, _stage_dtype(profile, False, dtype))
-        return _logprobs_from_logits(logits, batch, spec.vocab_size)
+    with engine_scoring(profile, False, batch, spec):
+        logits = pipeline_forward(model, layout, batch, spec.hidden_size, stage_dtype(profile, False, dtype))
+        return logprobs_from_logits(logits, batch, spec.vocab_size)
 
 
 def sync_round(spec, layout, dtype, profile, weights, train, engine, prompts):
@@ -153,7 +153,7 @@ def sync_round(spec, layout, dtype, profile, weights, train, engine, prompts):
     from mindspeed_tp.integrations.vllm.sync import hf_weights
 
     enable(profile)
-    _setup_parallel_state(layout, SEED)
+    setup_parallel_state(layout, SEED)
     model = build_gpt_stage(spec, layout, dtype, profile)
     load_weights(model, spec, layout, weights)
     model.train()

@@ -12,7 +12,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from mindspeed_tp.check.harness import init_distributed
+from mindspeed_tp.check.driver import init_distributed
 from mindspeed_tp.check.metrics import same_bits
 from mindspeed_tp.numerics.vllm import expert_slices, kernels
 from worker_exit import finish_worker

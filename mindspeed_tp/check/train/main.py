@@ -19,9 +19,11 @@ from .state_file import newest_checkpoint
 from ...models.layout import Layout, validate_layout
 from ...models.spec import ModelSpec, load_model_spec
 from ...contract.profile import Profile, load_profile
-from ..main import _Parser, _digest, add_device_flag, check_device, override, run_main, verify_same_on_all_ranks
+from ..main import (CheckerParser, add_device_flag, check_device, json_digest, override, require_counts, run_main,
+                    verify_same_on_all_ranks)
 from ..library_warnings import add_verbose_flag
-from .loop import RECOMPUTE, TrainSettings
+from ..driver import RECOMPUTE
+from ..settings import TrainSettings
 from .. import user_config
 
 DEFAULTS = dict(
@@ -34,7 +36,7 @@ DEFAULTS = dict(
 
 
 def build_parser(prog: str = "mindspeed-tp train-check") -> argparse.ArgumentParser:
-    p = _Parser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = CheckerParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="bundled model name (default tiny-dense) or a model config YAML path")
     p.add_argument("--profile", help="numerics profile: bundled name or YAML path (default: default)")
     p.add_argument("--layouts", help="comma-separated training layouts, e.g. tp2-sp-pp2,tp2-pp2-vpp2,tp1-dp2,"
@@ -88,11 +90,7 @@ def resolve_args(argv: Optional[List[str]]) -> argparse.Namespace:
     merged = override(dict(DEFAULTS), args)
     merged["status_file"] = args.status_file
     ns = argparse.Namespace(**merged)
-    for name in ("steps", "micro_batch_size", "global_batch_size", "seq_length"):
-        if int(getattr(ns, name)) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
-    if float(ns.timeout) <= 0:
-        raise ConfigError("--timeout must be > 0 seconds")
+    require_counts(ns, ("steps", "micro_batch_size", "global_batch_size", "seq_length"))
     if ns.vanilla and ns.compare_vanilla:
         raise ConfigError("--vanilla and --compare-vanilla: pick one")
     if ns.save_state and len(parse_layouts(ns.layouts)) != 1:
@@ -172,7 +170,7 @@ def _check_user_config(ns, spec, layouts, profile, settings) -> None:
         return
     from ...contract.model_config import check_model_config
     from ..builder import DTYPES, transformer_config
-    from .loop import RECOMPUTE
+    from ..driver import RECOMPUTE
 
     for layout in layouts:
         config = transformer_config(spec, layout, DTYPES[ns.dtype], settings.dispatcher, ns.transformer_fields,
@@ -191,30 +189,26 @@ def worlds(layouts: List[Layout]) -> Dict[int, List[Layout]]:
 def meta_of(pl: Plan, ns) -> Dict[str, str]:
     from ...compat import megatron_version
 
-    return {"model": _digest(pl.spec.to_dict()), "profile": pl.profile.digest(),
-            "settings": _digest(pl.settings.to_dict()), "dtype": ns.dtype, "device": ns.device,
+    return {"model": json_digest(pl.spec.to_dict()), "profile": pl.profile.digest(),
+            "settings": json_digest(pl.settings.to_dict()), "dtype": ns.dtype, "device": ns.device,
             "megatron-core": megatron_version(),
-            "transformer config": _digest(ns.transformer_fields),
+            "transformer config": json_digest(ns.transformer_fields),
             "modes": ",".join("vanilla" if v else "consistent" for v in pl.modes)}
 
 
 def run(ns: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from ...devices.cpu_shims import install_checker_shims
     from ...compat import megatron_version
-    from ..builder import DTYPES, set_user_fields
+    from ..builder import DTYPES
     from .. import hooks
-    from ..harness import init_distributed
+    from ..driver import start_world
     from ..progress import Progress
     from . import report
     from .loop import train_layout
 
     pl = plan(ns)
-    hooks.load_plugins()
-    set_user_fields(ns.transformer_fields)
-    init_distributed(float(ns.timeout), ns.device)
-    install_checker_shims()
+    start_world(ns)
     world, rank = dist.get_world_size(), dist.get_rank()
     hooks.at_point("start", rank)
     mine = parse_layouts(ns.launch_layouts) if ns.launch_layouts is not None else pl.layouts
