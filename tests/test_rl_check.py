@@ -161,6 +161,19 @@ def test_the_bundled_task_is_learnable_at_the_default_settings(tmp_path):
     assert ours[-1]["reward_mean"] > ours[0]["reward_mean"] + 0.1, [r["reward_mean"] for r in ours]
 
 
+def test_a_context_parallel_layout_is_bitwise_in_every_iteration(tmp_path):
+    """At tp1-cp2 each CP rank feeds the model its two chunks of every sequence (the driver's Pass, as
+    train-check does; before the one driver rl-check fed the whole sequence and megatron refused the
+    mask): the forward-only pass and the training step's logprobs are bitwise the engine's."""
+    path = str(tmp_path / "cp.json")
+    proc = run_cli("rl-check", "--model", "tiny-dense", "--layout", "tp1-cp2", "--iterations", "2", "--json", path)
+    assert proc.returncode == 0, explain(proc)
+    ours = [a for a in json.load(open(path))["arms"] if a["mode"] == "mindspeed-tp"][0]["iterations"]
+    assert len(ours) == 2
+    assert all(r["bitwise_fraction"] == 1.0 and r["step_bitwise_fraction"] == 1.0 and r["max_abs_logdiff"] == 0.0
+               for r in ours)
+
+
 def test_the_verdict_fails_when_the_training_steps_logprobs_differ(tmp_path):
     """The GRPO loss uses the training step's own logprobs: one ulp off there (fault injection) fails the
     verdict though the forward-only pass still equals the engine (issue #43, item 8). One iteration at tp1."""
