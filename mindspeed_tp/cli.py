@@ -230,6 +230,7 @@ def _train_check(argv: List[str], warnings_dir: str) -> int:
 
 
 def _train_worlds(argv: List[str], pl, ns, tmp: str) -> int:
+    from .check.report import read_json
     from .check.train import report
     from .check.train.main import worlds
 
@@ -244,7 +245,7 @@ def _train_worlds(argv: List[str], pl, ns, tmp: str) -> int:
             print(f"mindspeed-tp train-check: error: {message}", file=sys.stderr)
         if code:
             return code
-        part = report.read_part(results)
+        part = read_json(results)
         parts.append(part["results"])
         summary = summary or part["reference"]
     return report.finish(parts, summary, pl, ns)
@@ -265,6 +266,7 @@ def _rl_check(argv: List[str], warnings_dir: str) -> int:
 
 
 def _rl_worlds(argv: List[str], pl, ns, tmp: str) -> int:
+    from .check.report import read_json
     from .check.rl import report
 
     parts, handover = [], None
@@ -282,7 +284,7 @@ def _rl_worlds(argv: List[str], pl, ns, tmp: str) -> int:
             print(f"mindspeed-tp rl-check: error: {message}", file=sys.stderr)
         if code:
             return code
-        parts.append(report.read_part(results))
+        parts.append(read_json(results))
     return report.finish(parts, pl, ns)
 
 

@@ -40,7 +40,7 @@ from .outputs import write_reports
 from .progress import Progress
 from .prompts import batch_from_prompts, load_prompts
 from .reference import load_reference, reference_metadata, save_reference
-from .report import format_table, write_json_atomic
+from .report import format_table, mode_name, write_json_atomic
 from .rollout import make_rollouts
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs")
@@ -497,13 +497,16 @@ def run(ns: argparse.Namespace) -> int:
             ref_modules[key] = diag.get("modules", {})
     # Layout outer, mode inner: Megatron's parallel state is built once per layout.
     for layout in layouts:
+        def unsupported(why: str) -> Dict:  # vanilla's row where it cannot run this layout
+            return dict(layout=layout.to_dict(), vanilla=True, unsupported=why,
+                        megatron_core_version=megatron_version(), model=spec.name, dtype=ns.dtype)
+
         for key, vanilla, run_profile in runs:
             problem = (vanilla_cannot_run or vanilla_layout_problem(spec, layout)) if vanilla else None
             if problem:
                 if not ns.compare_vanilla:
                     raise ConfigError(f"--vanilla with layout {layout.name}: {problem}")
-                results.append(dict(layout=layout.to_dict(), vanilla=True, unsupported=problem,
-                                    megatron_core_version=megatron_version(), model=spec.name, dtype=ns.dtype))
+                results.append(unsupported(problem))
                 progress.done += 1
                 continue
             label = {"consistent": "mindspeed-tp"}.get(key, key)
@@ -516,8 +519,7 @@ def run(ns: argparse.Namespace) -> int:
                 spec, run_layout, dtype, run_profile, int(ns.seed), batch, vanilla, ns.dispatcher, temperature, weights,
                 diagnostics=diag, packed=bool(ns.packed)))
             if cannot:
-                results.append(dict(layout=layout.to_dict(), vanilla=True, unsupported=f"cannot run ({cannot})",
-                                    megatron_core_version=megatron_version(), model=spec.name, dtype=ns.dtype))
+                results.append(unsupported(f"cannot run ({cannot})"))
                 continue
             lp, routing = ran
             r = compare_logprobs(lp, refs[key], batch.scored)
@@ -577,7 +579,7 @@ def run(ns: argparse.Namespace) -> int:
         print(format_table(results))
         for r in results:
             if r.get("bisect"):
-                print(bisect.format_bisect(r["bisect"], f"{r['layout']['name']} ({_mode_name(r)})"))
+                print(bisect.format_bisect(r["bisect"], f"{r['layout']['name']} ({mode_name(r)})"))
         against = "the rollout engine's logprobs" if rollout else "the single-device run"
         verdict = ("bitwise equal" if ok else "NOT bitwise equal") + " to " + against
         print("RESULT:", verdict)
@@ -592,10 +594,6 @@ def run(ns: argparse.Namespace) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0 if ok else 1
-
-
-def _mode_name(result: Dict) -> str:
-    return "vanilla" if result["vanilla"] else "mindspeed-tp"
 
 
 def _shutdown_distributed() -> None:

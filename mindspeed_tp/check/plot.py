@@ -1,11 +1,10 @@
 """``--plot FILE.png``: |dlogp| per token position and the largest |diff| of each transformer layer's
 output, one line per checked run (matplotlib: the optional ``plot`` extra)."""
 import math
-import os
-import tempfile
 from typing import Dict, List
 
 from ..errors import ConfigError
+from .report import save_figure
 
 INSTALL_HINT = "pip install mindspeed-tp[plot]"
 
@@ -46,10 +45,4 @@ def write_plot(path: str, curves: List[Dict]) -> None:
         ax_layer.text(0.5, 0.5, "no per-layer data", ha="center", va="center", transform=ax_layer.transAxes)
     fig.suptitle("mindspeed-tp check: distance to the reference (0 = bitwise equal)")
     fig.tight_layout()
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".png")
-    os.close(fd)
-    fig.savefig(tmp, format="png", dpi=100)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_figure(fig, path)

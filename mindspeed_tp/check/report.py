@@ -3,10 +3,12 @@ import json
 import math
 import os
 import tempfile
+from contextlib import contextmanager
 from typing import Dict, List
 
 
-def _fmt(x: float) -> str:
+def fmt_diff(x: float) -> str:
+    """A |difference| for a table: 0 exactly, else 3 significant digits (nan as such)."""
     if isinstance(x, float) and math.isnan(x):
         return "nan"
     return "0" if x == 0 else f"{x:.2e}"
@@ -34,9 +36,9 @@ def format_table(results: List[Dict]) -> str:
             f"  ({r['nonfinite_values']} NaN/inf logprobs, first at batch/position {r.get('first_nonfinite')}"
             + (f"; {r['logits_nonfinite']} NaN/inf logits" if r.get("logits_nonfinite") else "") + "!)")
         lines.append(
-            f"{r['layout']['name']:<22}{mode:<14}{_fmt(r['max_abs_logdiff']):>12}"
-            f"{_fmt(r['mean_abs_logdiff']):>13}{r['bitwise_equal_fraction'] * 100:>8.1f}%"
-            f"{_fmt(r['max_abs_probdiff']):>11}{r['pearson']:>10.6f}{r['tokens']:>8}"
+            f"{r['layout']['name']:<22}{mode:<14}{fmt_diff(r['max_abs_logdiff']):>12}"
+            f"{fmt_diff(r['mean_abs_logdiff']):>13}{r['bitwise_equal_fraction'] * 100:>8.1f}%"
+            f"{fmt_diff(r['max_abs_probdiff']):>11}{r['pearson']:>10.6f}{r['tokens']:>8}"
             + (_fmt_fraction(r.get("routing_mismatch_fraction", float("nan"))) if moe else "")
             + flag
         )
@@ -45,23 +47,43 @@ def format_table(results: List[Dict]) -> str:
     return "\n".join(lines)
 
 
-def write_json_atomic(path: str, data: Dict) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
+def read_json(path: str) -> Dict:
+    with open(path) as f:
+        return json.load(f)
 
 
-def write_text_atomic(path: str, text: str) -> None:
+@contextmanager
+def atomic_path(path: str):
+    """A temporary file beside ``path`` (its directory made) to write, moved over ``path`` once
+    written: a reader never sees a partial file."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.splitext(path)[1])
-    with os.fdopen(fd, "w") as f:
+    os.close(fd)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def write_json_atomic(path: str, data: Dict) -> None:
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
         f.write(text)
-    os.replace(tmp, path)
+
+
+def save_figure(fig, path: str) -> None:
+    """A matplotlib figure as PNG, written atomically, then closed."""
+    import matplotlib.pyplot as plt
+
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)
 
 
 def format_markdown(results: List[Dict], header: Dict, verdict: str) -> str:
@@ -75,8 +97,8 @@ def format_markdown(results: List[Dict], header: Dict, verdict: str) -> str:
         if "unsupported" in r:
             lines.append(f"| {r['layout']['name']} | {mode} | n/a: {r['unsupported']} ||||||| |")
             continue
-        lines.append(f"| {r['layout']['name']} | {mode} | {_fmt(r['max_abs_logdiff'])} | {_fmt(r['mean_abs_logdiff'])} | "
-                     f"{r['bitwise_equal_fraction'] * 100:.1f}% | {_fmt(r['max_abs_probdiff'])} | {r['pearson']:.6f} | "
+        lines.append(f"| {r['layout']['name']} | {mode} | {fmt_diff(r['max_abs_logdiff'])} | {fmt_diff(r['mean_abs_logdiff'])} | "
+                     f"{r['bitwise_equal_fraction'] * 100:.1f}% | {fmt_diff(r['max_abs_probdiff'])} | {r['pearson']:.6f} | "
                      f"{r['tokens']} | {r['nonfinite_values']} |")
     for r in results:
         bis = r.get("bisect")

@@ -10,12 +10,9 @@ own forward against them), ``response_lengths``, ``prompt_lengths``, ``rewards``
 """
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from typing import Dict, List
 
-from ..report import write_json_atomic
+from ..report import save_figure, write_json_atomic
 
 COLUMNS = (("iteration", "iter", "{:>5}"), ("reward_mean", "reward", "{:>9.4f}"), ("loss", "loss", "{:>11.4g}"),
            ("max_abs_logdiff", "max|dlogp|", "{:>12.3g}"), ("mismatch_kl", "k3 KL", "{:>11.3g}"),
@@ -25,11 +22,6 @@ COLUMNS = (("iteration", "iter", "{:>5}"), ("reward_mean", "reward", "{:>9.4f}")
 
 def write_part(path: str, part: Dict) -> None:
     write_json_atomic(path, part)
-
-
-def read_part(path: str) -> Dict:
-    with open(path) as f:
-        return json.load(f)
 
 
 def merge(parts: List[Dict]) -> Dict:
@@ -85,13 +77,7 @@ def write_plot(path: str, arms: List[Dict]) -> None:
     ax_rew.set_xlabel("iteration")
     ax_rew.legend()
     fig.tight_layout()
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".png")
-    os.close(fd)
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_figure(fig, path)
 
 
 def finish(parts: List[Dict], pl, ns) -> int:

@@ -16,15 +16,12 @@ taken after each step.
 """
 from __future__ import annotations
 
-import json
 from typing import Dict, List
-
-from safetensors.torch import load_file
 
 from ..metrics import same_bits
 from .snapshots import OPTIMIZER_STATE_KEYS
 from ..reference import load_reference, save_reference
-from ..report import write_json_atomic
+from ..report import fmt_diff, write_json_atomic
 
 
 def mode_key(vanilla: bool) -> str:
@@ -52,8 +49,7 @@ def save_reference_run(path: str, reference: Dict[str, Dict], meta: Dict[str, st
 
 
 def load_reference_run(path: str, meta: Dict[str, str], modes: List[bool], steps: int) -> Dict[str, Dict]:
-    load_reference(path, meta)  # refuses a file made for other inputs, naming the field
-    flat = load_file(path)
+    flat = load_reference(path, meta)  # refuses a file made for other inputs, naming the field
     out = {}
     for vanilla in modes:
         key = mode_key(vanilla)
@@ -113,11 +109,6 @@ def write_part(path: str, rows: List[Dict], reference: Dict[str, Dict]) -> None:
     write_json_atomic(path, {"results": rows, "reference": reference_summary(reference)})
 
 
-def read_part(path: str) -> Dict:
-    with open(path) as f:
-        return json.load(f)
-
-
 TRAINING_VERDICT_KEYS = ("loss_bitwise_equal", "grads_bitwise_equal", "params_bitwise_equal",
                          "optimizer_state_bitwise_equal")
 
@@ -149,13 +140,9 @@ def format_table(results: List[Dict], reference: Dict[str, Dict]) -> str:
                 f"{r['layout']['name']:<{w}}{mode_name(r['vanilla']):<14}{s['step']:>5}{s['loss']:>12.7f}"
                 f"{_yes(s['loss_bitwise_equal']):>7}{_yes(s['logprobs_bitwise_equal']):>7}"
                 f"{_yes(s['grads_bitwise_equal']):>8}{_yes(s['params_bitwise_equal']):>9}"
-                f"{_yes(s['optimizer_state_bitwise_equal']):>8}{_fmt(s['grad_max_abs_diff']):>11}"
-                f"{_fmt(s['param_max_abs_diff']):>11}")
+                f"{_yes(s['optimizer_state_bitwise_equal']):>8}{fmt_diff(s['grad_max_abs_diff']):>11}"
+                f"{fmt_diff(s['param_max_abs_diff']):>11}")
     return "\n".join(lines)
-
-
-def _fmt(x: float) -> str:
-    return "0" if x == 0 else f"{x:.2e}"
 
 
 def finish(parts: List[List[Dict]], reference: Dict[str, Dict], pl, ns, show: bool = True) -> int:
