@@ -289,7 +289,7 @@ def measure_mode(case: Case, mode: str, repeats: int, quiet: bool = False, forwa
             logits = pipeline_forward(model, layout, batch, spec.hidden_size, dtype, None, columns)
             if logits is not None:  # the last pipeline stage
                 targets = None if columns is None else batch.targets[:, columns]
-                logprobs_from_logits(logits, batch, spec.vocab_size, 1.0, targets)
+                logprobs_from_logits(logits, batch, spec.vocab_size, None, targets)
 
     def step():
         for m in wrapped:

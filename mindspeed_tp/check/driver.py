@@ -22,10 +22,12 @@ import torch.distributed as dist
 
 from .. import state
 from ..contract.profile import Profile
+from ..contract.sampling import Sampling
 from ..devices.npu_runtime import import_required
 from ..errors import ConfigError
 from ..kernels import mask_padded_vocab
 from ..kernels.collectives import gather_along_rank
+from ..kernels.sampling import divide_by_temperature, mask_dropped_vocab, top_k_top_p_rows
 from ..models.layout import Layout
 from ..models.spec import ModelSpec
 from ..models.weights import SeededWeights, load_weights
@@ -246,24 +248,31 @@ def pipeline_forward(model, layout: Layout, batch: ScoringBatch, hidden: int, dt
 
 
 def logprobs_from_logits(
-    logits: torch.Tensor, batch: ScoringBatch, vocab_size: int, temperature: float = 1.0,
+    logits: torch.Tensor, batch: ScoringBatch, vocab_size: int, sampling: Optional[Sampling] = None,
     targets: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Per-token logprobs through Megatron's vocab_parallel_cross_entropy (patched or vanilla).
+    """Per-token logprobs through Megatron's vocab_parallel_cross_entropy (patched or vanilla), of
+    ``sampling``'s semantics (default: raw): fp32 logits divided by its scoring temperature as the
+    engine divides them, and under processed semantics renormalised over what its top-k / top-p keep.
 
     The patch excludes padded vocab columns itself (it is told the true size, as a model config
-    tells it); vanilla megatron cannot, so for vanilla they are set to -inf first (exact). targets: instead of
+    tells it); vanilla megatron cannot, so for vanilla they are set to -inf first (exact), and its
+    top-k / top-p mask is the reference engine's, applied here. targets: instead of
     ``batch.targets`` (packed sequences).
     """
     from megatron.core import parallel_state, tensor_parallel
 
+    sampling = sampling or Sampling()
     if not state.enabled():
         start = parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1]
         logits = mask_padded_vocab(logits, vocab_size, start)
-    if temperature != 1.0:  # as rollout engines do: logprob of softmax(logits / T), in fp32
-        logits = logits.float() / temperature
+    if sampling.scoring_temperature != 1.0:  # the engine's fp32 division (kernels.sampling)
+        logits = divide_by_temperature(logits, sampling.scoring_temperature)
+    if sampling.masks and not state.enabled():
+        logits = mask_dropped_vocab(logits.float(), parallel_state.get_tensor_model_parallel_group(), vocab_size,
+                                    lambda rows: top_k_top_p_rows(rows, sampling.top_k, sampling.top_p))
     targets = batch.targets if targets is None else targets
-    with state.model_vocab_size(vocab_size):
+    with state.model_vocab_size(vocab_size), state.scoring_sampling(sampling if state.enabled() else None):
         return -tensor_parallel.vocab_parallel_cross_entropy(logits, targets.to(logits.device))
 
 

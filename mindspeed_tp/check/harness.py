@@ -82,7 +82,7 @@ def layout_logprobs(
     batch: ScoringBatch,
     vanilla: bool,
     dispatcher: str = "alltoall",
-    temperature: float = 1.0,
+    sampling: Optional[Sampling] = None,
     weights=None,
     diagnostics: Optional[dict] = None,
     packed: bool = False,
@@ -145,7 +145,7 @@ def layout_logprobs(
             if columns is not None:
                 targets = targets[:, columns]
             with engine_scoring(profile, vanilla, batch, spec):
-                result = logprobs_from_logits(out, batch, spec.vocab_size, temperature, targets).float().cpu()
+                result = logprobs_from_logits(out, batch, spec.vocab_size, sampling, targets).float().cpu()
             if columns is not None:  # every CP rank's tokens, back in sequence order
                 result = gather_columns(result, length, cp_group, cp_size, cu)
             if packed:

@@ -22,6 +22,7 @@ import yaml
 from ..compat import megatron_version, vanilla_layout_problem
 from ..contract.profile import Profile, load_profile
 from ..contract.refusals import refuse
+from ..contract.sampling import SEMANTICS, Sampling, resolve_semantics
 from ..errors import ConfigError
 from ..hf import open_hf_model
 from ..kernels.collectives import gather_along_rank
@@ -47,7 +48,7 @@ CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs")
 DEFAULTS = dict(
     model=None, hf_checkpoint=None, prompts=None, profile="default", tp=1, pp=1, sp=False, ep=1, etp=1, cp=1, dispatcher="alltoall", layouts=None, dtype="bf16", seed=1234,
     batch_size=4, seq_length=144, json=None, vanilla=False, compare_vanilla=False, reference=None,
-    save_reference=None, dump_logprobs=None, timeout=600.0, rollout=0, temperature=0.0, max_new_tokens=16,
+    save_reference=None, dump_logprobs=None, timeout=600.0, rollout=0, temperature=0.0, top_k=0, top_p=1.0, logprob_semantics=None, max_new_tokens=16,
     engine="reference", engine_max_batched_tokens=None,
     device="cpu", packed=False,
     bisect=False, bisect_dump=None, report_md=None, plot=None, verbose=False, transformer_config=None,
@@ -72,6 +73,24 @@ def require_counts(ns: argparse.Namespace, names) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
     if float(ns.timeout) <= 0:
         raise ConfigError("--timeout must be > 0 seconds")
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    """--top-k, --top-p and --logprob-semantics, as check and rl-check take them."""
+    p.add_argument("--top-k", type=int, metavar="K", help="rollout top-k (0 or -1: off, the default)")
+    p.add_argument("--top-p", type=float, metavar="P", help="rollout top-p (1: off, the default)")
+    p.add_argument("--logprob-semantics", choices=SEMANTICS,
+                   help="which logprob of a sampled token is compared: raw (log_softmax(logits), before temperature), "
+                        "temperature (log_softmax(logits / T), verl's actor) or processed (after top-k / top-p, "
+                        "renormalised over the kept tokens: vLLM's processed_logprobs); default: the profile's "
+                        "logprob_semantics, else temperature")
+
+
+def sampling_from(ns: argparse.Namespace, profile: Profile, default: str) -> Sampling:
+    """The rollout sampling and the compared logprob's semantics from the flags and the profile."""
+    semantics = resolve_semantics(ns.logprob_semantics, profile.logprob_semantics, default)
+    return Sampling(temperature=float(ns.temperature), top_k=int(ns.top_k), top_p=float(ns.top_p),
+                    semantics=semantics)
 
 
 def check_engine_and_device(ns: argparse.Namespace, spec, profile) -> None:
@@ -125,7 +144,8 @@ def build_parser(prog: str = "mindspeed-tp check") -> argparse.ArgumentParser:
                         "continuous batching) and compare the training forward's logprobs of the response tokens "
                         "with the engine's")
     p.add_argument("--temperature", type=float, help="rollout sampling temperature (0: greedy); training scores "
-                                                     "with the same temperature")
+                                                     "the logprob --logprob-semantics names at this temperature")
+    add_sampling_flags(p)
     p.add_argument("--max-new-tokens", type=int, help="rollout response length (default 16)")
     p.add_argument("--engine", choices=["reference", "vllm"],
                    help="rollout engine for --rollout: the bundled reference engine (default) or the real vLLM "
@@ -189,6 +209,9 @@ def resolve_args(argv: Optional[List[str]]) -> argparse.Namespace:
     require_counts(ns, ("batch_size", "seq_length", "max_new_tokens"))
     if int(ns.rollout) < 0 or float(ns.temperature) < 0:
         raise ConfigError("--rollout and --temperature must be >= 0")
+    ns.sampling = sampling_from(ns, load_profile(ns.profile), default="temperature")
+    if (ns.sampling.top_k or ns.sampling.top_p < 1.0) and not int(ns.rollout):
+        raise ConfigError("--top-k/--top-p cut the vocab a rollout samples from: give --rollout N")
     if ns.plot:
         from .plot import require_matplotlib
 
@@ -413,6 +436,8 @@ def run(ns: argparse.Namespace) -> int:
               "rollout": int(ns.rollout), "temperature": float(ns.temperature),
               "max_new_tokens": int(ns.max_new_tokens), "prompts": json_digest(prompts) if prompts else None,
               "packed": bool(ns.packed)}
+    if int(ns.rollout):
+        inputs.update(ns.sampling.to_dict())
     kernel_build = build_identity(run_device().type)  # the triton backend: its version and FP contraction
     verify_same_on_all_ranks(
         {"model config": spec.to_dict(), "profile": profile.to_dict(), "inputs": inputs, "device": ns.device,
@@ -423,7 +448,7 @@ def run(ns: argparse.Namespace) -> int:
                            "dispatcher": ns.dispatcher, "reference given": bool(ns.reference), "engine": ns.engine}}
     )
     rollout = int(ns.rollout) > 0
-    temperature = float(ns.temperature) if rollout and float(ns.temperature) > 0 else 1.0
+    sampling = ns.sampling if rollout else None  # what the engine samples with and which logprob is compared
     engine_modules = None
     engine_report = None
     if rollout and ns.engine == "vllm":
@@ -431,16 +456,15 @@ def run(ns: argparse.Namespace) -> int:
 
         multiple = required_world_size(layouts) * 8
         batch, engine_lp, engine_report = make_vllm_rollouts(
-            spec, profile, ns.dtype, int(ns.seed), int(ns.rollout), int(ns.max_new_tokens), float(ns.temperature),
+            spec, profile, ns.dtype, int(ns.seed), int(ns.rollout), int(ns.max_new_tokens), sampling,
             int(ns.seq_length) // 2, multiple, weights, prompts, ns.hf_checkpoint, ns.engine_max_batched_tokens)
         from ..numerics.vllm.host import check_engine_family
 
         check_engine_family(engine_report["cpu_isa"])  # every rank: another node may be another host type
-        temperature = 1.0  # vLLM returns raw logprobs: log_softmax of the logits before temperature
     elif rollout:
         multiple = required_world_size(layouts) * 8  # any SP split of the scored length divides evenly
         batch, engine_lp, engine_modules = make_rollouts(
-            spec, profile, dtype, int(ns.seed), int(ns.rollout), int(ns.max_new_tokens), float(ns.temperature),
+            spec, profile, dtype, int(ns.seed), int(ns.rollout), int(ns.max_new_tokens), sampling,
             int(ns.seq_length) // 2, multiple, weights, prompts, run_device(), record_modules=ns.bisect)
         if batch.tokens.shape[1] > spec.max_position_embeddings:
             raise ConfigError("--seq-length/--max-new-tokens exceed the model's max_position_embeddings")
@@ -516,7 +540,7 @@ def run(ns: argparse.Namespace) -> int:
             # vanilla runs the same layout without CP, and the report says so.
             run_layout = layout.without_cp() if vanilla else layout
             ran, cannot = _arm(vanilla and bool(ns.compare_vanilla), float(ns.timeout), lambda: layout_logprobs(
-                spec, run_layout, dtype, run_profile, int(ns.seed), batch, vanilla, ns.dispatcher, temperature, weights,
+                spec, run_layout, dtype, run_profile, int(ns.seed), batch, vanilla, ns.dispatcher, sampling, weights,
                 diagnostics=diag, packed=bool(ns.packed)))
             if cannot:
                 results.append(unsupported(f"cannot run ({cannot})"))
@@ -544,8 +568,7 @@ def run(ns: argparse.Namespace) -> int:
             if engine_report is not None:
                 r.update(engine=engine_report, alongside=key != "consistent")
             if rollout:
-                r.update(rollout=int(ns.rollout), temperature=float(ns.temperature),
-                         max_new_tokens=int(ns.max_new_tokens))
+                r.update(rollout=int(ns.rollout), max_new_tokens=int(ns.max_new_tokens), **sampling.to_dict())
             if ns.bisect and rank == 0:
                 r["bisect"] = bisect.bisect_report(diag["modules"], ref_modules[key], batch, ns.bisect_dump,
                                                    f"{key}-{layout.name}", meta)
@@ -576,6 +599,8 @@ def run(ns: argparse.Namespace) -> int:
             print(f"engine: vLLM {engine_report['version']} tp={engine_report['tp']} started in "
                   f"{engine_report['start_seconds']:.0f}s, generated in {engine_report['generate_seconds']:.0f}s; "
                   f"kernels: {engine_report['kernels']}")
+        if rollout:
+            print(f"compared: {sampling.describe()}")
         print(format_table(results))
         for r in results:
             if r.get("bisect"):

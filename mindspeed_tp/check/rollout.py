@@ -1,11 +1,14 @@
 """Rollouts for the checker: the reference engine generates responses on rank 0; every rank gets
 the token sequences and the engine's logprobs (tensors, no pickle) to score them in any layout."""
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
 from ..models.spec import ModelSpec
 from ..models.weights import SeededWeights
 from ..contract.profile import Profile
+from ..contract.sampling import Sampling
 from ..reference import ReferenceEngine, ReferenceModel, Request
 from .batch import ScoringBatch
 
@@ -20,13 +23,14 @@ def rollout_prompts(spec: ModelSpec, seed: int, num: int, max_prompt: int, promp
 
 
 def make_rollouts(spec: ModelSpec, profile: Profile, dtype, seed: int, num: int, max_new_tokens: int,
-                  temperature: float, max_prompt: int, multiple: int, weights=None, prompts=None, device=None,
+                  sampling: Sampling, max_prompt: int, multiple: int, weights=None, prompts=None, device=None,
                   record_modules: bool = False):
     """Returns (ScoringBatch over prompt+response, engine logprobs (b, s) at the scoring positions,
     the engine's module outputs for --bisect on rank 0 (else None)).
 
     prompts: token-id lists (request i uses prompt i mod len, so N > len samples a group per
     prompt); default: seeded random prompts. weights: default the seeded weights of ``seed``.
+    sampling: the temperature, top-k / top-p and the returned logprob's semantics.
     The engine runs on ``device`` (the checker's, so on an NPU it runs the npu kernels too)."""
     prompts = rollout_prompts(spec, seed, num, max_prompt, prompts)
     length = padded_length([len(p) for p in prompts], max_new_tokens, multiple)
@@ -35,12 +39,14 @@ def make_rollouts(spec: ModelSpec, profile: Profile, dtype, seed: int, num: int,
         model = ReferenceModel.from_source(spec, profile, weights or SeededWeights(spec, seed), dtype)
         if device is not None:
             model.to(device)
-        engine = ReferenceEngine(model, seed=seed, max_running=max(1, num // 2 + 1))
+        engine = ReferenceEngine(model, seed=seed, max_running=max(1, num // 2 + 1),
+                                 logprob_semantics=sampling.semantics)
         if record_modules:
             tracer = EngineTrace(engine, num, length, spec.num_experts)
             model.trace = tracer
-        requests = [Request(prompt=p, max_new_tokens=max_new_tokens, request_id=i, temperature=temperature,
-                            arrival_step=i % 3) for i, p in enumerate(prompts)]
+        requests = [Request(prompt=p, max_new_tokens=max_new_tokens, request_id=i, temperature=sampling.temperature,
+                            top_k=sampling.top_k, top_p=sampling.top_p, arrival_step=i % 3)
+                    for i, p in enumerate(prompts)]
         engine.generate(requests)
         rollouts = [(r.prompt, r.output, r.logprob_tensor) for r in requests]
     batch, engine_lp = rollout_batch(rollouts, num, length)
@@ -144,7 +150,7 @@ def engine_report(engine, profile: Profile, generate_seconds: float, budget: int
 
     return {"name": "vllm", "version": require_vllm(profile.engine.version), "tp": engine.tp,
             "start_seconds": round(engine.start_seconds, 1), "generate_seconds": round(generate_seconds, 1),
-            "max_num_batched_tokens": budget, "logprobs_mode": "raw_logprobs",
+            "max_num_batched_tokens": budget, "logprobs_mode": engine.logprobs_mode,
             "cpu_isa": engine.info.get("cpu_isa"), "profile_cpu_isa": profile.engine.cpu_isa,
             "kernels": engine.info, "training_kernels": kernel_choices()}
 
@@ -156,9 +162,10 @@ def engine_budget(prompt_lens, max_batched_tokens=None) -> int:
 
 
 def start_vllm(spec: ModelSpec, profile: Profile, dtype_name: str, weights, max_len: int, budget: int, seed: int,
-               max_num_seqs: int, hf_checkpoint=None):
+               max_num_seqs: int, hf_checkpoint=None, sampling: Optional[Sampling] = None):
     """The real vLLM at TP=profile.rollout_tp on this process's node, from ``hf_checkpoint`` or from
-    ``weights`` (a ``models.weights`` source) written as one in a temporary directory."""
+    ``weights`` (a ``models.weights`` source) written as one in a temporary directory; it returns the
+    logprobs of ``sampling``'s semantics (default raw)."""
     import tempfile
 
     from ..integrations.vllm.checkpoint import write_hf_checkpoint
@@ -170,11 +177,11 @@ def start_vllm(spec: ModelSpec, profile: Profile, dtype_name: str, weights, max_
                                                          tmp)
         return start_engine(model_dir, profile.rollout_tp, {"bf16": "bfloat16", "fp32": "float32"}[dtype_name],
                             max_model_len=-(-max_len // 128) * 128, max_num_batched_tokens=budget, seed=seed,
-                            max_num_seqs=max_num_seqs)
+                            max_num_seqs=max_num_seqs, sampling=sampling)
 
 
 def make_vllm_rollouts(spec: ModelSpec, profile: Profile, dtype_name: str, seed: int, num: int, max_new_tokens: int,
-                       temperature: float, max_prompt: int, multiple: int, weights, prompts=None,
+                       sampling: Sampling, max_prompt: int, multiple: int, weights, prompts=None,
                        hf_checkpoint=None, max_batched_tokens=None):
     """Rollouts from the real vLLM at TP=profile.rollout_tp, started on rank 0 of this node for the
     duration of the generation. Returns (ScoringBatch with prompt lengths, vLLM's logprobs (b, s)
@@ -187,14 +194,14 @@ def make_vllm_rollouts(spec: ModelSpec, profile: Profile, dtype_name: str, seed:
     if dist.get_rank() == 0:
         budget = engine_budget(prompt_lens, max_batched_tokens)
         engine = start_vllm(spec, profile, dtype_name, weights, max(p + max_new_tokens for p in prompt_lens), budget,
-                            seed, max(1, num), hf_checkpoint)
+                            seed, max(1, num), hf_checkpoint, sampling)
         began = time.time()
         try:
             if max_batched_tokens:  # one request per step: its prefill chunks are budget-sized
-                rollouts = [engine.generate([p], temperature, max_new_tokens, seed + i)[0]
+                rollouts = [engine.generate([p], sampling, max_new_tokens, seed + i)[0]
                             for i, p in enumerate(prompts)]
             else:
-                rollouts = engine.generate(prompts, temperature, max_new_tokens, seed)
+                rollouts = engine.generate(prompts, sampling, max_new_tokens, seed)
         finally:
             generated = time.time() - began
             engine.shutdown()

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Optional
 
+from ..contract.sampling import Sampling
+
 
 @dataclass(frozen=True)
 class TrainSettings:
@@ -47,9 +49,22 @@ class RLSettings(TrainSettings):
     logprob_micro_batch_size: int = 4
     logprob_max_tokens: Optional[int] = None  # a token budget per forward-only micro-batch instead
     clip_ratio: float = 0.2
+    top_k: int = 0
+    top_p: float = 1.0
+    logprob_semantics: str = "temperature"
 
     def __post_init__(self):
         object.__setattr__(self, "global_batch_size", self.prompts * self.group_size)
 
+    @property
+    def sampling(self) -> Sampling:
+        """What the engine samples with and which logprob the loop compares and trains on."""
+        return Sampling(self.temperature, self.top_k, self.top_p, self.logprob_semantics)
+
     def to_dict(self):
-        return {name: getattr(self, name) for name in _RL_KEYS}
+        data = {name: getattr(self, name) for name in _RL_KEYS}
+        # the sampling fields only where they differ from the defaults every earlier run had
+        for name, default in (("top_k", 0), ("top_p", 1.0), ("logprob_semantics", "temperature")):
+            if getattr(self, name) != default:
+                data[name] = getattr(self, name)
+        return data

@@ -15,6 +15,7 @@ from typing import Any, Dict, Optional, Tuple
 import yaml
 
 from ..errors import ConfigError
+from .sampling import SEMANTICS
 from . import refusals
 
 PROFILE_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "profiles")
@@ -159,6 +160,9 @@ class Profile:
     # into C canonical shards and each shard into leaves of this many rows (the last one shorter), one
     # fp32 GEMM each; wide leaves keep those GEMMs large at a real vocabulary.
     lm_head_grad_leaf_width: int = 2048
+    # Which logprob of a sampled token the checkers compare (contract/sampling.py): raw, temperature
+    # or processed; None: the checker's default (temperature). --logprob-semantics overrides it.
+    logprob_semantics: Optional[str] = None
 
     def replace(self, **changes) -> "Profile":
         return dataclasses.replace(self, **changes)
@@ -206,6 +210,9 @@ class Profile:
         if self.bitwise_training and self.reduction != "canonical_tree":
             raise ConfigError("profile field 'bitwise_training' needs reduction: canonical_tree (the rollout-layout "
                               "mode reproduces an engine's forward only)")
+        if self.logprob_semantics is not None and self.logprob_semantics not in SEMANTICS:
+            raise ConfigError(f"profile field 'logprob_semantics' must be empty or one of {SEMANTICS}, "
+                              f"got {self.logprob_semantics!r}")
         for name in ("accumulate_dtype", "logits_dtype"):
             if getattr(self, name) != "float32":
                 raise ConfigError(
@@ -261,7 +268,10 @@ class Profile:
             raise refusals.refuse("rollout_k_indivisible", what=what, k=k, r=self.rollout_tp)
 
     def to_dict(self) -> Dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        if data["logprob_semantics"] is None:  # unset: the digests of profiles written before the field
+            del data["logprob_semantics"]
+        return data
 
     def digest(self) -> str:
         """Stable hash of every field: ranks compare it to prove they run one contract."""

@@ -382,6 +382,12 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "actor_rollout_ref.model.use_fused_kernels=True (also ref.*/critic.*): verl's fused logprob kernel "
             "bypasses mindspeed-tp's vocab reduction; set use_fused_kernels=False",
             "the fused kernel computes logprobs in its own order"),
+    Refusal("verl_processed_logprobs", VERL, "profile logprob_semantics (verl: temperature)",
+            "the profile's logprob_semantics is processed, but verl's actor computes log_softmax(logits / T) "
+            "(temperature semantics): it does not renormalise over the rollout's top-k / top-p. Set "
+            "logprob_semantics: temperature, and for bitwise rollout logprobs sample with rollout top_p=1.0, "
+            "top_k=-1 (vLLM's processed_logprobs are then the same logprobs)",
+            "verl's actor never applies the rollout's top-k / top-p mask"),
     Refusal("mbridge_local_experts_parallel", VERL, "tensor/expert/expert-tensor parallel size with mbridge MoE",
             "mbridge with the local spec's SequentialMLP experts ({sizes}): mbridge splits and scatters expert weights "
             "by its grouped-GEMM names only, so with mindspeed-tp it loads MoE checkpoints at tensor/expert/"

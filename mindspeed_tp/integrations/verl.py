@@ -13,7 +13,10 @@ here, applied as verl's and mbridge's modules are imported (nothing is imported 
    ``vocab_parallel_cross_entropy`` outside any model's loss, where the patch cannot learn the true
    vocab size, hence this entry: the logits carry it (``models.marks``; mbridge's models are marked
    with the Hugging Face vocab size, ``LLMBridge._model_provider``), or it is set explicitly, or the
-   call is refused;
+   call is refused. verl's actor computes temperature logprobs (``logprob_semantics: temperature``); a
+   profile asking for processed ones is refused (``verl_processed_logprobs``). The logits processor's
+   in-place division by the temperature runs on fp32 logits (``temperature_in_fp32``: a real
+   engine's bf16 logits are widened first), as the engine divides them;
 2. the layer spec verl's models are built from is one the patches cover: verl 0.9 builds them
    through mbridge (``mbridge.core.llm_bridge.LLMBridge._get_transformer_layer_spec``) or, in older
    verl, ``verl/models/mcore/model_initializer.py``; both ask megatron-core's
@@ -38,6 +41,8 @@ import functools
 import re
 import sys
 
+import torch
+
 from .. import compat, state
 from ..contract.refusals import refuse
 from ..kernels.collectives import group_size
@@ -48,6 +53,8 @@ from ..numerics.weight_caches import invalidating
 from ..patching import Patch, PatchRegistry
 
 VERL_LOGPROB = "verl.utils.megatron.tensor_parallel:vocab_parallel_log_probs_from_logits"
+VERL_LOGITS_PROCESSOR = ("verl.workers.engine.megatron.transformer_impl:"
+                         "MegatronEngineWithLMHead._lm_head_logits_processor")
 VERL_BLOCK_SPEC = "verl.models.mcore.model_initializer:get_gpt_decoder_block_spec"
 MBRIDGE_BLOCK_SPEC = "mbridge.core.llm_bridge:get_gpt_decoder_block_spec"
 MBRIDGE_BRIDGE = "mbridge.core.bridge:Bridge"
@@ -73,11 +80,28 @@ def _verl_logprob(original):
         numerics = ACTIVE.current()
         if numerics is None:
             return original(logits, labels)
+        if state.profile().logprob_semantics == "processed":
+            raise refuse("verl_processed_logprobs")
         group = compat.tp_group_of()
         vocab = true_vocab_size(logits.shape[-1] * group_size(group), from_model=getattr(logits, TRUE_VOCAB_ATTR, None))
         return numerics.logprob(logits, labels, group, vocab)
 
     return vocab_parallel_log_probs_from_logits
+
+
+def temperature_in_fp32(original):
+    """verl's LM-head logits processor divides the logits by the per-token fp32 temperature in place,
+    in the logits' dtype; the engine divides fp32 logits (vLLM: ``logits.to(float32)``, then
+    ``Sampler.apply_temperature``). Logits in another dtype (a real engine's bf16 LM head) are widened
+    first -- exact -- so verl's division is the engine's; every argument is passed on as given."""
+
+    @functools.wraps(original)
+    def _lm_head_logits_processor(self, logits, *args, **kwargs):
+        if state.enabled() and logits.dtype != torch.float32:
+            logits = logits.float()
+        return original(self, logits, *args, **kwargs)
+
+    return _lm_head_logits_processor
 
 
 def mbridge_true_vocab(original):
@@ -183,6 +207,9 @@ def register(reg: PatchRegistry) -> None:
     reg.add(Patch(target=VERL_LOGPROB, replacement=_verl_logprob, wraps=True, on_import=True,
                   reason="verl's Megatron logprob by the active strategy (canonical vocab tree, or the engine's "
                          "full-vocab fp32 log-softmax), padded columns excluded by the true vocab size its logits carry"))
+    reg.add(Patch(target=VERL_LOGITS_PROCESSOR, replacement=temperature_in_fp32, wraps=True, on_import=True,
+                  reason="verl's temperature division (in place, in the logits' dtype) on fp32 logits, as the "
+                         "engine divides them"))
     reg.add(Patch(target=MBRIDGE_PROVIDER, replacement=mbridge_true_vocab, wraps=True, on_import=True,
                   reason="mbridge's models carry the Hugging Face vocab size (mbridge pads the model's vocab)"))
     reg.add(Patch(target=f"{MBRIDGE_BRIDGE}.load_weights", replacement=invalidating, wraps=True, on_import=True,

@@ -15,6 +15,7 @@ import torch
 
 from . import dispatch, elementwise
 from .collectives import group_size, gather_along_rank, group_rank, max_across_ranks
+from .sampling import divide_by_temperature
 from ..contract.refusals import refuse
 from ..contract.tree import dyadic_blocks, merge_blocks, tree_fold
 
@@ -104,9 +105,7 @@ class _VocabParallelLogprob(torch.autograd.Function):
         if v_local % width:
             raise refuse("vocab_leaf_width", v_local=v_local, width=width, vocab=true_vocab)
         vocab_start = group_rank(group) * v_local
-        lf = logits.float()
-        if temperature != 1.0:
-            lf = lf / temperature
+        lf = divide_by_temperature(logits, temperature)  # fp32; the caller's logits when fp32 at T = 1
         # Padded columns (ids >= the true vocab) are left out of the max and get exp = 0 exactly:
         # no masked copy of the (tokens, V/TP) logits, and exp(lf - max) only in runs of rows.
         real = min(v_local, max(0, true_vocab - vocab_start))

@@ -114,5 +114,12 @@ class Numerics:
         raise NotImplementedError
 
     def logprob(self, logits: torch.Tensor, target: torch.Tensor, group, vocab_size: int) -> torch.Tensor:
-        """Per-token fp32 logprobs from this rank's vocab shard (``vocab_size``: the true one)."""
+        """Per-token fp32 logprobs from this rank's vocab shard (``vocab_size``: the true one); while
+        ``state.sampling_mask()`` names a ``Sampling`` (processed semantics), over the columns its
+        top-k / top-p keep of each full row (``top_k_top_p``)."""
+        raise NotImplementedError
+
+    def top_k_top_p(self, rows: torch.Tensor, sampling) -> torch.Tensor:
+        """Full real-vocab rows (fp32, already divided by T) with -inf where the engine's top-k /
+        top-p drop a column: the engine's own mask, row-local."""
         raise NotImplementedError

@@ -1,5 +1,5 @@
 """A rollout-engine stand-in: paged KV cache, chunked prefill, one-token decode, continuous
-batching, greedy or temperature sampling from per-request seeded generators.
+batching, greedy or temperature sampling (top-k / top-p optional) from per-request seeded generators.
 
 It runs ``ReferenceModel`` and so the same numerics contract as the patched training forward: a
 request's tokens and logprobs depend on nothing but the request (not on the other requests in
@@ -13,7 +13,9 @@ from typing import Dict, List, Optional
 
 import torch
 
+from ..contract.sampling import Sampling
 from ..kernels import mask_padded_vocab
+from ..kernels.sampling import divide_by_temperature, mask_dropped_vocab, top_k_top_p_rows
 from .model import ReferenceModel
 
 
@@ -23,6 +25,8 @@ class Request:
     max_new_tokens: int
     request_id: int = 0
     temperature: float = 0.0  # 0: greedy
+    top_k: int = 0            # 0: off
+    top_p: float = 1.0        # 1: off
     arrival_step: int = 0     # continuous batching: the step at which the request joins
     eos_token_id: Optional[int] = None  # stop after sampling this token (it is part of the output)
     # filled by the engine
@@ -77,24 +81,29 @@ def _request_generator(seed: int, request_id: int) -> torch.Generator:
 
 class ReferenceEngine:
     def __init__(self, model: ReferenceModel, page_size: int = 16, num_pages: int = 4096, max_running: int = 8,
-                 prefill_chunk: int = 64, seed: int = 0):
+                 prefill_chunk: int = 64, seed: int = 0, logprob_semantics: str = "temperature"):
+        """logprob_semantics: which logprob of each sampled token is returned (contract/sampling.py)."""
         spec = model.spec
         self.model, self.max_running, self.prefill_chunk, self.seed = model, max_running, prefill_chunk, seed
+        self.logprob_semantics = logprob_semantics
         self.cache = PagedKVCache(spec.num_layers, num_pages, page_size, spec.num_query_groups, spec.kv_channels,
                                   model.dtype, model.device)
         self.rows = []  # (request_id, position) of each row of the current step (for model.trace)
 
     def _sample(self, logits: torch.Tensor, req: Request, gen: torch.Generator):
         m = self.model
+        sampling = Sampling(req.temperature, req.top_k, req.top_p, self.logprob_semantics)
         masked = mask_padded_vocab(logits, m.spec.vocab_size)
-        if req.temperature == 0:
+        if sampling.greedy:
             token = int(torch.argmax(masked))  # first maximum: lowest id on ties
-            temperature = 1.0
         else:
-            temperature = req.temperature
-            probs = torch.softmax(masked / temperature, dim=-1)
+            scaled = divide_by_temperature(masked, sampling.temperature)
+            if sampling.filters:  # sampled from what top-k / top-p keep of the real vocab
+                scaled = mask_dropped_vocab(scaled, None, m.spec.vocab_size,
+                                            lambda rows: top_k_top_p_rows(rows, sampling.top_k, sampling.top_p))
+            probs = torch.softmax(scaled, dim=-1)
             token = int(torch.multinomial(probs.cpu(), 1, generator=gen))  # the request's CPU generator
-        lp = m.logprob(logits.unsqueeze(0), torch.tensor([token], device=logits.device), temperature)[0].cpu()
+        lp = m.logprob(logits.unsqueeze(0), torch.tensor([token], device=logits.device), sampling)[0].cpu()
         return token, lp
 
     def generate(self, requests: List[Request]) -> List[Request]:

@@ -22,6 +22,8 @@ from ..numerics.rollout_layout.engine_math import full_vocab_logprob, rollout_ro
 from ..models.spec import ModelSpec
 from ..models.weights import full_weights, seeded_full_weights
 from ..contract.profile import Profile
+from ..contract.sampling import Sampling
+from ..kernels.sampling import divide_by_temperature, mask_dropped_vocab, top_k_top_p_rows
 
 
 class ReferenceModel:
@@ -177,12 +179,16 @@ class ReferenceModel:
         self._record("output_layer", n, logits)
         return logits
 
-    def logprob(self, logits: torch.Tensor, target: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-        """Exactly the training side's scoring: padded columns to -inf, canonical vocab tree (or, with
-        reduction: rollout_layout, the engine's one fp32 log-softmax over the whole vocab)."""
-        logits = mask_padded_vocab(logits, self.spec.vocab_size)
-        if temperature != 1.0:
-            logits = logits / temperature
+    def logprob(self, logits: torch.Tensor, target: torch.Tensor, sampling: Optional[Sampling] = None) -> torch.Tensor:
+        """Exactly the training side's scoring of ``sampling``'s semantics (default raw): padded
+        columns to -inf, fp32 logits divided by T, under processed semantics the columns top-k /
+        top-p drop to -inf, then the canonical vocab tree (or, with reduction: rollout_layout, the
+        engine's one fp32 log-softmax over the whole vocab)."""
+        sampling = sampling or Sampling()
+        logits = divide_by_temperature(mask_padded_vocab(logits, self.spec.vocab_size), sampling.scoring_temperature)
+        if sampling.masks:
+            logits = mask_dropped_vocab(logits, None, self.spec.vocab_size,
+                                        lambda rows: top_k_top_p_rows(rows, sampling.top_k, sampling.top_p))
         if self.profile.rollout_layout:
             return full_vocab_logprob(logits, target)
         return vocab_parallel_logprob(logits, target, None, self.profile.canonical_shards,

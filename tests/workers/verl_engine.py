@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 
 import verl  # noqa: F401  (imports mindspeed_tp.verl from the environment variable)
 import mindspeed_tp
+from mindspeed_tp.contract.sampling import Sampling
 from mindspeed_tp.devices.cpu_shims import install_cpu_shims
 from mindspeed_tp.check.driver import setup_parallel_state, init_distributed
 from mindspeed_tp.hf import open_hf_model
@@ -105,7 +106,7 @@ def reference_logprobs(spec, profile, weights, seqs):
     padded = torch.zeros(len(seqs), max(LENGTHS))
     for i, seq in enumerate(seqs):
         logits = ref.forward(seq, torch.arange(len(seq)), [(0, len(seq))], *whole_sequence_kv())
-        padded[i, : len(seq) - 1] = ref.logprob(logits[:-1], seq[1:], TEMPERATURE)
+        padded[i, : len(seq) - 1] = ref.logprob(logits[:-1], seq[1:], Sampling(TEMPERATURE, semantics="temperature"))
     return padded
 
 

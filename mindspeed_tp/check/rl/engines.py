@@ -29,8 +29,9 @@ class ReferenceRollouts:
     """The bundled reference engine: its model's weights are replaced in place on every sync."""
     name = "reference"
 
-    def __init__(self, spec, profile, dtype, max_running: int, device="cpu"):
+    def __init__(self, spec, profile, dtype, max_running: int, device="cpu", semantics: str = "temperature"):
         self.spec, self.profile, self.dtype, self.max_running = spec, profile, dtype, max_running
+        self.semantics = semantics  # the logprob the engine returns (contract/sampling.py)
         self.device = device  # the run's device: the engine runs the kernels training runs there
         self.engine: Optional[ReferenceEngine] = None
 
@@ -39,13 +40,14 @@ class ReferenceRollouts:
                    for name, t in full.items()}
         if self.engine is None:
             self.engine = ReferenceEngine(ReferenceModel(self.spec, self.profile, weights, self.dtype).to(self.device),
-                                          max_running=self.max_running)
+                                          max_running=self.max_running, logprob_semantics=self.semantics)
         else:
             self.engine.model.w = weights
 
-    def generate(self, prompts, temperature, max_new_tokens, seed, eos_token_id):
+    def generate(self, prompts, sampling, max_new_tokens, seed, eos_token_id):
         self.engine.seed = seed
-        requests = [Request(prompt=list(p), max_new_tokens=max_new_tokens, request_id=i, temperature=temperature,
+        requests = [Request(prompt=list(p), max_new_tokens=max_new_tokens, request_id=i,
+                            temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                             arrival_step=i % 3, eos_token_id=eos_token_id) for i, p in enumerate(prompts)]
         self.engine.generate(requests)
         return [(r.prompt, r.output, r.logprob_tensor.float()) for r in requests]
@@ -62,8 +64,9 @@ class VllmRollouts:
     every later sync is ``Engine.load_weights`` (in memory, no checkpoint)."""
     name = "vllm"
 
-    def __init__(self, spec, profile, dtype_name, max_len: int, num_requests: int, max_prompt: int, seed: int):
-        self.spec, self.profile, self.dtype_name = spec, profile, dtype_name
+    def __init__(self, spec, profile, dtype_name, max_len: int, num_requests: int, max_prompt: int, seed: int,
+                 sampling=None):
+        self.spec, self.profile, self.dtype_name, self.sampling = spec, profile, dtype_name, sampling
         self.max_len, self.num, self.max_prompt, self.seed = max_len, num_requests, max_prompt, seed
         self.engine, self.generate_seconds, self.budget = None, 0.0, 0
 
@@ -76,11 +79,11 @@ class VllmRollouts:
             return
         self.budget = engine_budget([self.max_prompt] * self.num)
         self.engine = start_vllm(self.spec, self.profile, self.dtype_name, DictWeights(full), self.max_len, self.budget,
-                                 self.seed, self.num)
+                                 self.seed, self.num, sampling=self.sampling)
 
-    def generate(self, prompts, temperature, max_new_tokens, seed, eos_token_id):
+    def generate(self, prompts, sampling, max_new_tokens, seed, eos_token_id):
         began = time.time()
-        out = self.engine.generate(prompts, temperature, max_new_tokens, seed, eos_token_id)
+        out = self.engine.generate(prompts, sampling, max_new_tokens, seed, eos_token_id)
         self.generate_seconds += time.time() - began
         return [(r.prompt, r.output, torch.tensor(r.logprobs, dtype=torch.float32)) for r in out]
 

@@ -63,15 +63,15 @@ def run_arm(spec, layout, dtype, profile, settings: RLSettings, vanilla: bool, e
         rollouts = None
         if dist.get_rank() == 0:
             engine.sync(full)  # the weights of the policy about to sample
-            rollouts = engine.generate(prompts, settings.temperature, settings.max_new_tokens,
+            rollouts = engine.generate(prompts, settings.sampling, settings.max_new_tokens,
                                        settings.seed * 1000 + k * 100003, settings.eos_token_id)
         batch, rollout_lp = rollout_batch(rollouts, n, settings.seq_length)
         mask = batch.scored
         rewards = task.score(reward_fn, *prompts_and_responses(batch))
         adv = grpo.advantages(rewards, mask, settings.group_size)
-        train_lp = forward_logprobs(forward_backward, wrapped, spec, profile, vanilla, settings.temperature, batch,
+        train_lp = forward_logprobs(forward_backward, wrapped, spec, profile, vanilla, settings.sampling, batch,
                                     layout, settings.logprob_micro_batch_size, settings.logprob_max_tokens)
-        step_lp = train_step(forward_backward, wrapped, optimizer, spec, profile, vanilla, settings.temperature,
+        step_lp = train_step(forward_backward, wrapped, optimizer, spec, profile, vanilla, settings.sampling,
                              batch, layout, settings.micro_batch_size, rollout_lp, adv, loss)
         step_lp = hooks.on_step_logprobs(step_lp, mask)
         # The reported loss: verl's global token-mean of the step's policy loss, from the gathered

@@ -17,16 +17,16 @@ from ...contract.refusals import refuse
 from ...errors import ConfigError
 from ...models.layout import Layout, validate_layout
 from ...models.spec import ModelSpec, load_model_spec
-from ..main import (CheckerParser, add_device_flag, check_engine_and_device, override, require_counts, run_main,
-                    verify_same_on_all_ranks)
+from ..main import (CheckerParser, add_device_flag, add_sampling_flags, check_engine_and_device, override,
+                    require_counts, run_main, sampling_from, verify_same_on_all_ranks)
 from ..library_warnings import add_verbose_flag
 from ..settings import RLSettings
 from .. import user_config
 
 DEFAULTS = dict(
     model=None, profile=None, engine="reference", layout="tp2-sp-pp2", layouts=None, reshard_at=None, iterations=10,
-    prompts=4, group_size=4, max_prompt=12, max_new_tokens=16, temperature=1.0, eos_token_id=None,
-    micro_batch_size=2, logprob_micro_batch_size=4, logprob_max_tokens=None, lr=1e-2, clip_ratio=0.2, seed=1234, dtype="bf16",
+    prompts=4, group_size=4, max_prompt=12, max_new_tokens=16, temperature=1.0, top_k=0, top_p=1.0,
+    logprob_semantics=None, eos_token_id=None, micro_batch_size=2, logprob_micro_batch_size=4, logprob_max_tokens=None, lr=1e-2, clip_ratio=0.2, seed=1234, dtype="bf16",
     bitwise_training=False, compare_vanilla=False, reward="multiple-of-8", json=None, plot=None, save_state=None,
     timeout=600.0, verbose=False, transformer_config=None, device="cpu",
 )
@@ -49,7 +49,8 @@ def build_parser(prog: str = "mindspeed-tp rl-check") -> argparse.ArgumentParser
     p.add_argument("--group-size", type=int, help="samples per prompt G (default 4)")
     p.add_argument("--max-prompt", type=int, help="longest prompt, tokens (default 12; lengths are seeded, >= 2)")
     p.add_argument("--max-new-tokens", type=int, help="response length limit (default 16)")
-    p.add_argument("--temperature", type=float, help="sampling temperature (default 1.0; --engine vllm: 1.0 only)")
+    p.add_argument("--temperature", type=float, help="sampling temperature (default 1.0)")
+    add_sampling_flags(p)
     p.add_argument("--eos-token-id", type=int, help="a response stops after sampling this token (default: none, "
                                                     "every response runs to --max-new-tokens)")
     p.add_argument("--micro-batch-size", type=int, help="sequences per training micro-batch (default 2)")
@@ -123,9 +124,13 @@ def plan(ns: argparse.Namespace) -> Plan:
     check_engine_and_device(ns, spec, profile)
     if ns.engine == "reference" and profile.engine_name == "vllm":
         raise ConfigError(f"--profile {profile.name} describes the real vLLM: add --engine vllm")
-    if ns.engine == "vllm" and float(ns.temperature) != 1.0:
-        raise ConfigError("--engine vllm: --temperature must be 1.0 (the engine returns raw logprobs, of the "
-                          "distribution before temperature: at another temperature they are not the sampling policy's)")
+    sampling = sampling_from(ns, profile, default="temperature")
+    if sampling.semantics == "raw" and (sampling.temperature != 1.0 or sampling.filters):
+        raise ConfigError(f"--logprob-semantics raw with --temperature {sampling.temperature:g}"
+                          f"{' and --top-k/--top-p' if sampling.filters else ''}: raw logprobs are of "
+                          "the distribution before temperature and top-k / top-p, not the sampling policy's, so the "
+                          "importance ratio would not be the policy's; use --logprob-semantics temperature (verl's) or "
+                          "processed, or sample at --temperature 1 without --top-k/--top-p")
     if ns.bitwise_training and not profile.bitwise_training:
         profile = profile.replace(bitwise_training=True)
     names = [x for x in str(ns.layouts or ns.layout).split(",") if x.strip()]
@@ -161,7 +166,8 @@ def plan(ns: argparse.Namespace) -> Plan:
                           logprob_micro_batch_size=int(ns.logprob_micro_batch_size),
                           logprob_max_tokens=None if ns.logprob_max_tokens is None else int(ns.logprob_max_tokens),
                           lr=float(ns.lr),
-                          clip_ratio=float(ns.clip_ratio), seed=int(ns.seed), seq_length=seq_length)
+                          clip_ratio=float(ns.clip_ratio), seed=int(ns.seed), seq_length=seq_length,
+                          top_k=sampling.top_k, top_p=sampling.top_p, logprob_semantics=sampling.semantics)
     n = settings.prompts * settings.group_size
     for layout, _, _ in segments:
         validate_layout(layout, spec, profile, seq_length, training=True)
@@ -196,10 +202,11 @@ def _make_engine(ns, pl: Plan, dtype):
     s = pl.settings
     n = s.prompts * s.group_size
     if ns.engine == "vllm":
-        return VllmRollouts(pl.spec, pl.profile, ns.dtype, s.seq_length, n, s.max_prompt, s.seed)
+        return VllmRollouts(pl.spec, pl.profile, ns.dtype, s.seq_length, n, s.max_prompt, s.seed, s.sampling)
     from ..driver import run_device
 
-    return ReferenceRollouts(pl.spec, pl.profile, dtype, max_running=max(1, n // 2 + 1), device=run_device())
+    return ReferenceRollouts(pl.spec, pl.profile, dtype, max_running=max(1, n // 2 + 1), device=run_device(),
+                             semantics=s.logprob_semantics)
 
 
 def run(ns: argparse.Namespace) -> int:

@@ -89,6 +89,7 @@ def finish(parts: List[Dict], pl, ns) -> int:
     print(f"mindspeed-tp rl-check: model={pl.spec.name} dtype={ns.dtype} profile={pl.profile.name} "
           f"engine={engine.get('name')} (tp={engine.get('tp')}) layout={layout} prompts={pl.settings.prompts}x"
           f"{pl.settings.group_size} reward={ns.reward}")
+    print(f"compared: {pl.settings.sampling.describe()}")
     print(format_table(body["arms"]))
     for arm in body["arms"]:
         rows = arm["iterations"]
@@ -107,7 +108,7 @@ def finish(parts: List[Dict], pl, ns) -> int:
         write_json_atomic(ns.json, {"arms": body["arms"], "all_bitwise_equal": ok, "engine": body["engine"],
                                     "layout": layout, "model": pl.spec.name, "profile": pl.profile.name,
                                     "dtype": ns.dtype, "device": ns.device, "reward": ns.reward,
-                                    "settings": pl.settings.to_dict()})
+                                    "settings": pl.settings.to_dict(), "sampling": pl.settings.sampling.to_dict()})
     if ns.plot:
         write_plot(ns.plot, body["arms"])
     return 0 if ok else 1

@@ -8,8 +8,8 @@
   the old ones, then the optimizer step.
 
 Logprobs come from the logits as the checker computes them (``driver.logprobs_from_logits``:
-megatron's ``vocab_parallel_cross_entropy``, padded vocab columns excluded in both arms, logits /
-T at a sampling temperature T); a real-engine profile scores each micro-batch's prompts as the
+megatron's ``vocab_parallel_cross_entropy``, padded vocab columns excluded in both arms, of the
+loop's logprob semantics: logits / T, and under processed semantics the top-k / top-p mask); a real-engine profile scores each micro-batch's prompts as the
 engine's prefill and the responses as its decode steps (``driver.engine_scoring``).
 """
 from __future__ import annotations
@@ -26,10 +26,10 @@ class LogprobPass(Pass):
     """Logits from the model, per-token logprobs from them (recorded by global row), and with
     ``loss`` the policy loss of them (``extra``: the old logprobs and the advantages)."""
 
-    def __init__(self, spec, profile, vanilla: bool, temperature: float, batch: ScoringBatch, extra=None,
+    def __init__(self, spec, profile, vanilla: bool, sampling, batch: ScoringBatch, extra=None,
                  loss=None):
         super().__init__(batch, extra)
-        self.spec, self.profile, self.vanilla, self.temperature, self.loss = spec, profile, vanilla, temperature, loss
+        self.spec, self.profile, self.vanilla, self.sampling, self.loss = spec, profile, vanilla, sampling, loss
 
     def scoring(self, sub: ScoringBatch):
         return engine_scoring(self.profile, self.vanilla, sub, self.spec)
@@ -42,7 +42,7 @@ class LogprobPass(Pass):
 
     def loss_func(self, data, logits):
         with self.scoring(data["sub"]):
-            logprobs = logprobs_from_logits(logits, data["sub"], self.spec.vocab_size, self.temperature,
+            logprobs = logprobs_from_logits(logits, data["sub"], self.spec.vocab_size, self.sampling,
                                             data["targets"]).float()
         self.record(data["rows"], logprobs)
         mask = data["loss_mask"].bool()
@@ -54,7 +54,7 @@ class LogprobPass(Pass):
         return loss, tokens, {"policy loss": torch.stack([loss.detach(), tokens.float()])}
 
 
-def forward_logprobs(forward_backward, wrapped, spec, profile, vanilla, temperature, batch, layout,
+def forward_logprobs(forward_backward, wrapped, spec, profile, vanilla, sampling, batch, layout,
                      micro_batch_size: int, max_tokens: Optional[int] = None) -> torch.Tensor:
     """(N, s) logprobs of the current weights on every rank, from a forward-only pass: micro-batches
     of ``micro_batch_size`` sequences, or under a token budget ``max_tokens`` (``token_budget_rows``;
@@ -64,7 +64,7 @@ def forward_logprobs(forward_backward, wrapped, spec, profile, vanilla, temperat
     for m in wrapped:
         m.eval()
     try:
-        p = LogprobPass(spec, profile, vanilla, temperature, batch)
+        p = LogprobPass(spec, profile, vanilla, sampling, batch)
         with torch.no_grad():
             if max_tokens is None:
                 rows = micro_batch_rows(batch.tokens.shape[0], micro_batch_size, layout.dp,
@@ -80,7 +80,7 @@ def forward_logprobs(forward_backward, wrapped, spec, profile, vanilla, temperat
             m.train()
 
 
-def train_step(forward_backward, wrapped, optimizer, spec, profile, vanilla, temperature, batch, layout,
+def train_step(forward_backward, wrapped, optimizer, spec, profile, vanilla, sampling, batch, layout,
                micro_batch_size: int, old_logprobs, advantages, loss) -> torch.Tensor:
     """Zero the gradients, forward-backward the policy loss, step the optimizer; returns the
     in-step logprobs (N, s) on every rank (the policy the loss's ratio was taken against)."""
@@ -89,7 +89,7 @@ def train_step(forward_backward, wrapped, optimizer, spec, profile, vanilla, tem
     for m in wrapped:
         m.zero_grad_buffer()
     optimizer.zero_grad()
-    p = LogprobPass(spec, profile, vanilla, temperature, batch, dict(old_logprobs=old_logprobs, advantages=advantages),
+    p = LogprobPass(spec, profile, vanilla, sampling, batch, dict(old_logprobs=old_logprobs, advantages=advantages),
                     loss=loss)
     rows = micro_batch_rows(batch.tokens.shape[0], micro_batch_size, layout.dp, ps.get_data_parallel_rank())
     p.run(forward_backward, wrapped, rows, micro_batch_size, forward_only=False)

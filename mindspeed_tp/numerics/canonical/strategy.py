@@ -14,6 +14,7 @@ from ...kernels import (apply_rope, consistent_attention, dispatch, folded_leaf_
 from ...kernels.collectives import fold_across_ranks, group_size
 from ...kernels.context_parallel import cp_attention, packed_cp_attention
 from ...kernels.norm import affine_norm
+from ...kernels.sampling import mask_dropped_vocab, top_k_top_p_rows
 from ..base import Numerics
 from .moe_layer import canonical_moe
 
@@ -172,7 +173,17 @@ class CanonicalTree(Numerics):
     def moe(self, layer, hidden_states, padding_mask, publish_routing):
         return canonical_moe(self, layer, hidden_states, padding_mask, publish_routing)
 
+    def top_k_top_p(self, rows, sampling):
+        """Full real-vocab rows (fp32, divided by T) with -inf where the engine's top-k / top-p drop
+        a column (processed logprobs): the reference engine's mask (``kernels.sampling``)."""
+        return top_k_top_p_rows(rows, sampling.top_k, sampling.top_p)
+
     def logprob(self, logits, target, group, vocab_size):
-        """The canonical vocab tree in fp32 (``kernels.logprob``)."""
+        """The canonical vocab tree in fp32 (``kernels.logprob``); under processed semantics over the
+        columns the full row's top-k / top-p keep (the others exactly 0)."""
+        sampling = state.sampling_mask()
+        if sampling is not None:
+            logits = mask_dropped_vocab(logits.float(), group, vocab_size or logits.shape[-1] * group_size(group),
+                                        lambda rows: self.top_k_top_p(rows, sampling))
         return vocab_parallel_logprob(logits, target, group, self.profile.canonical_shards,
                                       vocab_size=vocab_size, pad_multiple=self.profile.vocab_pad_multiple)

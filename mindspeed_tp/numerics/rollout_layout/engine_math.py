@@ -57,6 +57,17 @@ def full_vocab_log_softmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1)
 
 
+def masked_log_softmax(log_softmax, mask_rows, vocab_size: int, rows: torch.Tensor) -> torch.Tensor:
+    """``log_softmax`` of full-vocab rows after ``mask_rows`` (the engine's top-k / top-p) of their
+    real columns (the first ``vocab_size``; padding stays as it is)."""
+    rows = rows.float()
+    vocab = vocab_size or rows.shape[-1]
+    kept = mask_rows(rows[..., :vocab].contiguous())
+    if vocab < rows.shape[-1]:
+        kept = torch.cat([kept, rows[..., vocab:]], dim=-1)
+    return log_softmax(kept)
+
+
 def full_vocab_logprob(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """``full_vocab_log_softmax(logits)`` at ``target``: (..., V) -> (...)."""
     return full_vocab_log_softmax(logits).gather(-1, target.long().unsqueeze(-1)).squeeze(-1)

@@ -9,10 +9,14 @@ engine is the project's reference engine (``reference/``); a real engine's strat
 one with its own kernels (``numerics/vllm/strategy.py``)."""
 from __future__ import annotations
 
+import functools
+
+from ... import state
 from ...contract.refusals import refuse
 from ...kernels import mask_padded_vocab
 from ...kernels.collectives import group_rank
 from ..canonical.strategy import CanonicalTree
+from .engine_math import full_vocab_log_softmax, masked_log_softmax
 from .linear import full_vocab_parallel_logprob, rollout_layout_linear
 
 
@@ -48,7 +52,13 @@ class RolloutLayout(CanonicalTree):
                                      replicated_output=False)
 
     def logprob(self, logits, target, group, vocab_size):
-        """The engine's one fp32 log-softmax over the whole vocab, shards exchanged in token chunks."""
+        """The engine's one fp32 log-softmax over the whole vocab, shards exchanged in token chunks;
+        under processed semantics after the engine's top-k / top-p mask of each full row."""
         start = group_rank(group) * logits.shape[-1]
         logits = mask_padded_vocab(logits, vocab_size, start)
-        return full_vocab_parallel_logprob(logits, target, group, log_softmax=self.log_softmax)
+        log_softmax = self.log_softmax or full_vocab_log_softmax
+        sampling = state.sampling_mask()
+        if sampling is not None:
+            log_softmax = functools.partial(masked_log_softmax, log_softmax,
+                                            lambda rows: self.top_k_top_p(rows, sampling), vocab_size)
+        return full_vocab_parallel_logprob(logits, target, group, log_softmax=log_softmax)

