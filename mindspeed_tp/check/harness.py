@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..contract.profile import Profile
+from ..contract.sampling import Sampling
 from ..patches import moe as moe_patch
 from ..switch import disable, enable
 from . import bisect, hooks
