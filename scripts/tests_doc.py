@@ -54,7 +54,7 @@ REFUSAL_GROUP_TESTS = {
 }
 # The engine tests are collected in .venv-vllm only: a reference to them is checked for existence.
 ENGINE_TEST_FILES = ("tests/test_vllm_engine.py", "tests/test_vllm_kernels.py", "tests/test_vllm_profile.py",
-                     "tests/test_rl_vllm.py", "tests/test_vllm_bench.py")
+                     "tests/test_rl_vllm.py", "tests/test_vllm_bench.py", "tests/test_vllm_sampling.py")
 
 
 class _Collector:
@@ -100,16 +100,20 @@ def _full_tier_kwargs(expr) -> dict:
 def engine_marks() -> dict:
     """The full_tier marks of the engine test files (collected in .venv-vllm only, which the main
     line's run may not have yet), read from their source: ``@full_tier(...)`` on a test, or
-    ``pytest.param(VALUE, marks=full_tier(...))`` in its parametrize (the node named by VALUE)."""
+    ``pytest.param(VALUE, marks=full_tier(...))`` in its parametrize (the node named by VALUE), also
+    through a module-level name bound to that parametrize."""
     import ast
 
     found = {}
     for path in ENGINE_TEST_FILES:
         with open(os.path.join(ROOT, path)) as f:
             tree = ast.parse(f.read())
+        named = {t.id: n.value for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
+                 if isinstance(t, ast.Name)}
         for func in (n for n in tree.body if isinstance(n, ast.FunctionDef)):
             node = f"{path}::{func.name}"
             for deco in func.decorator_list:
+                deco = named.get(deco.id, deco) if isinstance(deco, ast.Name) else deco
                 if isinstance(deco, ast.Call) and getattr(deco.func, "id", None) == "full_tier":
                     found[node] = _full_tier_kwargs(deco)
                     continue

@@ -131,7 +131,8 @@ def cli():
 import importlib.util as _importlib_util  # noqa: E402
 
 collect_ignore = [] if _importlib_util.find_spec("vllm") is not None else ["test_vllm_engine.py", "test_vllm_kernels.py",
-                                                                        "test_rl_vllm.py", "test_vllm_bench.py"]
+                                                                        "test_rl_vllm.py", "test_vllm_bench.py",
+                                                                        "test_vllm_sampling.py"]
 if _importlib_util.find_spec("verl") is None:
     collect_ignore += ["test_verl_entry.py", "test_rl_check.py", "test_rl_vllm.py"]
 

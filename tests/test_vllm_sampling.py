@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from conftest import explain, run_torchrun, tiered
+from conftest import explain, full_tier, run_torchrun
 
 # (id, model, dtype, engine TP, two training layouts, processes)
 CONFIGS = [
@@ -22,10 +22,14 @@ CONFIGS = [
     ("moe-bf16-e2", "tiny-moe", "bf16", 2, "tp2-sp-ep2,tp1-ep2", 2),
 ]
 _BY_NAME = {c[0]: c for c in CONFIGS}
-NAMES = tiered("vLLM sampling configurations", ci=["moe-bf16-e2"], full=list(_BY_NAME),
-               why="the bf16 MoE run at engine TP 2 exercises every semantics, both cuts and the one-token edge "
-                   "with the MoE kernels and the bf16 logits verl's processor widens; the fp32 dense run "
-                   "repeats the sampling code (the same vLLM functions) on the fp32 kernels")
+PER_CONFIG = pytest.mark.parametrize("name", [
+    "moe-bf16-e2",
+    pytest.param("dense-fp32-e1", marks=full_tier(
+        covered_by="tests/test_vllm_sampling.py::test_every_semantics_is_bitwise_in_two_layouts_and_vanilla_is_not",
+        why="the bf16 MoE run at engine TP 2 exercises every semantics, both cuts and the one-token edge with the "
+            "MoE kernels and the bf16 logits verl's processor widens; the fp32 dense run repeats the sampling code "
+            "(the same vLLM functions) on the fp32 kernels")),
+])
 _results = {}
 SEMANTICS = ("raw", "temperature", "processed")
 SETS = ("top-p", "top-k", "one-token")
@@ -43,7 +47,7 @@ def sampling_run(name, tmp_path_factory):
     return _BY_NAME[name], _results[name]
 
 
-@pytest.mark.parametrize("name", NAMES)
+@PER_CONFIG
 def test_every_semantics_is_bitwise_in_two_layouts_and_vanilla_is_not(name, tmp_path_factory):
     (_, _, _, _, layouts, _), res = sampling_run(name, tmp_path_factory)
     assert res["modes"] == {"raw": "raw_logprobs", "temperature": "raw_logits", "processed": "processed_logprobs"}
@@ -58,7 +62,7 @@ def test_every_semantics_is_bitwise_in_two_layouts_and_vanilla_is_not(name, tmp_
                     assert vanilla["bitwise"] < 1.0, (semantics, s, layout, vanilla)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@PER_CONFIG
 def test_the_semantics_differ_as_defined(name, tmp_path_factory):
     """Same seeds, same sampling: the same tokens under every semantics; processed >= temperature
     (renormalised over the kept set), strictly somewhere; raw (before T) differs from both."""
@@ -71,7 +75,7 @@ def test_the_semantics_differ_as_defined(name, tmp_path_factory):
         assert raw["engine"] != temp["engine"]
 
 
-@pytest.mark.parametrize("name", NAMES)
+@PER_CONFIG
 def test_a_top_p_that_keeps_one_token_gives_processed_logprob_zero(name, tmp_path_factory):
     """top-p below the largest probability keeps only the argmax: vLLM's processed logprob is 0.0
     for every token, and so is training's (bitwise, above); the temperature logprob is not."""
@@ -80,7 +84,7 @@ def test_a_top_p_that_keeps_one_token_gives_processed_logprob_zero(name, tmp_pat
     assert all(t < 0 for t in res["sets"]["temperature/one-token"]["engine"])
 
 
-@pytest.mark.parametrize("name", NAMES)
+@PER_CONFIG
 def test_verls_logits_processor_matches_the_engines_processed_logprobs_without_a_cut(name, tmp_path_factory):
     _, res = sampling_run(name, tmp_path_factory)
     got = res["sets"]["processed/verl"]["verl"]
