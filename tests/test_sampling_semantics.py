@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from conftest import bits_equal, explain, run_cli, tiered
+from conftest import bits_equal, explain, full_tier, run_cli, tiered
 from mindspeed_tp.contract.profile import Profile, load_profile
 from mindspeed_tp.contract.sampling import Sampling, resolve_semantics
 from mindspeed_tp.errors import ConfigError
@@ -83,9 +83,11 @@ def test_the_semantics_resolve_flag_then_profile_then_default_and_are_validated(
 
 _ALL = [("processed", "top-p"), ("temperature", "top-k"), ("raw", "top-p"), ("processed", "top-k"),
         ("temperature", "top-p"), ("raw", "top-k")]
-CASES = tiered("test_sampling_semantics.py: (semantics, cut) check launches", _ALL[:3], _ALL,
-               "every semantics runs in the CI tier, each with one of the two cuts; the mask is the same function "
-               "for either cut (test_the_top_k_top_p_mask_is_row_local sweeps both)")
+CASES = tiered("test_sampling_semantics.py: (semantics, cut) check launches", _ALL[:1], _ALL,
+               "processed under top-p runs the division, the gathered-row mask and the canonical tree in two layouts; "
+               "temperature is every rollout test's default (test_rollout_parity.py at T=0.7), raw the engine "
+               "tests' (test_vllm_engine.py), top-k the same mask function (test_the_top_k_top_p_mask_is_row_local "
+               "sweeps both cuts; test_vllm_sampling.py runs both against vLLM in the CI tier)")
 CUTS = {"top-p": ["--top-p", "0.9"], "top-k": ["--top-k", "20"]}
 
 
@@ -110,6 +112,9 @@ def test_check_refuses_a_cut_without_rollouts():
     assert "--rollout" in proc.stderr
 
 
+@full_tier(covered_by="tests/test_sampling_semantics.py::test_check_compares_each_semantics_bitwise_in_two_layouts",
+           why="the loop's logprobs go through the same driver call as check's (logprobs_from_logits with the run's "
+               "Sampling); rl-check at T != 1 against vLLM runs in the CI tier (test_rl_vllm.py)")
 def test_rl_check_processed_logprobs_with_top_p_are_bitwise_every_iteration(tmp_path):
     path = str(tmp_path / "rl.json")
     proc = run_cli("rl-check", "--model", "tiny-dense", "--layout", "tp2-sp", "--iterations", "2", "--prompts", "2",

@@ -3,7 +3,8 @@ at T=0.7 with top-p 0.9, with top-k 20, and with a top-p that keeps one token, a
 logprob semantics (raw: ``raw_logprobs``; temperature: log_softmax(logits / T) from its raw logits
 through its own ``apply_temperature`` and ``compute_logprobs``; processed: ``processed_logprobs``,
 renormalised over the kept tokens); the patched Megatron forward under a vllm-cpu-tp<R> profile
-scores each bit for bit in two training layouts, dense and MoE, and vanilla megatron-core does not.
+scores each bit for bit in two training layouts, dense and MoE, and vanilla megatron-core (scored at
+the first) does not.
 verl's own LM-head logits processor (temperature in place, then its logprob, through the verl entry)
 matches the engine's processed logprobs without top-k / top-p, verl's rollout default.
 
@@ -16,31 +17,32 @@ import pytest
 
 from conftest import explain, full_tier, run_torchrun
 
-# (id, model, dtype, engine TP, two training layouts, processes)
+# (id, model, dtype, engine TP, two training layouts, processes, semantics: one engine start each). The
+# CI tier's MoE run leaves out raw, whose engine path (raw_logprobs) tests/test_vllm_engine.py runs.
 CONFIGS = [
-    ("dense-fp32-e1", "tiny-dense", "fp32", 1, "tp2-sp,tp1", 2),
-    ("moe-bf16-e2", "tiny-moe", "bf16", 2, "tp2-sp-ep2,tp1-ep2", 2),
+    ("dense-fp32-e1", "tiny-dense", "fp32", 1, "tp2-sp,tp1", 2, "raw,temperature,processed"),
+    ("moe-bf16-e2", "tiny-moe", "bf16", 2, "tp2-sp-ep2,tp1-ep2", 2, "temperature,processed"),
 ]
 _BY_NAME = {c[0]: c for c in CONFIGS}
 PER_CONFIG = pytest.mark.parametrize("name", [
     "moe-bf16-e2",
     pytest.param("dense-fp32-e1", marks=full_tier(
         covered_by="tests/test_vllm_sampling.py::test_every_semantics_is_bitwise_in_two_layouts_and_vanilla_is_not",
-        why="the bf16 MoE run at engine TP 2 exercises every semantics, both cuts and the one-token edge with the "
-            "MoE kernels and the bf16 logits verl's processor widens; the fp32 dense run repeats the sampling code "
-            "(the same vLLM functions) on the fp32 kernels")),
+        why="the bf16 MoE run at engine TP 2 exercises the temperature and processed semantics, both cuts and the "
+            "one-token edge with the MoE kernels and the bf16 logits verl's processor widens (raw: "
+            "tests/test_vllm_engine.py); the fp32 dense run adds raw under a cut and repeats the sampling code (the "
+            "same vLLM functions) on the fp32 kernels")),
 ])
 _results = {}
-SEMANTICS = ("raw", "temperature", "processed")
 SETS = ("top-p", "top-k", "one-token")
 
 
 def sampling_run(name, tmp_path_factory):
     if name not in _results:
-        _, model, dtype, etp, layouts, nproc = _BY_NAME[name]
+        _, model, dtype, etp, layouts, nproc, semantics = _BY_NAME[name]
         out = str(tmp_path_factory.mktemp(name) / "results.json")
         proc = run_torchrun("vllm_sampling.py", nproc, "--model", model, "--dtype", dtype, "--engine-tp", str(etp),
-                            "--layouts", layouts, "--out", out, timeout=1800)
+                            "--layouts", layouts, "--semantics", semantics, "--out", out, timeout=1800)
         assert proc.returncode == 0, explain(proc)
         with open(out) as f:
             _results[name] = json.load(f)
@@ -49,30 +51,33 @@ def sampling_run(name, tmp_path_factory):
 
 @PER_CONFIG
 def test_every_semantics_is_bitwise_in_two_layouts_and_vanilla_is_not(name, tmp_path_factory):
-    (_, _, _, _, layouts, _), res = sampling_run(name, tmp_path_factory)
-    assert res["modes"] == {"raw": "raw_logprobs", "temperature": "raw_logits", "processed": "processed_logprobs"}
-    for semantics in SEMANTICS:
+    (_, _, _, _, layouts, _, semantics), res = sampling_run(name, tmp_path_factory)
+    modes = {"raw": "raw_logprobs", "temperature": "raw_logits", "processed": "processed_logprobs"}
+    assert res["modes"] == {m: modes[m] for m in semantics.split(",")}
+    first = layouts.split(",")[0]
+    for m in semantics.split(","):
         for s in SETS:
-            runs = res["sets"][f"{semantics}/{s}"]
+            runs = res["sets"][f"{m}/{s}"]
             for layout in layouts.split(","):
-                ours, vanilla = runs[layout]["ours"], runs[layout]["vanilla"]
-                assert ours["tokens"] > 0 and ours["bitwise"] == 1.0 and ours["max_abs"] == 0.0, \
-                    (semantics, s, layout, ours)
-                if s != "one-token":  # one kept token: logprob 0 whatever the logits (vanilla too)
-                    assert vanilla["bitwise"] < 1.0, (semantics, s, layout, vanilla)
+                ours = runs[layout]["ours"]
+                assert ours["tokens"] > 0 and ours["bitwise"] == 1.0 and ours["max_abs"] == 0.0, (m, s, layout, ours)
+            if s != "one-token":  # one kept token: logprob 0 whatever the logits (vanilla too)
+                assert runs[first]["vanilla"]["bitwise"] < 1.0, (m, s, runs[first]["vanilla"])
 
 
 @PER_CONFIG
 def test_the_semantics_differ_as_defined(name, tmp_path_factory):
     """Same seeds, same sampling: the same tokens under every semantics; processed >= temperature
     (renormalised over the kept set), strictly somewhere; raw (before T) differs from both."""
-    _, res = sampling_run(name, tmp_path_factory)
+    (*_, semantics), res = sampling_run(name, tmp_path_factory)
     for s in ("top-p", "top-k"):
-        raw, temp, proc = (res["sets"][f"{m}/{s}"] for m in SEMANTICS)
-        assert raw["tokens"] == temp["tokens"] == proc["tokens"]
+        temp, proc = (res["sets"][f"{m}/{s}"] for m in ("temperature", "processed"))
+        assert temp["tokens"] == proc["tokens"]
         assert all(p >= t for p, t in zip(proc["engine"], temp["engine"]))
         assert any(p > t for p, t in zip(proc["engine"], temp["engine"]))
-        assert raw["engine"] != temp["engine"]
+        if "raw" in semantics:
+            raw = res["sets"][f"raw/{s}"]
+            assert raw["tokens"] == temp["tokens"] and raw["engine"] != temp["engine"]
 
 
 @PER_CONFIG

