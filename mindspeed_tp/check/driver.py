@@ -27,7 +27,7 @@ from ..devices.npu_runtime import import_required
 from ..errors import ConfigError
 from ..kernels import mask_padded_vocab
 from ..kernels.collectives import gather_along_rank
-from ..kernels.sampling import divide_by_temperature, mask_dropped_vocab, top_k_top_p_rows
+from ..kernels.sampling import divide_by_temperature, mask_dropped_vocab, reference_mask
 from ..models.layout import Layout
 from ..models.spec import ModelSpec
 from ..models.weights import SeededWeights, load_weights
@@ -270,7 +270,7 @@ def logprobs_from_logits(
         logits = divide_by_temperature(logits, sampling.scoring_temperature)
     if sampling.masks and not state.enabled():
         logits = mask_dropped_vocab(logits.float(), parallel_state.get_tensor_model_parallel_group(), vocab_size,
-                                    lambda rows: top_k_top_p_rows(rows, sampling.top_k, sampling.top_p))
+                                    reference_mask(sampling))
     targets = batch.targets if targets is None else targets
     with state.model_vocab_size(vocab_size), state.scoring_sampling(sampling if state.enabled() else None):
         return -tensor_parallel.vocab_parallel_cross_entropy(logits, targets.to(logits.device))

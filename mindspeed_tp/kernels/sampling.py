@@ -46,6 +46,11 @@ def top_k_top_p_rows(rows: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
     return out
 
 
+def reference_mask(sampling) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The reference engine's mask of full real-vocab rows for a ``contract.sampling.Sampling``."""
+    return lambda rows: top_k_top_p_rows(rows, sampling.top_k, sampling.top_p)
+
+
 def mask_dropped_vocab(shard: torch.Tensor, group, vocab_size: int,
                        mask_rows: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """``shard`` (..., V/TP, this rank's columns of fp32 logits / T) with -inf where ``mask_rows``

@@ -15,7 +15,7 @@ import torch
 
 from ..contract.sampling import Sampling
 from ..kernels import mask_padded_vocab
-from ..kernels.sampling import divide_by_temperature, mask_dropped_vocab, top_k_top_p_rows
+from ..kernels.sampling import divide_by_temperature, mask_dropped_vocab, reference_mask
 from .model import ReferenceModel
 
 
@@ -99,8 +99,7 @@ class ReferenceEngine:
         else:
             scaled = divide_by_temperature(masked, sampling.temperature)
             if sampling.filters:  # sampled from what top-k / top-p keep of the real vocab
-                scaled = mask_dropped_vocab(scaled, None, m.spec.vocab_size,
-                                            lambda rows: top_k_top_p_rows(rows, sampling.top_k, sampling.top_p))
+                scaled = mask_dropped_vocab(scaled, None, m.spec.vocab_size, reference_mask(sampling))
             probs = torch.softmax(scaled, dim=-1)
             token = int(torch.multinomial(probs.cpu(), 1, generator=gen))  # the request's CPU generator
         lp = m.logprob(logits.unsqueeze(0), torch.tensor([token], device=logits.device), sampling)[0].cpu()

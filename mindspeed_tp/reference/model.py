@@ -23,7 +23,7 @@ from ..models.spec import ModelSpec
 from ..models.weights import full_weights, seeded_full_weights
 from ..contract.profile import Profile
 from ..contract.sampling import Sampling
-from ..kernels.sampling import divide_by_temperature, mask_dropped_vocab, top_k_top_p_rows
+from ..kernels.sampling import divide_by_temperature, mask_dropped_vocab, reference_mask
 
 
 class ReferenceModel:
@@ -187,8 +187,7 @@ class ReferenceModel:
         sampling = sampling or Sampling()
         logits = divide_by_temperature(mask_padded_vocab(logits, self.spec.vocab_size), sampling.scoring_temperature)
         if sampling.masks:
-            logits = mask_dropped_vocab(logits, None, self.spec.vocab_size,
-                                        lambda rows: top_k_top_p_rows(rows, sampling.top_k, sampling.top_p))
+            logits = mask_dropped_vocab(logits, None, self.spec.vocab_size, reference_mask(sampling))
         if self.profile.rollout_layout:
             return full_vocab_logprob(logits, target)
         return vocab_parallel_logprob(logits, target, None, self.profile.canonical_shards,

@@ -33,6 +33,7 @@ from mindspeed_tp.devices.cpu_shims import install_cpu_shims
 from mindspeed_tp.models.layout import Layout
 from mindspeed_tp.models.spec import load_model_spec
 from mindspeed_tp.models.weights import SeededWeights
+from vllm_engine import compare
 from worker_exit import finish_worker
 
 SEED = 4321
@@ -40,12 +41,6 @@ NEW_TOKENS = 8
 SETS = {"top-p": dict(temperature=0.7, top_p=0.9), "top-k": dict(temperature=0.7, top_k=20),
         "one-token": dict(temperature=0.7, top_p=1e-4)}
 VERL_SET = dict(temperature=0.8)
-
-
-def compare(lp, ref, scored):
-    a, b = lp[scored], ref[scored]
-    return {"bitwise": float((a.view(torch.int32) == b.view(torch.int32)).double().mean()),
-            "max_abs": float((a - b).abs().max()), "tokens": int(scored.sum())}
 
 
 def generate_all(checkpoint, args, prompts):

@@ -14,7 +14,7 @@ from ...kernels import (apply_rope, consistent_attention, dispatch, folded_leaf_
 from ...kernels.collectives import fold_across_ranks, group_size
 from ...kernels.context_parallel import cp_attention, packed_cp_attention
 from ...kernels.norm import affine_norm
-from ...kernels.sampling import mask_dropped_vocab, top_k_top_p_rows
+from ...kernels.sampling import mask_dropped_vocab, reference_mask
 from ..base import Numerics
 from .moe_layer import canonical_moe
 
@@ -176,7 +176,7 @@ class CanonicalTree(Numerics):
     def top_k_top_p(self, rows, sampling):
         """Full real-vocab rows (fp32, divided by T) with -inf where the engine's top-k / top-p drop
         a column (processed logprobs): the reference engine's mask (``kernels.sampling``)."""
-        return top_k_top_p_rows(rows, sampling.top_k, sampling.top_p)
+        return reference_mask(sampling)(rows)
 
     def logprob(self, logits, target, group, vocab_size):
         """The canonical vocab tree in fp32 (``kernels.logprob``); under processed semantics over the
