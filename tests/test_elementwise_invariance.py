@@ -7,7 +7,10 @@ view (rows strided by twice the width, as fc1's [gate; up]) and compares each el
 same element computed in the whole, unsharded tensor, with one row (a decode step), under 1, 2 and
 3 threads. ATen's own silu fails it on x86 (its vector loop's scalar tail, measured: fp32 shard
 widths not a multiple of 32 on AVX-512); the ops mindspeed-tp runs through kernels/elementwise.py
-must pass it, and so must the exact ops it leaves to ATen (multiply, bias add, casts)."""
+must pass it, and so must the exact ops it leaves to ATen (multiply, bias add, casts). Those
+tensors are below ATen's grain size, where ATen never splits a range between threads; the thread
+sweep on tensors of 100k elements splits it (ATen's own silu fails there with 2-4 threads), and
+the ops must still give every element the one-thread bits."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -53,7 +56,7 @@ OPS = {
     "exp": lambda a, b: elementwise.exp(a),
     "log": lambda a, b: elementwise.log(a.abs() + 1),
     "add": lambda a, b: a + b,
-    "bias_add": lambda a, b: a + _values(1, FULL, 9, a.dtype)[0, :a.shape[-1]],
+    "bias_add": lambda a, b: a + _values(1, max(FULL, a.shape[-1]), 9, a.dtype)[0, :a.shape[-1]],
     "cast_fp32": lambda a, b: a.float(),
     "cast_bf16": lambda a, b: a.to(torch.bfloat16),
 }
@@ -100,23 +103,80 @@ def test_the_run_length_is_a_multiple_of_this_hosts_loop_step(dtype):
     assert step >= 16 and elementwise.RUN % step == 0, (torch.backends.cpu.get_cpu_capability(), step)
 
 
-def test_the_thread_count_is_restored_and_inputs_are_not_changed():
+# Above ATen's grain size (32768 elements), where ATen cuts a range between its threads: 3 rows of
+# 33333 (not a multiple of any thread count's share of whole vector steps).
+BIG = (3, 33333)
+
+
+def test_atens_own_silu_splits_between_threads_above_its_grain_size():
+    """The premise of the big-tensor sweep: with 2, 3 or 4 threads ATen's silu gives some element other
+    bits than with one (each thread's share ends in a scalar tail), fp32."""
+    x = _values(*BIG, 11, torch.float32)
+    with torch_threads(1):
+        one = F.silu(x)
+    differ = []
+    for threads in (2, 3, 4):
+        with torch_threads(threads):
+            differ += [threads] if not bits_equal(F.silu(x), one) else []
+    assert differ, f"ATen's silu gives the one-thread bits under 2-4 threads on {host_cpu()}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_big_tensors_are_invariant_to_the_thread_count(name, dtype):
+    """The ops on tensors ATen would split (and on a chunk view of one), 2-8 threads against 1."""
+    op = OPS[name]
+    gate, up = _values(*BIG, 12, dtype), _values(*BIG, 13, dtype)
+    views = _chunk_views(torch.cat([gate, up], dim=-1), BIG[1])
+    with torch_threads(1):
+        want = op(gate, up), op(*views)
+    bad = []
+    for threads in (2, 3, 4, 8):
+        with torch_threads(threads):
+            got = op(gate, up), op(*views)
+        bad += [(threads, kind) for kind, g, w in zip(("whole", "chunk view"), got, want) if not bits_equal(g, w)]
+    assert not bad, f"{name} {dtype} on {host_cpu()}: (threads, tensor) cases differ from one thread: {bad}"
+
+
+@pytest.mark.parametrize("name", ["cos", "sin"])
+def test_rope_cos_and_sin_are_invariant_to_rows_and_threads(name):
+    """RoPE's cos / sin of the angles (kernels/rope.py): a position's value is the same whether its row
+    is computed alone (a decode step), among a few, or in a big tensor under 1-4 threads."""
+    op = getattr(elementwise, name)
+    angles = torch.arange(40000, dtype=torch.float32).unsqueeze(1) * torch.logspace(0, -4, 64)
+    with torch_threads(1):
+        whole = op(angles)
+    bad = []
+    for threads in (1, 2, 3, 4):
+        with torch_threads(threads):
+            if not bits_equal(op(angles), whole):
+                bad.append((threads, "whole"))
+            for rows in (slice(7, 8), slice(100, 117), slice(39990, 40000)):
+                if not bits_equal(op(angles[rows]), whole[rows]):
+                    bad.append((threads, rows))
+    assert not bad, f"{name} on {host_cpu()}: {bad}"
+
+
+def test_the_callers_thread_count_is_kept_and_inputs_are_not_changed():
+    """The workers' one intra-op thread is theirs: the caller's count stays what it was."""
     before = torch.get_num_threads()
-    x = _values(3, 100, 3, torch.float32)
+    x = _values(*BIG, 3, torch.float32)
     keep = x.clone()
     with torch_threads(2):
-        elementwise.silu(x[:, :50])
+        elementwise.silu(x[:, :20000])
         assert torch.get_num_threads() == 2
     assert torch.get_num_threads() == before and bits_equal(x, keep)
 
 
-
-def test_a_torch_that_cannot_go_to_one_thread_is_refused(monkeypatch):
-    """A parallel backend whose thread count cannot change once work started (torch's native one)
-    would leave the op split between threads: refused by name, never computed so."""
+def test_a_torch_whose_workers_cannot_go_to_one_thread_is_refused(monkeypatch):
+    """A torch whose set_num_threads does not give a worker thread one intra-op thread (one
+    process-wide pool) would leave a call split between threads: refused by name, never computed so."""
     from mindspeed_tp.errors import ConfigError
+    from mindspeed_tp.kernels import one_thread_pieces
 
     with torch_threads(2):
+        monkeypatch.setattr(one_thread_pieces, "_pool", None)
         monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
-        with pytest.raises(ConfigError, match="kept 2 intra-op threads.*OMP_NUM_THREADS=1"):
-            elementwise.silu(_values(3, 100, 4, torch.float32))
+        with pytest.raises(ConfigError, match="intra-op thread.*OMP_NUM_THREADS=1"):
+            elementwise.silu(_values(*BIG, 4, torch.float32))
+        monkeypatch.setattr(one_thread_pieces, "_pool", None)  # the next test starts a sound pool

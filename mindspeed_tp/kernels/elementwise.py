@@ -6,25 +6,27 @@ vectors at a time and the run's last ``run mod 2*lanes`` elements with the op's 
 the two give other bits for silu, sigmoid and silu's backward (fp32, measured on AVX-512 and AVX2;
 rsqrt in bf16; ``tests/test_elementwise_invariance.py`` names the ops and the CPU). A run is a row
 of a strided view (megatron's ``torch.chunk`` of fc1's output), a whole contiguous tensor, or one
-thread's share of it, so an element's bits would depend on the shard width (TP), the tokens per rank
-(SP, CP, PP, a decode step) and the thread count. Here such an op reads a contiguous buffer whose
-length is a multiple of ``RUN`` (zero-padded at the end) in one thread: one run, no tail, so every
-element is computed by the vector code, the same bits in every layout, in training, in the reference
-engine and in the backward. (exp, log, sin and cos are computed by ATen's vector code with a masked
-or partial-vector tail; they go through here too, so no op relies on that.)
+thread's share of it (ATen cuts a range above its grain size at offsets that follow the thread
+count), so an element's bits would depend on the shard width (TP), the tokens per rank (SP, CP, PP,
+a decode step) and the thread count. Here such an op reads a contiguous buffer whose length is a
+multiple of ``RUN`` (zero-padded at the end), cut into pieces of whole multiples of ``RUN``, each
+computed by a thread with one intra-op thread (``one_thread_pieces``): every piece is one run with
+no tail, so every element is computed by the vector code, the same bits in every layout, under any
+thread count, in training, in the reference engine and in the backward. (exp, log, sin and cos are
+computed by ATen's vector code with a masked or partial-vector tail; they go through here too, so no
+op relies on that.)
 
 Other devices: a CUDA elementwise kernel computes every element with the same device function, so
 the tensor is handed to the op as it is (the GPU device check compares layouts and the rollout).
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from ..contract.refusals import refuse
+from . import one_thread_pieces
 
 # Elements per run, a multiple of every ATen CPU loop step: two vectors of the narrowest dtype at the
 # widest vector ATen builds for (2 x 512 bits of bf16 = 64 elements); 128 also matches the GEMM's
@@ -41,20 +43,17 @@ def loop_step(dtype: torch.dtype) -> int:
     return 2 * bits // 8 // torch.empty((), dtype=dtype).element_size()
 
 
-@contextlib.contextmanager
-def _one_thread():
-    """ATen runs an op in one chunk (one run) when it has one intra-op thread."""
-    threads = torch.get_num_threads()
-    if threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        if torch.get_num_threads() != 1:
-            raise refuse("elementwise_threads", threads=torch.get_num_threads())
-        yield
-    finally:
-        torch.set_num_threads(threads)
+# Elements one piece holds at least: a piece costs a hand-off to a worker thread, worth it only for
+# work of this size (a multiple of RUN; ATen's own grain size).
+PIECE = 32768
+
+
+def _pieces(length: int, threads: int):
+    """[start, stop) pieces of a ``length``-element run (a multiple of RUN): whole multiples of RUN,
+    at most ``threads`` of them, none under PIECE elements but the last; where the cuts fall changes no
+    bit (each piece has no tail), only how the work is shared."""
+    size = max(PIECE, -(-length // threads // RUN) * RUN)
+    return [(start, min(length, start + size)) for start in range(0, length, size)]
 
 
 def _padded_flat(x: torch.Tensor, length: int) -> torch.Tensor:
@@ -79,8 +78,13 @@ def on_whole_runs(op: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> to
     n = x.numel()
     length = max(RUN, -(-n // RUN) * RUN)
     flats = [_padded_flat(t, length) for t in tensors]
-    with _one_thread():
-        out = op(*flats)
+    pieces = _pieces(length, one_thread_pieces.threads())
+    if len(pieces) == 1:
+        out = one_thread_pieces.map_pieces(lambda _: op(*flats), pieces)[0]
+        return out[:n].view(x.shape)
+    outs = one_thread_pieces.map_pieces(lambda p: op(*(f[p[0]:p[1]] for f in flats)), pieces)
+    in_place = all(o.data_ptr() == flats[0][a].data_ptr() for o, (a, _) in zip(outs, pieces))  # Tensor.exp_
+    out = flats[0] if in_place else torch.cat(outs)
     return out[:n].view(x.shape)
 
 
@@ -128,6 +132,15 @@ def exp(x: torch.Tensor) -> torch.Tensor:
 def log(x: torch.Tensor) -> torch.Tensor:
     # The gradient is one IEEE division (grad / x).
     return _OnWholeRuns.apply(x, torch.log, torch.div, False)
+
+
+def cos(x: torch.Tensor) -> torch.Tensor:
+    """torch.cos on whole runs (RoPE's angles; no gradient: angles are positions, not parameters)."""
+    return on_whole_runs(torch.cos, x)
+
+
+def sin(x: torch.Tensor) -> torch.Tensor:
+    return on_whole_runs(torch.sin, x)
 
 
 def swiglu(x: torch.Tensor) -> torch.Tensor:

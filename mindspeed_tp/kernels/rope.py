@@ -5,6 +5,8 @@ does not depend on how the sequence was chunked.
 """
 import torch
 
+from .elementwise import cos, sin
+
 
 def rope_inv_freq(dim: int, base: float) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
@@ -29,5 +31,6 @@ def apply_rope(t: torch.Tensor, angles: torch.Tensor, interleaved: bool = False)
     rot = angles.shape[-1]
     t_rot, t_pass = t[..., :rot], t[..., rot:]
     tf = t_rot.float()
-    out = tf * torch.cos(angles.float()) + _rotate_half(tf, interleaved) * torch.sin(angles.float())
+    angles = angles.float()
+    out = tf * cos(angles) + _rotate_half(tf, interleaved) * sin(angles)
     return torch.cat((out.to(t.dtype), t_pass), dim=-1)

@@ -2,14 +2,19 @@
 
 These define the primitives' semantics; other backends (``npu.py``) implement the same names.
 - GEMMs: a row of the output depends only on that row of the input and on the weights, never on how
-  many rows were computed together nor on which column shard a rank holds. CPU BLAS libraries pick
-  their kernel, and with it the K order, from the call's shape (MKL and oneDNN switch paths for small
-  or odd M, for column tails and per ISA: AVX2, AVX-512, AMX), so the shape a linear layer's weight
-  reaches the library with is fixed by construction: rows padded to a multiple of ``row_multiple``,
-  output columns in tiles of ``COLUMN_TILE`` (the last one zero-padded), one call per tile. A column
-  shard a rank holds is then a run of the same calls the full weight makes (tested over K, N, M,
-  threads and dtypes in tests/test_gemm_invariance.py, which names the CPU it ran on). CPU only:
-  dispatch refuses CUDA tensors.
+  many rows were computed together, on which column shard a rank holds, nor on the thread count. CPU
+  BLAS libraries pick their kernel, and with it the K order, from the call's shape and the threads
+  it may use (MKL and oneDNN switch paths for small or odd M, for column tails, per ISA -- AVX2,
+  AVX-512, AVX-512-BF16, AMX, where bf16 moves to the AMX tiles past a few dozen rows -- and split K
+  across threads when M x N is small). So the library never sees a shape or a thread count that the
+  problem does not fix: the product is cut into tiles of ``ROW_TILE`` rows (the last zero-padded) by
+  ``COLUMN_TILE`` output columns (the last zero-padded), and every tile is one single-threaded
+  library call of that one shape on 64-byte-aligned operands in one layout, the tiles run in parallel
+  across the caller's threads (``one_thread_pieces``). A column shard a rank holds is then a run of
+  the same calls the full weight makes, a row the same call whatever rows were beside it (tested over
+  every M to 512, K to 8192, column tails, 1-8 threads, fp32 and bf16, forward and gradient GEMMs,
+  under every oneDNN / MKL ISA limit the host can emulate, in tests/test_gemm_invariance.py, which
+  names the CPU it ran on). CPU only: dispatch refuses CUDA tensors.
 - Attention: per query and head, fp32 scores, keys visited in fixed blocks of ``block_size``
   aligned to absolute key positions, online softmax in fp32, invisible keys excluded by select
   (never a large negative additive mask), one final division and one cast. A fully invisible block
@@ -20,68 +25,113 @@ from typing import Optional
 
 import torch
 
+from .. import one_thread_pieces
 from ..elementwise import exp
 
 # Explicit (padding) attention masks are honoured by this backend's attention.
 EXPLICIT_MASKS = True
 
 
-def _pad_rows(x2d: torch.Tensor, multiple: int) -> torch.Tensor:
-    rows = x2d.shape[-2]
-    padded = -(-rows // multiple) * multiple
+# Rows of every GEMM call: a multiple of every profile's ``gemm_row_multiple`` (16) and of every x86
+# micro-kernel's row block; past the row counts at which the libraries change kernel (AMX: 17-33).
+ROW_TILE = 128
+# The output columns one linear call computes: a multiple of every x86 BLAS micro-kernel width; 128
+# divides the projections of real models and vocabularies padded to 128 * C.
+COLUMN_TILE = 128
+# The CPU allocator's alignment (c10's 64 bytes): every operand a library call sees starts on it.
+_ALIGN = 64
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous, 64-byte-aligned matrix (a copy only where it is not one)."""
+    if t.is_contiguous() and t.data_ptr() % _ALIGN == 0:
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype)
+    return out.copy_(t)
+
+
+def _row_tiles(a: torch.Tensor) -> torch.Tensor:
+    """``a`` (..., M, K) with M zero-padded to whole ROW_TILEs, contiguous and aligned, so that every
+    row tile starts on the alignment too (ROW_TILE * K * itemsize is a multiple of 64)."""
+    rows = a.shape[-2]
+    padded = -(-rows // ROW_TILE) * ROW_TILE
     if padded == rows:
-        return x2d
-    if x2d.dim() == 2 and x2d.stride(0) == 1 and x2d.shape[1] > 1:
-        # A transposed (column-major) matrix stays column-major: the layout the library sees is the
-        # caller's (a weight gradient's dy^T), whether or not its row count needed padding.
-        return torch.cat([x2d.t(), x2d.new_zeros(x2d.shape[1], padded - rows)], dim=1).t()
-    pad = x2d.new_zeros(*x2d.shape[:-2], padded - rows, x2d.shape[-1])
-    return torch.cat([x2d, pad], dim=-2)
+        return _whole(a)
+    out = a.new_zeros(*a.shape[:-2], padded, a.shape[-1])
+    out[..., :rows, :].copy_(a)
+    return out
+
+
+def _check_call(row_multiple: int, *operands: torch.Tensor) -> None:
+    if torch.is_grad_enabled() and any(t.requires_grad for t in operands):
+        raise RuntimeError("the torch backend's GEMMs are forward-only: differentiate them through "
+                           "kernels.linear.with_plain_backward (as invariant_linear does)")
+    if row_multiple < 1 or ROW_TILE % row_multiple:
+        raise ValueError(f"profile field 'gemm_row_multiple'={row_multiple} must divide the torch backend's "
+                         f"row tile {ROW_TILE}: set it to 16 (the bundled profiles' value)")
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, row_multiple: int = 16) -> torch.Tensor:
-    """fp32 ``a @ b`` for ``a`` (..., M, K) and ``b`` (..., K, N) or (K, N), row-invariant in M."""
-    rows = a.shape[-2]
-    out = torch.matmul(_pad_rows(a.float(), row_multiple), b.float())
-    return out[..., :rows, :]
+    """fp32 ``a @ b`` for ``a`` (..., M, K) and ``b`` (..., K, N) or (K, N), row-invariant in M: one
+    single-threaded (ROW_TILE, K) x (K, N) call per batch entry and row tile."""
+    _check_call(row_multiple, a, b)
+    a, b = a.float(), b.float()
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    rows, n = a.shape[-2], b.shape[-1]
+    a3 = _row_tiles(a.expand(*batch, *a.shape[-2:]).reshape(-1, *a.shape[-2:]))
+    b3 = b.expand(*batch, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
+    out = a3.new_empty(a3.shape[0], rows, n)
+    if out.numel() == 0:
+        return out.reshape(*batch, rows, n)
+    operands = [None] * a3.shape[0]  # batch entry -> its b, made canonical once (by the first tile that needs it)
+
+    def tile(piece):
+        i, r = piece
+        rhs = operands[i]
+        if rhs is None:
+            rhs = operands[i] = _operand(b3[i])
+        out[i, r:r + ROW_TILE].copy_(torch.mm(a3[i, r:r + ROW_TILE], rhs)[:rows - r])
+
+    one_thread_pieces.run_pieces(tile, [(i, r) for i in range(a3.shape[0]) for r in range(0, rows, ROW_TILE)])
+    return out.reshape(*batch, rows, n)
 
 
-# The output columns one GEMM call computes (see the module docstring). A multiple of every x86 BLAS
-# micro-kernel width; 128 divides the projections of real models and vocabularies padded to 128 * C.
-COLUMN_TILE = 128
+def _operand(b: torch.Tensor) -> torch.Tensor:
+    """A (K, N) right operand in one of the two layouts a library reads by shape alone: row-major, or
+    the transpose of a row-major (N, K) (its leading dimension K); aligned. Anything else is copied."""
+    if b.t().is_contiguous() and b.data_ptr() % _ALIGN == 0:
+        return b
+    return _whole(b)
 
 
 def linear(x2d: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype, row_multiple: int = 16) -> torch.Tensor:
-    """``x2d @ weight.T`` accumulated in fp32, cast once to ``out_dtype`` (forward only): one library
-    call of shape (rows padded, K, COLUMN_TILE) per tile of output columns."""
+    """``x2d @ weight.T`` accumulated in fp32, cast once to ``out_dtype`` (forward, and bitwise training's
+    gradient GEMMs): one single-threaded library call of shape (ROW_TILE, K) x (K, COLUMN_TILE) per tile."""
+    _check_call(row_multiple, x2d, weight)
     rows, n = x2d.shape[0], weight.shape[0]
     # CPU bf16: oneDNN's bf16 GEMM accumulates in fp32 and rounds once, 2-2.5x faster than an fp32 GEMM
-    # of upcast inputs (5x with native AVX-512-BF16 / AMX); row- and shard-invariant at fixed shapes.
+    # of upcast inputs (5x with native AVX-512-BF16 / AMX); invariant at fixed shapes and one thread.
     native_bf16 = x2d.dtype == weight.dtype == out_dtype == torch.bfloat16 and x2d.device.type == "cpu"
-    # One operand layout per call site, whatever the shard: the library's path (and K order) can
-    # follow the operands' strides (torch's own bf16 GEMM on a CPU without AVX-512-BF16 accumulates a
-    # transposed operand in another order). ``a`` keeps the caller's layout (row-major x, or a weight
-    # gradient's column-major dy^T, padded or not: no copy of dy); every tile is row-major (a weight
-    # gradient's x^T tiles are strided views, the zero-padded last tile a copy).
-    a = _pad_rows(x2d if native_bf16 else x2d.float(), row_multiple)
+    # One operand layout for every call: row tiles row-major (a weight gradient's dy^T copied once),
+    # weight tiles row-major (N, K) read transposed (a weight gradient's x^T tiles copied).
+    a = _row_tiles(x2d if native_bf16 else x2d.float())
     w = weight if native_bf16 else weight.float()
-    if n == 0:
-        return x2d.new_zeros(rows, 0, dtype=out_dtype)
-    # Each tile's product lands in one preallocated output: at a real vocabulary (an LM head of
-    # 75968 columns per rank) a list of tiles joined by cat would hold the logits twice.
-    out = None
-    for start in range(0, n, COLUMN_TILE):
-        tile = w[start:start + COLUMN_TILE]
-        width = tile.shape[0]
-        if width < COLUMN_TILE:
-            tile = torch.cat([tile, tile.new_zeros(COLUMN_TILE - width, tile.shape[1])])
-        product = torch.matmul(a, tile.contiguous().t())
-        if out is None:
-            if width == n:
-                return product[:rows, :n].to(out_dtype)
-            out = product.new_empty((rows, n))
-        out[:, start:start + width].copy_(product[:rows, :width])
-    return out.to(out_dtype)
+    out = torch.empty((rows, n), dtype=out_dtype)
+    if rows == 0 or n == 0:
+        return out
+    tiles = [w[start:start + COLUMN_TILE] for start in range(0, n, COLUMN_TILE)]
+    if tiles[-1].shape[0] < COLUMN_TILE:
+        tiles[-1] = torch.cat([tiles[-1], tiles[-1].new_zeros(COLUMN_TILE - tiles[-1].shape[0], w.shape[1])])
+    tiles = [_whole(t) for t in tiles]
+
+    def tile(piece):
+        r, c = piece
+        product = torch.mm(a[r:r + ROW_TILE], tiles[c].t())
+        start = c * COLUMN_TILE
+        out[r:r + ROW_TILE, start:start + COLUMN_TILE].copy_(product[:rows - r, :n - start])
+
+    one_thread_pieces.run_pieces(tile, [(r, c) for r in range(0, rows, ROW_TILE) for c in range(len(tiles))])
+    return out
 
 
 def grad_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -50,8 +50,18 @@ def host_isa() -> str:
     return library
 
 
+def refuse_amx() -> None:
+    """AMX hosts are refused before vLLM's kernels are loaded or the engine starts (``vllm_cpu_amx``):
+    the engine's criterion, torch's AMX-tile test, decides (its attention, GEMM and MoE dispatch read it)."""
+    if torch.cpu._is_amx_tile_supported():
+        from ...devices.cpu_isa import describe
+
+        raise refuse("vllm_cpu_amx", cpu=describe())
+
+
 def check_profile_isa(expected: str) -> str:
     """The host's kernel family; a pinned ``engine.cpu_isa`` other than ``auto`` must be it."""
+    refuse_amx()
     found = host_isa()
     if expected != "auto" and found != expected:
         raise refuse("vllm_cpu_isa", found=found, expected=expected)

@@ -37,6 +37,9 @@ def _versions(spec: Optional[str]):
 def check_engine_settings(env: Mapping[str, str], tp: int, prefix_caching: bool = False,
                           enforce_eager: bool = True) -> None:
     """The engine settings the profiles assume; each violation named with the setting to change."""
+    from .host import refuse_amx
+
+    refuse_amx()
     threads = int(env.get("OMP_NUM_THREADS", "0") or 0)
     if threads != 1:
         raise refuse("vllm_engine_threads", threads=threads or "unset")
