@@ -255,3 +255,19 @@ def test_shared_experts_in_decode_match_the_rollout_engine():
     rows = [line for line in out.splitlines() if line.startswith("tp")]
     assert len(rows) == 3 and all("100.0%" in r and " 144 " in r for r in rows), (host_cpu(), out)
     assert "RESULT: bitwise equal to the rollout engine's logprobs" in out
+
+
+def test_a_row_multiple_that_does_not_divide_the_row_tile_is_refused_by_name():
+    """gemm_row_multiple is honoured by the row tile (a whole number of the profile's multiples) or
+    refused, naming the profile field; and the primitives are forward-only (no silent autograd)."""
+    x = _randn(5, 32, seed=1, dtype=torch.float32)
+    w = _randn(8, 32, seed=2, dtype=torch.float32)
+    for kernel, args in ((torch_backend.linear, (x, w, torch.float32)), (torch_backend.matmul, (x, w.t()))):
+        with pytest.raises(ValueError, match="gemm_row_multiple'=48 must divide"):
+            kernel(*args, 48)
+        assert _same(kernel(*args, 32), kernel(*args, 16))
+    # empty products (an expert that received no token): the shapes, no library call
+    assert torch_backend.matmul(_randn(3, 0, 8, seed=3, dtype=torch.float32), w[:, :8].t().expand(3, 8, 8)).shape == (3, 0, 8)
+    assert torch_backend.linear(x[:0], w, torch.float32, 16).shape == (0, 8)
+    with pytest.raises(RuntimeError, match="forward-only.*with_plain_backward"):
+        torch_backend.linear(x.requires_grad_(True), w, torch.float32, 16)

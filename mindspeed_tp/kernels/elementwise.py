@@ -75,6 +75,9 @@ def on_whole_runs(op: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> to
         return op(*tensors)
     if any(t.shape != x.shape for t in tensors):
         raise ValueError(f"on_whole_runs: tensors of one shape expected, got {[tuple(t.shape) for t in tensors]}")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise RuntimeError("on_whole_runs is not differentiable: use the ops below (silu, sigmoid, exp, log), "
+                           "whose backward runs on whole runs too")
     n = x.numel()
     length = max(RUN, -(-n // RUN) * RUN)
     flats = [_padded_flat(t, length) for t in tensors]

@@ -21,6 +21,7 @@ These define the primitives' semantics; other backends (``npu.py``) implement th
   contributes exactly nothing (rescale factor exp(0) = 1, zero probabilities), so a caller that
   stops early at the last visible block -- a decode step -- gets the same bits as training.
 """
+import math
 from typing import Optional
 
 import torch
@@ -77,12 +78,12 @@ def matmul(a: torch.Tensor, b: torch.Tensor, row_multiple: int = 16) -> torch.Te
     _check_call(row_multiple, a, b)
     a, b = a.float(), b.float()
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-    rows, n = a.shape[-2], b.shape[-1]
-    a3 = _row_tiles(a.expand(*batch, *a.shape[-2:]).reshape(-1, *a.shape[-2:]))
-    b3 = b.expand(*batch, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
-    out = a3.new_empty(a3.shape[0], rows, n)
-    if out.numel() == 0:
-        return out.reshape(*batch, rows, n)
+    rows, n, entries = a.shape[-2], b.shape[-1], math.prod(batch)
+    if rows == 0 or n == 0 or entries == 0:
+        return a.new_zeros(*batch, rows, n)
+    a3 = _row_tiles(a.expand(*batch, *a.shape[-2:]).reshape(entries, *a.shape[-2:]))
+    b3 = b.expand(*batch, *b.shape[-2:]).reshape(entries, *b.shape[-2:])
+    out = a3.new_empty(entries, rows, n)
     operands = [None] * a3.shape[0]  # batch entry -> its b, made canonical once (by the first tile that needs it)
 
     def tile(piece):
