@@ -77,24 +77,23 @@ def matmul(a: torch.Tensor, b: torch.Tensor, row_multiple: int = 16) -> torch.Te
     single-threaded (ROW_TILE, K) x (K, N) call per batch entry and row tile."""
     _check_call(row_multiple, a, b)
     a, b = a.float(), b.float()
-    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    batch = a.shape[:-2] if b.dim() == 2 or a.shape[:-2] == b.shape[:-2] else torch.broadcast_shapes(
+        a.shape[:-2], b.shape[:-2])
     rows, n, entries = a.shape[-2], b.shape[-1], math.prod(batch)
     if rows == 0 or n == 0 or entries == 0:
         return a.new_zeros(*batch, rows, n)
     a3 = _row_tiles(a.expand(*batch, *a.shape[-2:]).reshape(entries, *a.shape[-2:]))
     b3 = b.expand(*batch, *b.shape[-2:]).reshape(entries, *b.shape[-2:])
-    out = a3.new_empty(entries, rows, n)
-    operands = [None] * a3.shape[0]  # batch entry -> its b, made canonical once (by the first tile that needs it)
-
-    def tile(piece):
-        i, r = piece
-        rhs = operands[i]
-        if rhs is None:
-            rhs = operands[i] = _operand(b3[i])
-        out[i, r:r + ROW_TILE].copy_(torch.mm(a3[i, r:r + ROW_TILE], rhs)[:rows - r])
-
-    one_thread_pieces.run_pieces(tile, [(i, r) for i in range(a3.shape[0]) for r in range(0, rows, ROW_TILE)])
-    return out.reshape(*batch, rows, n)
+    tiles = a3.shape[1] // ROW_TILE
+    lhs = a3.view(entries, tiles, ROW_TILE, a3.shape[-1])
+    rhs = [_operand(b3[i]) for i in range(entries)]
+    # Each tile's product lands in place: a (ROW_TILE, n) block of a contiguous output is laid out
+    # as a fresh one (leading dimension n), so the call is the same as into its own buffer.
+    out = a3.new_empty(entries, tiles, ROW_TILE, n)
+    one_thread_pieces.run_pieces(lambda p: torch.mm(lhs[p[0], p[1]], rhs[p[0]], out=out[p[0], p[1]]),
+                                 [(i, j) for i in range(entries) for j in range(tiles)])
+    out = out.view(entries, tiles * ROW_TILE, n)
+    return (out if tiles * ROW_TILE == rows else out[:, :rows]).reshape(*batch, rows, n)
 
 
 def _operand(b: torch.Tensor) -> torch.Tensor:
