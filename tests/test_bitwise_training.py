@@ -247,11 +247,6 @@ def test_exact_grad_norm_host_loop_and_torch_ops_give_the_same_total(monkeypatch
     assert gn.exact_sum_of_squares(host) == gn.exact_sum_of_squares(ops) == expected
 
 
-def _cpu_flags():
-    with open("/proc/cpuinfo") as f:
-        return next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-
-
 @pytest.mark.parametrize("build", ["native", "avx2"])
 def test_exact_grad_norm_windowed_blocks_give_the_histograms_total(build):
     """The C loop's windowed path (a block's values within 24 binades) against its
@@ -264,7 +259,9 @@ def test_exact_grad_norm_windowed_blocks_give_the_histograms_total(build):
     from mindspeed_tp.kernels import host_square_sums as hs
     from mindspeed_tp.numerics.bitwise_training import grad_norm as gn
 
-    flags = _cpu_flags()
+    from mindspeed_tp.devices.cpu_isa import cpu_flags
+
+    flags = cpu_flags()
     vector_isa = "avx2" in flags
     if build == "native":
         lib = hs.library()

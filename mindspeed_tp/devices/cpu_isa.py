@@ -9,39 +9,32 @@ for some ISAs only, the profile refuses the others by name (``numerics/vllm``). 
 from __future__ import annotations
 
 import functools
-from typing import FrozenSet, List, Tuple
+from typing import Dict, FrozenSet, List, Tuple
 
 
 @functools.lru_cache(maxsize=None)
-def cpu_flags() -> FrozenSet[str]:
-    """The ``flags`` of /proc/cpuinfo's first processor (empty off Linux or off x86)."""
+def _cpuinfo() -> Dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (empty off Linux)."""
+    fields: Dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key.strip() == "flags":
-                    return frozenset(value.split())
+                if not key.strip():
+                    break  # the end of the first processor's block
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return frozenset()
+    return fields
+
+
+def cpu_flags() -> FrozenSet[str]:
+    """The ``flags`` of /proc/cpuinfo's first processor (empty off Linux or off x86)."""
+    return frozenset(_cpuinfo().get("flags", "").split())
 
 
 def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    return value.strip()
-    except OSError:
-        pass
-    return "unknown CPU"
-
-
-def has_amx(flags: FrozenSet[str] = None) -> bool:
-    """Intel AMX tiles with bf16 (the kernels oneDNN and vLLM switch to for bf16 GEMMs)."""
-    flags = cpu_flags() if flags is None else flags
-    return {"amx_tile", "amx_bf16"} <= flags
+    return _cpuinfo().get("model name", "unknown CPU")
 
 
 # (oneDNN's ISA limit, MKL's instruction limit, the cpuinfo flags the level needs), lowest first.

@@ -82,12 +82,10 @@ def on_whole_runs(op: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> to
     length = max(RUN, -(-n // RUN) * RUN)
     flats = [_padded_flat(t, length) for t in tensors]
     pieces = _pieces(length, one_thread_pieces.threads())
-    if len(pieces) == 1:
-        out = one_thread_pieces.map_pieces(lambda _: op(*flats), pieces)[0]
-        return out[:n].view(x.shape)
     outs = one_thread_pieces.map_pieces(lambda p: op(*(f[p[0]:p[1]] for f in flats)), pieces)
-    in_place = all(o.data_ptr() == flats[0][a].data_ptr() for o, (a, _) in zip(outs, pieces))  # Tensor.exp_
-    out = flats[0] if in_place else torch.cat(outs)
+    # One piece is the output; pieces an in-place op (Tensor.exp_) wrote are the first buffer already.
+    in_place = all(o.data_ptr() == flats[0][a].data_ptr() for o, (a, _) in zip(outs, pieces))
+    out = outs[0] if len(outs) == 1 else flats[0] if in_place else torch.cat(outs)
     return out[:n].view(x.shape)
 
 
