@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from . import one_thread_pieces
 
 # Elements per run, a multiple of every ATen CPU loop step: two vectors of the narrowest dtype at the
-# widest vector ATen builds for (2 x 512 bits of bf16 = 64 elements); 128 also matches the GEMM's
-# column tile (backends/torch.py ``COLUMN_TILE``), so a projection's columns need no padding here.
+# widest vector ATen builds for (2 x 512 bits of bf16 = 64 elements); it divides the projections of
+# real models, so their columns need no padding here.
 RUN = 128
 
 
