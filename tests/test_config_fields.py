@@ -95,3 +95,145 @@ def test_bias_dropout_fusion_is_refused_with_an_engine_profile_only():
     check_model_config(config, load_profile("default"))
     with pytest.raises(ConfigError, match="bias_dropout_fusion"):
         check_model_config(config, load_profile("vllm-cpu-tp1"))
+
+
+def _field_types():
+    from megatron.core.transformer import transformer_config as tc
+
+    out = {}
+    for cls in (tc.TransformerConfig, getattr(tc, "MLATransformerConfig", None)):
+        for f in dataclasses.fields(cls) if cls is not None else ():
+            out.setdefault(f.name, f.type)
+    return out
+
+
+def _other_value(field, kind):
+    """A value of ``field``'s type other than its default on this line (and than what ACCEPTED allows)."""
+    import typing
+
+    default = config_fields.line_defaults()[field][0]
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    literals = [a for a in (typing.get_args(args[0]) if args and typing.get_origin(args[0]) is typing.Literal
+                            else typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else ())]
+    candidates = [v for v in literals if v != default and v != "fp32"]
+    if isinstance(default, bool) or bool in (kind, *args):
+        candidates.append(not default if isinstance(default, bool) else True)
+    elif isinstance(default, (int, float)) and not isinstance(default, bool):
+        candidates.append(default + 3)
+    elif default is None:
+        candidates += [v for t, v in ((int, 3), (float, 0.75), (str, "other")) if t in args]
+    candidates += ["other", 3]
+    return next(v for v in candidates if config_fields.refused_value(field, v))
+
+
+def test_every_refused_field_alone_at_another_value_is_refused_naming_it():
+    """Generated from config_fields.REFUSED on the installed line: no refused field is paperwork --
+    each, set alone on an accepted config, raises a ConfigError that names it (its specific refusal,
+    or the refusal every refused field gets at a value other than its default)."""
+    types = _field_types()
+    base = _accepted_config()
+    check_model_config(base)
+    accepted, walked = [], 0
+    for field in config_fields.REFUSED:
+        if field not in types:
+            continue  # not a field of this line
+        if field in config_fields.ACCEPTED and config_fields.ACCEPTED[field][0](object()):
+            continue  # refused only in a context (training, an engine profile): tests below
+        value = _other_value(field, types[field])
+        walked += 1
+        bad = copy.copy(base)
+        setattr(bad, field, value)
+        try:
+            check_model_config(bad)
+            accepted.append((field, value))
+        except ConfigError as exc:
+            assert field in str(exc), (field, value, str(exc))
+    assert accepted == []
+    context_only = [f for f in config_fields.ACCEPTED if f in types and config_fields.ACCEPTED[f][0](object())]
+    assert walked == len(types.keys() & config_fields.REFUSED.keys()) - len(context_only) > 50
+
+
+def test_the_context_refusals_refuse_in_their_context():
+    from mindspeed_tp.contract.profile import load_profile
+
+    config = copy.copy(_accepted_config())
+    config.hidden_dropout = 0.1  # megatron's default: a scoring model may carry it
+    check_model_config(config)
+    with pytest.raises(ConfigError, match="hidden_dropout=0.1"):
+        check_model_config(config, training=True)
+    config = copy.copy(_accepted_config())
+    config.attention_dropout = 0.1
+    with pytest.raises(ConfigError, match="attention_dropout"):
+        check_model_config(config, load_profile("default"), training=True)
+    config = copy.copy(_accepted_config())
+    config.context_parallel_size, config.cp_comm_type = 2, "a2a"
+    with pytest.raises(ConfigError, match="cp_comm_type='a2a'"):
+        check_model_config(config)
+    config.cp_comm_type = ["p2p", "all_gather"]
+    check_model_config(config)
+    config.context_parallel_size, config.cp_comm_type = 1, "a2a"  # unread without CP
+    check_model_config(config)
+
+
+def test_every_field_a_specific_check_reads_is_classified_refused_under_its_key():
+    """The refused settings live in one table: what model_config's grouped checks and the refusal
+    entries that read a config attribute name is config_fields.REFUSED's, under the same key."""
+    from mindspeed_tp.contract import model_config
+
+    fields = _field_types()
+    for name, *_ in model_config._LOW_PRECISION:
+        assert config_fields.REFUSED.get(name) == "low_precision", name
+    for name, *_ in model_config._VARIANTS:
+        assert config_fields.classify(name) in (("refused", "architecture_variant"),
+                                                ("honoured", config_fields.HONOURED.get(name))), name
+    for r in refusals.REFUSALS.values():
+        if r.attr and r.where in (refusals.MODEL, refusals.ATTENTION, refusals.NORM, refusals.MOE, refusals.ENGINE) \
+                and r.attr in fields:
+            # refused, or honoured with some values refused (moe_router_load_balancing_type: sinkhorn)
+            assert config_fields.classify(r.attr) is not None, r.attr
+
+
+def _gpt_model_parameters():
+    import inspect
+
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    return {n: p for n, p in list(inspect.signature(GPTModel.__init__).parameters.items())[1:]}
+
+
+def test_every_gpt_model_argument_is_classified_and_refused_by_name():
+    """Walks the installed GPTModel.__init__: each argument classified (contract/model_arguments.py),
+    the line's defaults accepted as mbridge passes them, every refused argument at a value it does
+    not accept refused naming it, and an argument no table knows refused rather than swallowed."""
+    import inspect
+
+    from mindspeed_tp.contract import model_arguments as ma
+
+    params = _gpt_model_parameters()
+    assert [n for n in params if ma.classify(n) is None] == []
+    for name, test in ma.HONOURED.items():
+        path, fn = test.split("::")
+        with open(os.path.join(ROOT, path)) as f:
+            assert f"def {fn}(" in f.read(), (name, test)
+    base = {n: (p.default if p.default is not inspect.Parameter.empty else object()) for n, p in params.items()}
+    base.update(position_embedding_type="rope", rotary_base=1000000, share_embeddings_and_output_weights=True)
+    ma.check_gpt_model_arguments(base)
+    others = {"fp16_lm_cross_entropy": True, "parallel_output": False, "position_embedding_type": "learned_absolute",
+              "rotary_percent": 0.5, "rope_scaling": True, "seq_len_interpolation_factor": 2.0,
+              "mtp_block_spec": object(), "scatter_embedding_sequence_parallel": False}
+    assert set(others) == set(ma.REFUSED)
+    for name, value in others.items():
+        if name not in params:
+            continue  # not an argument of this line
+        with pytest.raises(ConfigError, match=rf"GPTModel\({name}="):
+            ma.check_gpt_model_arguments({**base, name: value})
+    with pytest.raises(ConfigError, match="new_argument"):
+        ma.check_gpt_model_arguments({**base, "new_argument": 1})
+
+
+def test_a_process_group_collection_of_other_groups_is_refused():
+    from conftest import explain, run_torchrun
+
+    proc = run_torchrun("process_groups.py", 2, timeout=300)
+    assert proc.returncode == 0, explain(proc)
+    assert "ACCEPTED [1, 1] REFUSED BY NAME [1, 1]" in proc.stdout, explain(proc)

@@ -24,15 +24,15 @@ cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn
                         perform_initialization=False, {extra})
 try:
     GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(num_experts={experts}, normalization="RMSNorm"),
-             vocab_size=1024, max_sequence_length=64, position_embedding_type="rope")
+             vocab_size=1024, max_sequence_length=64, position_embedding_type="rope"{gpt})
     print("BUILT")
 except mindspeed_tp.ConfigError as exc:
     print("REFUSED", exc)
 """
 
 
-def _run(extra="", experts="None"):
-    proc = run_python(CODE.format(extra=extra, experts=experts))
+def _run(extra="", experts="None", gpt=""):
+    proc = run_python(CODE.format(extra=extra, experts=experts, gpt=gpt))
     assert proc.returncode == 0, explain(proc)
     return proc.stdout
 
@@ -43,6 +43,14 @@ def test_dense_local_spec_builds():
 
 def test_moe_model_builds():
     assert "BUILT" in _run(extra="num_moe_experts=4, moe_router_topk=2", experts="4")
+
+
+@pytest.mark.parametrize("gpt,name", [(", rope_scaling=True", "rope_scaling"), (", rotary_percent=0.5", "rotary_percent"),
+                                      (", seq_len_interpolation_factor=2.0", "seq_len_interpolation_factor")])
+def test_a_gpt_model_argument_the_engines_do_not_model_is_refused_at_construction(gpt, name):
+    """Issue #55: unchecked under the default and rollout-tp profiles before; refused by name now."""
+    out = _run(gpt=gpt)
+    assert "REFUSED" in out and f"GPTModel({name}=" in out, out
 
 
 def test_moe_capacity_factor_is_refused():
@@ -95,7 +103,7 @@ def test_megatrons_mlp_computes_the_position_invariant_swiglu():
     """MLP.forward under the patches (every version line): fc1, kernels/elementwise.swiglu, fc2, here on
     a 200-column FFN (a width ATen's silu computes partly in its scalar tail); an argument a newer
     megatron-core names in MLP.forward's signature is refused by name unless left unset."""
-    proc = run_python(MLP_CODE.format(extra="bf16=False", experts="None"))
+    proc = run_python(MLP_CODE.format(extra="bf16=False", experts="None", gpt=""))
     assert proc.returncode == 0, explain(proc)
     out = proc.stdout
     assert "MLP 400 True True" in out, out

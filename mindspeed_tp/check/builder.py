@@ -94,7 +94,7 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype, disp
         kwargs["virtual_pipeline_model_parallel_size"] = layout.vpp
     kwargs.update(overrides)
     fields = _USER_FIELDS if user_fields is None else user_fields
-    kwargs = user_config.apply(kwargs, fields, spec.name)
+    kwargs = user_config.apply(kwargs, fields, spec)
     try:
         config = TransformerConfig(**kwargs)
     except (ValueError, AssertionError, TypeError) as exc:
@@ -177,4 +177,4 @@ def check_before_launch(spec, layouts, profile, dtype, fields: Dict[str, Any], d
 
     for layout in layouts:
         config = transformer_config(spec, layout, dtype, dispatcher, user_fields=fields)
-        check_model_config(config, profile)
+        check_model_config(config, profile, training=True)

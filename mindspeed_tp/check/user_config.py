@@ -42,7 +42,7 @@ def load(path: Optional[str]) -> Dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"--transformer-config {path}: expected a mapping of TransformerConfig fields")
-    known = _config_fields()
+    known = config_field_names()
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"--transformer-config {path}: {unknown} are not fields of this megatron-core's "
@@ -54,7 +54,15 @@ def load(path: Optional[str]) -> Dict[str, Any]:
     return dict(data)
 
 
-def _config_fields():
+def _mla_only_fields():
+    from megatron.core.transformer import transformer_config as tc
+
+    mla = getattr(tc, "MLATransformerConfig", None)
+    plain = {f.name for f in dataclasses.fields(tc.TransformerConfig)}
+    return {f.name for f in dataclasses.fields(mla)} - plain if mla is not None else set()
+
+
+def config_field_names():
     from megatron.core.transformer import transformer_config as tc
 
     names = {f.name for f in dataclasses.fields(tc.TransformerConfig)}
@@ -62,9 +70,27 @@ def _config_fields():
     return names | ({f.name for f in dataclasses.fields(mla)} if mla is not None else set())
 
 
-def apply(kwargs: Dict[str, Any], fields: Dict[str, Any], model: str) -> Dict[str, Any]:
+# MLATransformerConfig's fields that are GPTModel arguments of a model without MLA: the checkers
+# take them from the model (the model YAML's rotary_base; full, unscaled RoPE otherwise).
+_GPT_ARGUMENTS = {"rotary_base": lambda spec: spec.rotary_base, "rotary_percent": lambda spec: 1.0}
+
+
+def apply(kwargs: Dict[str, Any], fields: Dict[str, Any], spec: Any) -> Dict[str, Any]:
     """``kwargs`` (the checker's TransformerConfig arguments) with ``fields`` over them; a field the
-    checker sets from its flags or the model may only repeat the checker's value."""
+    checker sets from its flags or the model (``spec``) may only repeat the checker's value."""
+    model = spec.name
+    fields = dict(fields)
+    mla = not fields.get("multi_latent_attention") and _mla_only_fields()
+    for name in [n for n in fields if mla and n in mla]:
+        value = fields.pop(name)
+        if name in _GPT_ARGUMENTS and float(value) == float(_GPT_ARGUMENTS[name](spec)):
+            continue  # the value the model's GPTModel gets anyway
+        if name in _GPT_ARGUMENTS:
+            raise ConfigError(f"--transformer-config: {name}={value!r} is a GPTModel argument the checker takes from "
+                              f"the model ({model}: {_GPT_ARGUMENTS[name](spec)!r}); remove it from the file, or give "
+                              f"a model YAML with {name} (--model FILE.yaml)")
+        raise ConfigError(f"--transformer-config: {name} is a field of megatron-core's MLATransformerConfig, read only "
+                          f"with multi_latent_attention (refused); remove {name} from the file")
     for name, value in fields.items():
         if name in FROM_CHECKER and name in kwargs and kwargs[name] != value:
             where = _FLAG_OF.get(name, f"the model ({model}; give another model YAML with --model)")

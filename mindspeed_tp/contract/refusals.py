@@ -496,6 +496,12 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "{setting}={value!r} is not supported " + _T + ": {what} is not modelled by the consistent attention or the "
             "engines; unset {setting}", "only the Qwen3 / Qwen3-MoE decoder (full causal softmax attention) is "
             "modelled"),
+    Refusal("refused_field", MODEL, "any TransformerConfig field classified refused (contract/config_fields.py)",
+            "{field}={value!r} is not supported " + _T + ": {reason} (refusal {key}); set {field} to {accepted}",
+            "every refused field is refused at any value but its default, whether or not a specific check knows it"),
+    Refusal("gpt_model_argument", MODEL, "GPTModel constructor arguments (contract/model_arguments.py)",
+            "GPTModel({name}={value!r}) is not supported " + _T + "; pass {accepted}",
+            "position encodings, logits layouts and extra blocks the engines do not model"),
     Refusal("hidden_dropout", MODEL, "hidden_dropout",
             "hidden_dropout={value} while training is not supported " + _T + " (dropout makes the forward random); set "
             "hidden_dropout=0", "random"),

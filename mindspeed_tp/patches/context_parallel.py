@@ -12,6 +12,7 @@ import inspect
 
 import torch
 
+from ..contract.model_config import CP_COMM_TYPES
 from ..contract.refusals import refuse
 from ..kernels import context_parallel as cp
 from ..numerics import ACTIVE
@@ -41,7 +42,7 @@ def attention_init(original):
             check_modes()  # at model construction, before any batch
             bound = inspect.signature(original).bind(self, config, *args, **kwargs)
             cp_type = bound.arguments.get("cp_comm_type")
-            if cp_type not in (None, "p2p", "all_gather"):
+            if cp_type not in CP_COMM_TYPES:
                 raise refuse("context_parallel_comm_type", value=cp_type)
             local = copy.copy(config)
             local.context_parallel_size = 1

@@ -5,6 +5,7 @@ import functools
 
 import torch
 
+from ..contract.model_arguments import bound_arguments, check_gpt_model_arguments
 from ..contract.model_config import check_model_config
 from ..contract.refusals import refuse
 from ..errors import ConfigError
@@ -59,9 +60,10 @@ def check_not_displaced(registry: PatchRegistry) -> None:
 def gpt_model_init(original, registry: PatchRegistry):
     def __init__(self, *args, **kwargs):
         check_not_displaced(registry)
-        config = kwargs.get("config", args[0] if args else None)
-        if config is not None:  # before building: some refused settings fail megatron's own init on CPU
-            check_model_config(config, _profile())
+        arguments = bound_arguments(original, args, kwargs)
+        # before building: some refused settings fail megatron's own init on CPU
+        check_model_config(arguments["config"], _profile())
+        check_gpt_model_arguments(arguments)
         ACTIVE.strategy.model_init(original, self, args, kwargs)
         original(self, *args, **kwargs)
         validate_model_modules(self)

@@ -193,7 +193,7 @@ def _check_user_config(ns, spec, layouts, profile) -> None:
     for layout in layouts:
         config = transformer_config(spec, layout, DTYPES[ns.dtype], "alltoall", ns.transformer_fields,
                                     calculate_per_token_loss=True)
-        check_model_config(config, profile)
+        check_model_config(config, profile, training=True)
 
 
 def _make_engine(ns, pl: Plan, dtype):

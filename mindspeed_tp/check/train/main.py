@@ -175,7 +175,7 @@ def _check_user_config(ns, spec, layouts, profile, settings) -> None:
     for layout in layouts:
         config = transformer_config(spec, layout, DTYPES[ns.dtype], settings.dispatcher, ns.transformer_fields,
                                     **RECOMPUTE[settings.recompute], calculate_per_token_loss=True)
-        check_model_config(config, profile)
+        check_model_config(config, profile, training=True)
 
 
 def worlds(layouts: List[Layout]) -> Dict[int, List[Layout]]:
