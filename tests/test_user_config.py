@@ -105,3 +105,11 @@ def test_check_exits_2_naming_a_refused_field_set_alone(tmp_path, text, field):
                    timeout=120)
     assert proc.returncode == 2, explain(proc)
     assert field in proc.stderr, explain(proc)
+
+
+def test_a_per_rank_mean_loss_is_refused_with_the_reason_not_a_model_yaml(tmp_path):
+    """Issue #55: calculate_per_token_loss false was refused pointing at a model YAML, which cannot change it."""
+    path = _file(tmp_path, "calculate_per_token_loss: false\n")
+    with pytest.raises(ConfigError, match="calculate_per_token_loss=False.*per-token loss.*depend on the CP") as info:
+        _plan(train_main, ["--model", "tiny-dense", "--layouts", "cp2", "--transformer-config", path])
+    assert "--model" not in str(info.value)

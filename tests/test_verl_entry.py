@@ -147,7 +147,7 @@ def test_megatron_bridge_provider_builds_the_local_spec():
         "p = gpt_provider.GPTModelProvider(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,\n"
         "    normalization='RMSNorm', add_bias_linear=False, use_cpu_initialization=True, vocab_size=1024,\n"
         "    gated_linear_unit=True, activation_func=torch.nn.functional.silu,\n"
-        "    seq_length=64)\n"
+        "    seq_length=64, position_embedding_type='rope')\n"
         "model = p.provide()\n"
         "core = model.decoder.layers[0].self_attention.core_attention\n"
         "print('CORE', type(core).__name__, p.transformer_layer_spec is gpt_provider.local_layer_spec)\n"

@@ -197,3 +197,25 @@ def test_an_engine_on_another_kernel_family_than_the_training_host_is_refused(mo
     host.check_engine_family("avx512_bf16")
     with pytest.raises(ConfigError, match="engine's workers run vLLM's 'avx2'.*selects 'avx512_bf16'.*cpu_isa: avx2"):
         host.check_engine_family("avx2")
+
+
+def test_the_sampling_params_check_refuses_a_refused_field_and_an_unknown_one_by_name():
+    """contract/sampling_params.check_sampling_params on a dataclass standing in for a SamplingParams
+    of another vLLM release (this venv has no vLLM; tests/test_vllm_sampling_params.py runs the real
+    class and the patch in .venv-vllm): a refused field off its default and a field no table knows
+    off its default are refused by name; honoured and irrelevant fields pass at any value."""
+    from mindspeed_tp.contract import sampling_params as sp
+
+    @dataclasses.dataclass
+    class Params:
+        temperature: float = 1.0
+        top_p: float = 1.0
+        min_p: float = 0.0
+        detokenize: bool = True
+        newer_field: int = 0
+
+    sp.check_sampling_params(Params(temperature=0.7, top_p=0.9, detokenize=False))
+    with pytest.raises(ConfigError, match=r"SamplingParams\(min_p=0.1\).*set min_p to 0"):
+        sp.check_sampling_params(Params(min_p=0.1))
+    with pytest.raises(ConfigError, match=r"SamplingParams\(newer_field=3\).*does not know"):
+        sp.check_sampling_params(Params(newer_field=3))

@@ -24,7 +24,11 @@ _FLAG_OF = {"tensor_model_parallel_size": "--tp", "pipeline_model_parallel_size"
             "context_parallel_size": "--cp", "expert_model_parallel_size": "--ep", "expert_tensor_parallel_size": "--etp",
             "params_dtype": "--dtype", "pipeline_dtype": "--dtype", "bf16": "--dtype",
             "moe_token_dispatcher_type": "--dispatcher", "recompute_granularity": "--recompute",
-            "recompute_method": "--recompute", "recompute_num_layers": "--recompute", "recompute_modules": "--recompute"}
+            "recompute_method": "--recompute", "recompute_num_layers": "--recompute", "recompute_modules": "--recompute",
+            # not a flag: the training checkers' loss is the per-token sum over all tokens (a per-rank mean,
+            # megatron's default, weighs tokens by how CP / DP split them: the objective depends on the layout)
+            "calculate_per_token_loss": "the training checkers, which always train with the per-token loss (a "
+                                        "per-rank mean would depend on the CP and DP sizes); no setting changes it"}
 
 
 def load(path: Optional[str]) -> Dict[str, Any]:

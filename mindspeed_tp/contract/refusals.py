@@ -136,6 +136,11 @@ _ENTRIES: Tuple[Refusal, ...] = (
     Refusal("vllm_sync_source", ENGINE, "weight-sync layout (pp)",
             "weight sync from {what} is not implemented; sync from a layout with {fix}",
             "the gather to Hugging Face names covers TP, EP and expert-TP shards"),
+    Refusal("sampling_parameter", ENGINE, "vLLM SamplingParams fields (verl rollout sampling keys)",
+            "SamplingParams({name}={value!r}) is not supported " + _T + ": training recomputes the model's own "
+            "distribution, never this field's change to it (a token sampled under it would be scored against "
+            "logits it was not drawn from); set {name} to {accepted} (verl: actor_rollout_ref.rollout.{name})",
+            "penalties, min_p, biases and guided decoding reshape the sampled distribution; training does not model them"),
     # ---- the profile / TP sizes ----
     Refusal("tp_not_power_of_two_dividing_c", PROFILE, "tensor_model_parallel_size (--tp), expert_tensor_parallel_size",
             "{setting}={tp} is not supported: it must be a power of two dividing the profile's canonical_shards="
@@ -158,15 +163,15 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "the true (unpadded) vocab size is unknown: the logits have {padded} columns, and Megatron pads the "
             "vocabulary to a multiple of make_vocab_size_divisible_by x TP, so padded columns would enter the "
             "log-softmax and make logprobs depend on TP. Set it: mindspeed_tp.set_vocab_size(N), "
-            "MINDSPEED_TP_VOCAB_SIZE=N or --true-on-policy-vocab-size N (N = the tokenizer's vocab size; {padded} if "
+            "MINDSPEED_TP_VOCAB_SIZE=N or --true-on-policy-vocab-size N (N = the model config's vocab_size: the columns the rollout engine's log-softmax spans, e.g. Qwen3's 151936, not len(tokenizer), which can be smaller; {padded} if "
             "the vocabulary is not padded)",
             "the padded size depends on TP; only the true size says which columns to exclude"),
     Refusal("vocab_size_conflict", LOSS, "mindspeed_tp.set_vocab_size / MINDSPEED_TP_VOCAB_SIZE",
             "the true vocab size is set to {explicit} (mindspeed_tp.set_vocab_size / MINDSPEED_TP_VOCAB_SIZE) but the "
             "model's config says vocab_size={model}; make them agree", "two sources disagree on the true vocab"),
     Refusal("vocab_size_exceeds_logits", LOSS, "mindspeed_tp.set_vocab_size / MINDSPEED_TP_VOCAB_SIZE",
-            "the true vocab size {vocab} exceeds the model's {padded} logit columns; set it to the tokenizer's vocab "
-            "size", "the true vocab cannot be larger than the padded one"),
+            "the true vocab size {vocab} exceeds the model's {padded} logit columns; set it to the model config's vocab_size "
+            "(Hugging Face config.json)", "the true vocab cannot be larger than the padded one"),
     # ---- layouts (the checker's plan) ----
     Refusal("layout_size_indivisible", LAYOUT, "--tp / --pp / canonical_shards / model size",
             "model {model}: {what}={size} is not divisible by {setting}={divisor}; change {setting} or the model size",

@@ -1,5 +1,6 @@
 """Integrations with the frameworks around megatron-core: Megatron-LM's training arguments
-(``megatron_training``), MindSpeed (``mindspeed``) and verl (``verl``).
+(``megatron_training``), MindSpeed (``mindspeed``), verl (``verl``) and vLLM's sampling parameters
+(``vllm_sampling``).
 
 Each one contributes its changes to those packages' namespaces to one registry of import-time
 patches (``on_import``: applied when the package's module is imported, never importing it
@@ -10,7 +11,7 @@ from typing import Callable, Optional
 
 from .. import switch
 from ..patching import PatchRegistry
-from . import megatron_training, mindspeed, verl
+from . import megatron_training, mindspeed, verl, vllm_sampling
 
 _registry: Optional[PatchRegistry] = None
 _installed = False
@@ -20,7 +21,7 @@ def registry() -> PatchRegistry:
     global _registry
     if _registry is None:
         reg = PatchRegistry("mindspeed-tp integrations")
-        for module in (megatron_training, mindspeed, verl):
+        for module in (megatron_training, mindspeed, verl, vllm_sampling):
             module.register(reg)
         _registry = reg
     return _registry

@@ -80,7 +80,7 @@ def _verl_logprob(original):
         numerics = ACTIVE.current()
         if numerics is None:
             return original(logits, labels)
-        if state.profile().logprob_semantics == "processed":
+        if numerics.profile.logprob_semantics == "processed":  # the active strategy's profile
             raise refuse("verl_processed_logprobs")
         group = compat.tp_group_of()
         vocab = true_vocab_size(logits.shape[-1] * group_size(group), from_model=getattr(logits, TRUE_VOCAB_ATTR, None))

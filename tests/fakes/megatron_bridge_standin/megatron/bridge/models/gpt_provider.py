@@ -7,7 +7,8 @@ spec functions (``default_layer_spec`` -> ``transformer_engine_layer_spec``, ``l
 -> megatron-core's ``get_gpt_layer_local_spec`` with upstream's arguments) and
 ``GPTModelProvider.provide(self, pre_process=None, post_process=None, vp_stage=None)``, which
 resolves a callable ``transformer_layer_spec`` as upstream does (passing ``vp_stage`` when the
-function takes it) and builds megatron-core's GPTModel.
+function takes it) and builds megatron-core's GPTModel with the provider's position encoding
+(upstream's field ``position_embedding_type``, which its Qwen / Llama providers set to 'rope').
 
 Proves: the hook's target and signature match the published source, and a provider holding the
 default (Transformer Engine) spec builds a local-spec GPTModel under the patches. Does not prove:
@@ -47,6 +48,8 @@ def default_layer_spec(config: "GPTModelProvider") -> ModuleSpec:
 class GPTModelProvider(TransformerConfig):
     vocab_size: Optional[int] = None
     seq_length: int = 1024
+    position_embedding_type: str = "learned_absolute"
+    rotary_base: int = 10000
     transformer_layer_spec: Union[ModuleSpec, Callable[["GPTModelProvider"], ModuleSpec]] = default_layer_spec
 
     def provide(self, pre_process=None, post_process=None, vp_stage=None) -> MCoreGPTModel:
@@ -60,4 +63,5 @@ class GPTModelProvider(TransformerConfig):
             self, transformer_layer_spec=spec, vocab_size=self.vocab_size, max_sequence_length=self.seq_length,
             pre_process=parallel_state.is_pipeline_first_stage() if pre_process is None else pre_process,
             post_process=parallel_state.is_pipeline_last_stage() if post_process is None else post_process,
+            position_embedding_type=self.position_embedding_type, rotary_base=self.rotary_base,
         )
