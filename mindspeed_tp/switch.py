@@ -80,6 +80,7 @@ def disable() -> None:
         numerics.ACTIVE.set(None)
         state.set_profile(None)
         state.set_vocab_size(None)
+        dispatch.release()
         dispatch.select("auto")
         remove_shims(*_installed_shims)
         _installed_shims = []

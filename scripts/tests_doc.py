@@ -44,7 +44,8 @@ REFUSAL_GROUP_TESTS = {
         "tests/test_model_guard.py::test_fused_cross_entropy_is_refused"],
     "kernel backend": ["tests/test_npu_backend.py::test_profile_npu_refuses_split_kv"],
     "verl / mbridge (integrations.verl)": ["tests/test_verl_entry.py::test_mbridge_moe_beyond_tp1_is_refused_by_name"],
-    "norm construction": ["tests/test_switches.py::test_cpu_shims_installed_after_enable_still_let_disable_restore_vanilla"],
+    "norm construction": [
+        "tests/test_config_fields.py::test_a_norm_the_patched_norm_does_not_compute_is_refused_at_the_config_and_at_construction"],
     "MindSpeed arguments (enable, its feature)": [
         "tests/test_mindspeed_coexistence.py::test_contract_breaking_mindspeed_features_are_refused"],
     "bitwise training (profile bitwise_training)": [

@@ -333,6 +333,11 @@ def test_refusals_models_the_mode_does_not_cover():
     with pytest.raises(ConfigError, match="num_distributed_optimizer_instances"):
         check_ddp(Model(), SimpleNamespace(num_distributed_optimizer_instances=2))
     check_ddp(Model(), ddp)  # a dense untied model passes
+    # issue #55: megatron's default per-rank mean under CP makes the objective depend on the CP size
+    with pytest.raises(ConfigError, match="context_parallel_size=2 and calculate_per_token_loss=False"):
+        check_ddp(Model(context_parallel_size=2, calculate_per_token_loss=False), ddp)
+    check_ddp(Model(context_parallel_size=2, calculate_per_token_loss=True), ddp)
+    check_ddp(Model(context_parallel_size=1, calculate_per_token_loss=False), ddp)
 
 
 def test_a_sync_run_by_the_tree_refuses_the_nan_check_and_keeps_shards_as_megatron_would():

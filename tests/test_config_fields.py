@@ -40,8 +40,13 @@ def test_every_transformer_config_field_is_classified_once():
     assert unknown_keys == {}
     for field, test in config_fields.HONOURED.items():
         path, name = test.split("::")
+        name, _, case = name.partition("[")
         with open(os.path.join(ROOT, path)) as f:
             assert f"def {name}(" in f.read(), (field, test)
+        if case:  # a case of tests/test_honoured_fields.py: the field launched at another value
+            from test_honoured_fields import RUNS
+
+            assert case.rstrip("]") == field and field in RUNS, (field, test)
     assert all(reason.strip() for reason in config_fields.IRRELEVANT.values())
 
 
@@ -237,3 +242,42 @@ def test_a_process_group_collection_of_other_groups_is_refused():
     proc = run_torchrun("process_groups.py", 2, timeout=300)
     assert proc.returncode == 0, explain(proc)
     assert "ACCEPTED [1, 1] REFUSED BY NAME [1, 1]" in proc.stdout, explain(proc)
+
+
+def test_a_norm_the_patched_norm_does_not_compute_is_refused_at_the_config_and_at_construction():
+    """The norm-construction refusals (issue #55: tested nowhere before): a normalization other than
+    RMSNorm / LayerNorm at the config check (the checkers refuse it before launching) and at the
+    norm's construction; layernorm_zero_centered_gamma at the config check."""
+    from mindspeed_tp.patches.norms import ConsistentNorm
+
+    for name in ("RMSNorm", "LayerNorm"):
+        config = copy.copy(_accepted_config())
+        config.normalization = name
+        check_model_config(config)
+        assert ConsistentNorm(8, 1e-6, name, False).normalization == name
+    config.normalization = "L2Norm"
+    with pytest.raises(ConfigError, match="normalization='L2Norm'"):
+        check_model_config(config)
+    with pytest.raises(ConfigError, match="normalization='L2Norm'"):
+        ConsistentNorm(8, 1e-6, "L2Norm", False)
+    config = copy.copy(_accepted_config())
+    config.layernorm_zero_centered_gamma = True
+    with pytest.raises(ConfigError, match="layernorm_zero_centered_gamma"):
+        check_model_config(config)
+
+
+def test_recompute_modules_never_run_bitwise_are_refused_by_name():
+    """Selective recomputation of core_attn and mlp runs bitwise (tests/test_honoured_fields.py);
+    megatron's layernorm recomputation crashed without Transformer Engine (issue #55's launch), and
+    the others checkpoint around the patched forward: refused naming the module."""
+    config = copy.copy(_accepted_config())
+    config.recompute_granularity, config.recompute_modules = "selective", ["core_attn", "mlp"]
+    check_model_config(config)
+    config.recompute_modules = ["core_attn", "layernorm"]
+    with pytest.raises(ConfigError, match=r"recompute_modules=\['core_attn', 'layernorm'\]: \['layernorm'\]"):
+        check_model_config(config)
+    config.recompute_modules = ["moe"]
+    with pytest.raises(ConfigError, match="recompute_modules containing 'moe'"):
+        check_model_config(config)
+    config.recompute_granularity = "full"  # the modules are unread
+    check_model_config(config)

@@ -39,6 +39,10 @@ def test_every_raised_refusal_is_in_the_table_and_every_entry_is_used():
     from mindspeed_tp.patches import models
 
     raised |= {key for _, key in models._UNCOVERED} | set(models._UNCOVERED_CLASSES.values())
+    # the refused config fields' groups, raised through their own message by check_refused_fields
+    from mindspeed_tp.contract import config_fields
+
+    raised |= {key for key in config_fields.REFUSED.values() if "{setting}" in refusals.REFUSALS[key].message}
     assert raised - set(refusals.REFUSALS) == set()
     unused = {k for k, r in refusals.REFUSALS.items() if r.attr is None and k not in raised}
     assert unused == set()

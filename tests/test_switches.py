@@ -1,6 +1,8 @@
 """The four switches apply the same patch set exactly once, and disable() restores vanilla."""
 import textwrap
 
+import pytest
+
 from conftest import explain, run_python
 
 REPORT = textwrap.dedent(
@@ -113,6 +115,23 @@ def test_training_flags_enable_the_patches(tmp_path):
     assert lines["FLAG"] == "True 2"
     _assert_all_applied_once(lines)
     assert lines["PROFILE"] == "from-flag"
+
+
+def test_a_profile_whose_logprob_semantics_megatron_training_does_not_compute_is_refused(tmp_path):
+    """Issue #55: a profile's logprob_semantics processed / temperature was accepted for Megatron-LM
+    training, whose loss scores raw logprobs; refused by name before anything is patched."""
+    from types import SimpleNamespace
+
+    import mindspeed_tp
+    from mindspeed_tp.integrations.megatron_training import apply_true_on_policy_args
+
+    for semantics in ("processed", "temperature"):
+        prof = tmp_path / f"{semantics}.yaml"
+        prof.write_text(f"name: {semantics}\nlogprob_semantics: {semantics}\n")
+        with pytest.raises(mindspeed_tp.ConfigError, match=f"logprob_semantics is '{semantics}'.*raw logprobs"):
+            apply_true_on_policy_args(SimpleNamespace(true_on_policy=True, true_on_policy_profile=str(prof)))
+        assert not mindspeed_tp.is_enabled()
+    assert apply_true_on_policy_args(SimpleNamespace(true_on_policy=False, true_on_policy_profile=None)) is False
 
 
 def test_training_flags_absent_means_vanilla(tmp_path):

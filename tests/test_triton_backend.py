@@ -518,3 +518,22 @@ def test_the_triton_backend_names_its_build_for_reports_and_reference_files():
 
     assert dispatch.build_identity("cpu") == {}
     assert dispatch.build_identity("cuda") == {"triton": triton.__version__, "enable_fp_fusion": True}
+
+
+def test_disable_puts_back_the_settings_enable_pinned(saved_torch_settings, monkeypatch):
+    """Issue #55: enable() pinned TF32 / cuDNN / reduced-precision flags process-wide and disable()
+    left them pinned; the user's values come back with disable()."""
+    from mindspeed_tp.kernels import dispatch
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.benchmark = True
+    reduced = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tb.prepare(None)
+    assert torch.backends.cuda.matmul.allow_tf32 is False and torch.backends.cudnn.benchmark is False
+    monkeypatch.setitem(dispatch._modules, "triton", tb)  # the loaded backend disable() releases
+    dispatch.release()
+    assert torch.backends.cuda.matmul.allow_tf32 is True and torch.backends.cudnn.benchmark is True
+    assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction is reduced
+    assert tb.restore_torch_settings() == []  # nothing pinned is left

@@ -78,6 +78,7 @@ def test_an_irrelevant_field_of_the_users_file_reaches_the_models_config(tmp_pat
     ("use_kitchen_attention: true\n", "use_kitchen_attention=True"),
     ("window_attn_skip_freq: 2\n", "window_attn_skip_freq=2"),
     ("cp_comm_type: a2a\n", "cp_comm_type='a2a'"),
+    ("overlap_moe_expert_parallel_comm: true\n", "overlap_moe_expert_parallel_comm=True.*combined 1F1B"),
 ])
 def test_issue_55_settings_are_refused_naming_the_field_before_launching(tmp_path, text, needle):
     """Issue #55's acceptance: each is refused by name by the plan every checker makes before it
@@ -113,3 +114,11 @@ def test_a_per_rank_mean_loss_is_refused_with_the_reason_not_a_model_yaml(tmp_pa
     with pytest.raises(ConfigError, match="calculate_per_token_loss=False.*per-token loss.*depend on the CP") as info:
         _plan(train_main, ["--model", "tiny-dense", "--layouts", "cp2", "--transformer-config", path])
     assert "--model" not in str(info.value)
+
+
+def test_train_check_names_its_layouts_flag_for_a_parallel_size_in_the_file(tmp_path):
+    """Issue #55: expert_model_parallel_size in the file was refused as differing from "--ep", a flag
+    train-check does not have."""
+    with pytest.raises(ConfigError, match="expert_model_parallel_size=4 differs.*--layouts epN"):
+        _plan(train_main, ["--model", "tiny-moe", "--layouts", "tp2-sp-ep2",
+                           "--transformer-config", _file(tmp_path, "expert_model_parallel_size: 4\n")])

@@ -100,6 +100,13 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype, disp
     except (ValueError, AssertionError, TypeError) as exc:
         if not fields:
             raise
+        # megatron's own __post_init__ rejects some refused settings first (overlap_moe_expert_parallel_comm
+        # without EP): the file's refused fields are named before megatron's message
+        from types import SimpleNamespace
+
+        from ..contract.model_config import check_refused_fields
+
+        check_refused_fields(SimpleNamespace(**fields))
         raise ConfigError(f"--transformer-config: megatron-core's TransformerConfig rejects the settings: "
                           f"{type(exc).__name__}: {exc}") from None
     # The true vocab size, stated on the config as Megatron-Bridge's model providers do: the

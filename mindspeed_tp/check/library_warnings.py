@@ -79,14 +79,16 @@ def recorded() -> Iterator[str]:
 
 def record_this_run() -> str:
     """A benchmark started by the user (its own torchrun, or one process that launches torchrun workers
-    itself): every process records in one directory, named by torchrun's run id or by this process
-    (its workers inherit ``ENV``); ``report_after_run`` lists them on rank 0. Call it before
+    itself): every process records in one directory, named by torchrun's run id (with its port when the
+    id is torchrun's default "none") or by this process (its workers inherit ``ENV``); ``report_after_run`` lists them on rank 0. Call it before
     megatron-core is imported."""
     directory = os.environ.get(ENV)
     if directory:  # a worker of a launcher of ours: it reports what this process records
         install_from_env()
         return directory
     run = os.environ.get("TORCHELASTIC_RUN_ID") or f"pid{os.getpid()}"
+    if run == "none":  # plain torchrun's default id: two launches on one host would share (and delete) a
+        run = f"none-port{os.environ.get('MASTER_PORT', os.getppid())}"  # directory; their ports differ
     directory = os.path.join(tempfile.gettempdir(), f"mindspeed-tp-warnings-{run}")
     os.makedirs(directory, exist_ok=True)
     os.environ[ENV] = directory

@@ -20,6 +20,12 @@ _ENGINE = "tests/test_reference_engine.py::test_engine_weights_and_rope_match_me
 _AUX = "tests/test_moe_aux_loss.py::test_router_loss_values_equal_vanilla"
 _BITWISE = "tests/test_bitwise_training.py::test_every_step_bitwise_in_every_layout"
 _MOE_BITWISE = "tests/test_bitwise_moe_training.py::test_every_moe_step_bitwise_in_every_layout"
+# a field the bundled runs leave at its default, launched at another value
+_AT = "tests/test_honoured_fields.py::test_an_honoured_field_at_another_value_is_bitwise_across_layouts[{}]"
+
+
+def _at(*names: str) -> Dict[str, str]:
+    return {name: _AT.format(name) for name in names}
 
 
 def _all(names: str, value: str) -> Dict[str, str]:
@@ -32,17 +38,17 @@ HONOURED: Dict[str, str] = {
     "context_parallel_size": _CP,
     "virtual_pipeline_model_parallel_size": _TRAIN,
     **_all("num_layers hidden_size num_attention_heads num_query_groups ffn_hidden_size kv_channels layernorm_epsilon "
-           "qk_layernorm gated_linear_unit activation_func normalization bf16 params_dtype pipeline_dtype", _ROLLOUT),
+           "gated_linear_unit activation_func bf16 params_dtype pipeline_dtype", _ROLLOUT),
+    **_at("qk_layernorm", "normalization", "moe_router_pre_softmax", "cp_comm_type", "recompute_method",
+          "recompute_modules", "distribute_saved_activations", "moe_router_bias_update_rate"),
     "max_position_embeddings": _ENGINE,  # megatron-core 0.12: the RoPE table's length
-    **_all("num_moe_experts moe_ffn_hidden_size moe_router_topk moe_router_pre_softmax moe_router_score_function "
+    **_all("num_moe_experts moe_ffn_hidden_size moe_router_topk moe_router_score_function "
            "moe_shared_expert_intermediate_size moe_layer_freq moe_router_topk_scaling_factor "
            "moe_token_dispatcher_type moe_router_load_balancing_type", _MOE),
     **_all("moe_aux_loss_coeff moe_z_loss_coeff moe_per_layer_logging", _AUX),
-    **_all("recompute_granularity recompute_method recompute_num_layers recompute_modules distribute_saved_activations "
-           "num_microbatches_with_partial_activation_checkpoints", _RECOMPUTE),
+    **_all("recompute_granularity recompute_num_layers", _RECOMPUTE),
     "calculate_per_token_loss": _BITWISE,
-    **_all("moe_router_enable_expert_bias moe_router_bias_update_rate", _MOE_BITWISE),
-    "cp_comm_type": _CP,
+    "moe_router_enable_expert_bias": _MOE_BITWISE,
 }
 
 # field -> refusal key (contract/refusals.py); the refusal names the field and the value to set.
@@ -111,6 +117,9 @@ REFUSED: Dict[str, str] = {
     "moe_layer_recompute": "moe_layer_recompute",
     "wgrad_deferral_limit": "defer_embedding_wgrad_compute_config",
     "cross_entropy_fusion_impl": "cross_entropy_loss_fusion",
+    # megatron's combined 1F1B schedule calls the MoE layer's pieces directly, not the patched forward
+    **_all("overlap_moe_expert_parallel_comm delay_wgrad_compute ep_overlap_early_attn_memory_release",
+           "moe_expert_overlap"),
 }
 
 _NO_MATH = "where or when tensors move or are kept, not what is computed"
@@ -120,8 +129,7 @@ _TE = "Transformer Engine only; the local spec is required (refusal transformer_
 IRRELEVANT: Dict[str, str] = {
     **_all("pipeline_model_parallel_comm_backend overlap_p2p_comm batch_p2p_comm batch_p2p_sync use_ring_exchange_p2p "
            "deallocate_pipeline_outputs overlap_p2p_comm_warmup_flush microbatch_group_size_per_vp_stage "
-           "variable_seq_lengths async_tensor_model_parallel_allreduce overlap_moe_expert_parallel_comm "
-           "delay_wgrad_compute ep_overlap_early_attn_memory_release cpu_offloading cpu_offloading_num_layers "
+           "variable_seq_lengths async_tensor_model_parallel_allreduce cpu_offloading cpu_offloading_num_layers "
            "_cpu_offloading_context cpu_offloading_activations cpu_offloading_weights cpu_offloading_double_buffering "
            "fine_grained_activation_offloading offload_modules min_offloaded_tensor_size "
            "clone_scatter_output_in_embedding disable_parameter_transpose_cache barrier_with_L1_time "
@@ -159,6 +167,9 @@ IRRELEVANT: Dict[str, str] = {
     "inference_rng_tracker": "the RNG of inference sampling in megatron's engine, not the scored forward",
     "inference_sampling_seed": "the seed of megatron's inference sampling, not the scored forward",
     "config_logger_dir": "writes the config to a directory",
+    "num_microbatches_with_partial_activation_checkpoints": "megatron's pipeline schedule passes a flag per "
+    "micro-batch to the training script's forward step; no megatron-core module reads it (GPTModel.forward has no "
+    "such argument)",
 }
 
 # Fields the checkers set from their own flags or the model (--tp, --dtype, --model, ...): a

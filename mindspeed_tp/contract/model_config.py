@@ -50,6 +50,9 @@ _VARIANTS = (
 )
 
 
+NORMALIZATIONS = ("RMSNorm", "LayerNorm")  # what the patched norm computes (patches/norms.py)
+
+
 def _is_swiglu(config: Any) -> bool:
     import torch.nn.functional as F
 
@@ -75,6 +78,8 @@ def check_model_config(config: Any, profile: Optional[Any] = None, training: boo
     refusals.check_config(refusals.MODEL, config)
     refusals.check_config(refusals.ATTENTION, config)
     refusals.check_config(refusals.NORM, config)
+    if getattr(config, "normalization", "LayerNorm") not in NORMALIZATIONS:  # before the norms are built
+        raise refuse("normalization", value=config.normalization)
     for name in ("add_bias_linear", "add_qkv_bias"):
         if getattr(config, name, False):
             raise refuse("bias_linear", setting=name, value=True)
@@ -94,12 +99,31 @@ def check_model_config(config: Any, profile: Optional[Any] = None, training: boo
     if getattr(config, "multi_latent_attention", False):
         raise refuse("multi_latent_attention")
     check_cp_comm_type(config)
+    check_recompute_modules(config)
     if getattr(config, "num_moe_experts", None):
         refusals.check_config(refusals.MOE, config)
         check_router_dtype(config)
     if profile is not None and profile.engine_name == "vllm":
         refusals.check_config(refusals.ENGINE, config)
     check_refused_fields(config)
+
+
+# Selective recomputation's modules that were run bitwise (tests/test_train_check.py: core_attn;
+# tests/test_honoured_fields.py: mlp). megatron's "layernorm" and "moe_act" use its
+# CheckpointWithoutOutput (Transformer Engine's FP8 state: on CPU a NameError), "moe" and
+# "shared_experts" checkpoint the MoE layer around the patched forward, "mla_up_proj" is MLA's.
+RECOMPUTE_MODULES = ("core_attn", "mlp")
+
+
+def check_recompute_modules(config: Any) -> None:
+    if getattr(config, "recompute_granularity", None) != "selective":
+        return
+    modules = list(getattr(config, "recompute_modules", None) or ())
+    if "moe" in modules:
+        raise refuse("moe_layer_recompute")
+    others = [m for m in modules if m not in RECOMPUTE_MODULES]
+    if others:
+        raise refuse("recompute_modules", value=modules, others=others)
 
 
 CP_COMM_TYPES = (None, "p2p", "all_gather")  # what the consistent attention's one all-gather stands for
@@ -124,6 +148,13 @@ def check_refused_fields(config: Any) -> None:
         if not hasattr(config, field):
             continue  # a line without the field (or an MLA field on a plain TransformerConfig)
         value = getattr(config, field)
-        if config_fields.refused_value(field, value):
-            raise refuse("refused_field", field=field, value=value, key=key, reason=refusals.REFUSALS[key].reason,
-                         accepted=config_fields.accepted_text(field))
+        if not config_fields.refused_value(field, value):
+            continue
+        own = refusals.REFUSALS[key]
+        if "{setting}" in own.message:  # the group's own message names the field it is given
+            try:
+                raise own.error(setting=field, value=value)
+            except KeyError:  # it needs more than the field and value: the generic message
+                pass
+        raise refuse("refused_field", field=field, value=value, key=key, reason=own.reason,
+                     accepted=config_fields.accepted_text(field))

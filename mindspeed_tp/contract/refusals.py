@@ -265,6 +265,11 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "recompute_modules containing 'moe' is not supported " + _T + "; recompute whole layers "
             "(recompute_granularity=full) or other modules", "the MoE layer's own checkpointing wraps megatron's "
             "unpatched forward path"),
+    Refusal("recompute_modules", MODEL, "recompute_modules (selective recomputation)",
+            "recompute_modules={value!r}: {others} not supported " + _T + " (never run bitwise: megatron's "
+            "layernorm / moe_act recomputation needs Transformer Engine's FP8 state, shared_experts and mla_up_proj "
+            "checkpoint around the patched forward); recompute core_attn and mlp, or whole layers "
+            "(recompute_granularity=full)", "only the recomputed modules that were run bitwise are accepted"),
     Refusal("moe_enable_deepep", MOE, "moe_enable_deepep",
             "moe_enable_deepep={value!r} is not supported " + _T + ": DeepEP dispatch is not covered; use the "
             "allgather or alltoall dispatcher", "the MoE patch moves rows itself", "moe_enable_deepep", _set),
@@ -507,6 +512,12 @@ _ENTRIES: Tuple[Refusal, ...] = (
     Refusal("gpt_model_argument", MODEL, "GPTModel constructor arguments (contract/model_arguments.py)",
             "GPTModel({name}={value!r}) is not supported " + _T + "; pass {accepted}",
             "position encodings, logits layouts and extra blocks the engines do not model"),
+    Refusal("moe_expert_overlap", MODEL, "overlap_moe_expert_parallel_comm / delay_wgrad_compute",
+            "{setting}={value!r} is not supported " + _T + ": megatron-core's combined 1F1B schedule then calls the "
+            "MoE layer's route / dispatch / experts / combine directly (never the patched MoELayer.forward) and "
+            "defers the weight-gradient GEMMs outside the patched linears; unset {setting}",
+            "the EP-overlap schedule bypasses the patched MoE forward and linears' backward",
+            None, None),
     Refusal("hidden_dropout", MODEL, "hidden_dropout",
             "hidden_dropout={value} while training is not supported " + _T + " (dropout makes the forward random); set "
             "hidden_dropout=0", "random"),
@@ -550,6 +561,12 @@ _ENTRIES: Tuple[Refusal, ...] = (
     Refusal("mla_module", MODEL, "multi_latent_attention",
             "{name}: multi-latent attention is not supported (multi_latent_attention=False)", "MLA is not implemented"),
     # ---- MindSpeed flags ----
+    Refusal("megatron_logprob_semantics", MINDSPEED, "profile logprob_semantics (Megatron-LM training)",
+            "the profile's logprob_semantics is {semantics!r}, but Megatron-LM's training loss (GPTModel.forward with "
+            "labels) scores raw logprobs, log_softmax(logits): nothing in it divides by a temperature or renormalises "
+            "over a top-k / top-p set; use a profile with logprob_semantics unset or raw (and roll out with raw "
+            "logprobs), or score through verl (temperature)",
+            "the profile would promise logprobs the training loss does not compute"),
     Refusal("use_ascend_mc2", MINDSPEED, "--use-ascend-mc2", "--use-ascend-mc2",
             "MC2 replaces Column/RowParallelLinear with fused matmul+all-gather/reduce-scatter kernels: partial sums are "
             "added inside the collective, not in the canonical tree", "use_ascend_mc2", _set),
@@ -621,6 +638,11 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "receives from a CP rank's two chunks are not put back in sequence order for its weight gradient; set "
             "context_parallel_size=1, or bitwise_training: false",
             "an expert's weight gradient would sum its tokens in an order that depends on the CP size"),
+    Refusal("bitwise_per_rank_mean_loss", TRAINING, "calculate_per_token_loss with context_parallel_size > 1",
+            "bitwise_training with context_parallel_size={cp} and calculate_per_token_loss=False: each CP rank then "
+            "divides its loss by its own token count, so the objective (and every gradient) depends on how CP "
+            "splits the tokens; set calculate_per_token_loss=True (Megatron-LM: --calculate-per-token-loss)",
+            "a per-rank mean weighs tokens by the CP split"),
     Refusal("bitwise_moe_router_loss", TRAINING, "moe_router_load_balancing_type",
             "bitwise_training: moe_router_load_balancing_type={value!r} is not supported yet (its token counts span "
             "sequences or DP ranks in a layout-dependent way); use aux_loss or none (the z-loss is supported)",

@@ -32,7 +32,13 @@ def apply_true_on_policy_args(args) -> bool:
     """Enable the patches if the parsed args ask for it; returns whether they did."""
     profile = getattr(args, "true_on_policy_profile", None)
     if getattr(args, "true_on_policy", False) or profile:
-        switch.enable(profile)
+        from ..contract.profile import load_profile
+        from ..contract.refusals import refuse
+
+        prof = load_profile(profile)
+        if prof.logprob_semantics not in (None, "raw"):  # nothing in Megatron-LM's loss reads it
+            raise refuse("megatron_logprob_semantics", semantics=prof.logprob_semantics)
+        switch.enable(prof)
         vocab = getattr(args, "true_on_policy_vocab_size", None)
         if vocab is not None:
             from .. import state

@@ -107,6 +107,15 @@ def build_identity(device_type: str) -> dict:
     return identity() if identity is not None else {}
 
 
+def release() -> None:
+    """What disable() runs: each loaded backend that prepared something process-wide puts it back
+    (the triton backend's pinned TF32 / cuDNN / reduced-precision flags); none is imported here."""
+    for module in list(_modules.values()):
+        undo = getattr(module, "release", None)
+        if undo is not None:
+            undo()
+
+
 def prepare(profile, device_type: str) -> str:
     """What enable() runs: select the profile's backend and prepare the one this machine's
     tensors will use (load its packages, pin its environment); returns its name."""

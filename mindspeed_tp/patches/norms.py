@@ -7,6 +7,7 @@ are tagged ``sequence_parallel`` so Megatron all-reduces their gradients across 
 import torch
 
 from ..contract import refusals
+from ..contract.model_config import NORMALIZATIONS
 from ..contract.refusals import refuse
 from ..kernels.norm import affine_norm
 from ..models.marks import mark_per_token_params
@@ -17,7 +18,7 @@ from ..patching import PatchRegistry
 class ConsistentNorm(torch.nn.Module):
     def __init__(self, hidden_size: int, eps: float, normalization: str, sequence_parallel: bool):
         super().__init__()
-        if normalization not in ("RMSNorm", "LayerNorm"):
+        if normalization not in NORMALIZATIONS:
             raise refuse("normalization", value=normalization)
         self.normalization = normalization
         self.eps = eps

@@ -46,7 +46,9 @@ class LossPass(Pass):
     scaling: this rank's sum and token count, which megatron's schedule and finalize_model_grads
     reduce over the DP x CP group."""
 
-    def forward_step(self, data_iterator, model):
+    def forward_step(self, data_iterator, model, checkpoint_activations_microbatch=None):
+        # the third argument: what megatron's schedule passes with num_microbatches_with_partial_activation_
+        # checkpoints set, for a user's step to forward; GPTModel has no such argument
         data = next(data_iterator)
         output = model(data["tokens"], data["position_ids"], data["attention_mask"], labels=data["targets"])
         return output, lambda output_tensor: self.loss_func(data, output_tensor)

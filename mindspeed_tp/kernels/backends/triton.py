@@ -92,11 +92,16 @@ def _settings():
     return rows
 
 
+# (setter, the value before it was pinned) of every setting pin_torch_settings changed, first value
+# kept across repeated enables: disable() puts them back (``restore_torch_settings``).
+_PINNED: List[tuple] = []
+
+
 def pin_torch_settings() -> List[str]:
     """Pin TF32 off, cuBLAS reduced-precision reductions off, cuDNN deterministic without
     benchmarking. A setting someone changed from torch's default to a conflicting value is named in
     a warning; a conflicting torch default (cuDNN's TF32, the reduced-precision reductions) is pinned
-    silently. Returns the names of the settings changed."""
+    silently. Returns the names of the settings changed; ``restore_torch_settings`` undoes them."""
     changed = []
     for name, get, set_, wanted, default in _settings():
         current = get()
@@ -106,9 +111,26 @@ def pin_torch_settings() -> List[str]:
             warnings.warn(f"mindspeed-tp: {name}={current!r} conflicts with the triton backend's fixed-precision "
                           f"kernels (TF32 or a shape-dependent reduction could leak into patched paths); setting "
                           f"{name}={wanted!r}", RuntimeWarning, stacklevel=3)
+        _PINNED.append((name, set_, current))
         set_(wanted)
         changed.append(name)
     return changed
+
+
+def restore_torch_settings() -> List[str]:
+    """What disable() runs: every setting ``pin_torch_settings`` changed back to the value it had
+    (the process-wide flags are the user's again once the patches are off); returns their names."""
+    restored = []
+    while _PINNED:
+        name, set_, value = _PINNED.pop()
+        set_(value)
+        restored.append(name)
+    return restored
+
+
+def release() -> List[str]:
+    """disable()'s counterpart of ``prepare``."""
+    return restore_torch_settings()
 
 
 def prepare(profile=None) -> List[str]:

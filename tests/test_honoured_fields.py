@@ -1,0 +1,62 @@
+"""Honoured TransformerConfig fields that the bundled models and checkers leave at their defaults,
+each launched at another value (issue #55: classified honoured, never run so): one checker launch per
+field, bitwise across two layouts -- scoring (``check``: each layout's logprobs against one device)
+or bitwise training (``train-check --bitwise-training``: every step's loss, gradients and logprobs).
+``contract/config_fields.HONOURED`` cites these cases for the fields; a field that fails here moves
+to refused."""
+import pytest
+import yaml
+
+from conftest import explain, run_cli, tiered
+
+# field -> (checker, bundled model, model YAML changes, --transformer-config fields, layouts)
+RUNS = {
+    "qk_layernorm": ("check", "tiny-dense", {"qk_layernorm": False}, {}, "tp2-sp,tp1-pp2"),
+    "normalization": ("check", "tiny-dense", {}, {"normalization": "LayerNorm"}, "tp2-sp,tp1-pp2"),
+    "moe_router_pre_softmax": ("check", "tiny-moe", {"moe_router_pre_softmax": True}, {}, "tp2-sp-ep2,tp1-ep2"),
+    "cp_comm_type": ("check", "tiny-dense", {}, {"cp_comm_type": "all_gather"}, "cp2,tp2-sp-cp2"),
+    "recompute_method": ("train-check", "tiny-dense", {},
+                         {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 2},
+                         "tp2-sp,tp1-pp2"),
+    "recompute_modules": ("train-check", "tiny-dense", {},
+                          {"recompute_granularity": "selective", "recompute_modules": ["core_attn", "mlp"]},
+                          "tp2-sp,tp1-pp2"),
+    "distribute_saved_activations": ("train-check", "tiny-dense", {},
+                                     {"recompute_granularity": "full", "recompute_method": "uniform",
+                                      "recompute_num_layers": 1, "distribute_saved_activations": True},
+                                     "tp2,tp1-pp2"),
+    "moe_router_bias_update_rate": ("train-check", "tiny-moe-shared", {}, {"moe_router_bias_update_rate": 0.01},
+                                    "tp2-sp-ep2,tp1-ep2"),
+}
+CASES = tiered("test_honoured_fields.py: fields launched at a non-default value",
+               ["qk_layernorm", "normalization", "recompute_method"], sorted(RUNS),
+               "a model-YAML field, a --transformer-config field the scoring checker passes through, and a "
+               "training field under bitwise training: the three ways a field reaches the model; each other "
+               "field is one more value through the same path")
+
+
+def _model_file(tmp_path, name, changes):
+    from mindspeed_tp.models.spec import load_model_spec
+
+    if not changes:
+        return name
+    data = {k: v for k, v in load_model_spec(name).to_dict().items() if v is not None}
+    data.update(changes, name=f"{name}-{'-'.join(changes)}")
+    path = tmp_path / "model.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+@pytest.mark.parametrize("field", CASES)
+def test_an_honoured_field_at_another_value_is_bitwise_across_layouts(field, tmp_path):
+    checker, model, model_changes, fields, layouts = RUNS[field]
+    config = tmp_path / "transformer.yaml"
+    config.write_text(yaml.safe_dump(fields or {}))
+    args = [checker, "--model", _model_file(tmp_path, model, model_changes), "--layouts", layouts, "--dtype", "fp32",
+            "--transformer-config", str(config)]
+    if checker == "train-check":
+        args += ["--bitwise-training", "--steps", "2", "--global-batch-size", "4", "--micro-batch-size", "1",
+                 "--seq-length", "32"]
+    proc = run_cli(*args, timeout=1200)
+    assert proc.returncode == 0, explain(proc)
+    assert "bitwise" in proc.stdout.lower(), explain(proc)
