@@ -45,7 +45,7 @@ HONOURED: Dict[str, str] = {
     **_all("num_moe_experts moe_ffn_hidden_size moe_router_topk moe_router_score_function "
            "moe_shared_expert_intermediate_size moe_layer_freq moe_router_topk_scaling_factor "
            "moe_token_dispatcher_type moe_router_load_balancing_type", _MOE),
-    **_all("moe_aux_loss_coeff moe_z_loss_coeff moe_per_layer_logging", _AUX),
+    **_all("moe_aux_loss_coeff moe_z_loss_coeff", _AUX),
     **_all("recompute_granularity recompute_num_layers", _RECOMPUTE),
     "calculate_per_token_loss": _BITWISE,
     "moe_router_enable_expert_bias": _MOE_BITWISE,
@@ -167,6 +167,8 @@ IRRELEVANT: Dict[str, str] = {
     "inference_rng_tracker": "the RNG of inference sampling in megatron's engine, not the scored forward",
     "inference_sampling_seed": "the seed of megatron's inference sampling, not the scored forward",
     "config_logger_dir": "writes the config to a directory",
+    "moe_per_layer_logging": "records the router losses per layer in megatron's loss tracker (for logging); the "
+                             "losses and their gradients are unchanged",
     "num_microbatches_with_partial_activation_checkpoints": "megatron's pipeline schedule passes a flag per "
     "micro-batch to the training script's forward step; no megatron-core module reads it (GPTModel.forward has no "
     "such argument)",
