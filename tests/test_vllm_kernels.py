@@ -264,6 +264,33 @@ def _distinct_rows(n, v, seed):
     return torch.stack([base[torch.randperm(v, generator=gen)] for _ in range(n)]).float()
 
 
+def _tied_rows(n, v, seed):
+    """bf16 logits divided by T as the engine divides them: many tokens share a value, at the cut too."""
+    gen = torch.Generator().manual_seed(seed)
+    return (2 * torch.randn(n, v, generator=gen)).to(torch.bfloat16).float() / 0.8
+
+
+@pytest.mark.parametrize("v", [1000, 151936])
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.9), (50, 0.9), (0, 0.5), (20, 1.0)])
+def test_with_tied_logits_the_reference_mask_is_vllms_and_row_local(top_k, top_p, v):
+    """Issue #55: bf16 logits tie at the top-p cut on most rows of a real vocabulary, where a stable
+    sort (the reference engine's before) kept other tokens than vLLM's. The reference mask is vLLM's
+    bit for bit on tied rows, and vLLM's own mask of a row (what the engine strategy calls on
+    training rows in chunks) is the same alone, in the batch and in another split of it."""
+    from mindspeed_tp.kernels.sampling import top_k_top_p_rows
+
+    rows = _tied_rows(32, v, seed=top_k + int(top_p * 100) + v)
+    engine = kernels.top_k_top_p(rows, top_k, top_p)
+    kept_min = torch.where(torch.isfinite(engine), rows, torch.full_like(rows, float("inf"))).min(-1).values
+    dropped_max = torch.where(torch.isfinite(engine), torch.full_like(rows, -float("inf")), rows).max(-1).values
+    if top_p < 1.0:
+        assert (kept_min == dropped_max).sum() >= 4  # rows whose cut splits a tie: the case at stake
+    assert bits_equal(top_k_top_p_rows(rows, top_k, top_p), engine)
+    alone = torch.cat([kernels.top_k_top_p(rows[i:i + 1], top_k, top_p) for i in range(rows.shape[0])])
+    split = torch.cat([kernels.top_k_top_p(rows[:13], top_k, top_p), kernels.top_k_top_p(rows[13:], top_k, top_p)])
+    assert bits_equal(alone, engine) and bits_equal(split, engine)
+
+
 @pytest.mark.parametrize("top_k, top_p", [(20, 1.0), (0, 0.9), (20, 0.9), (1, 1.0), (0, 1e-4), (0, 0.5)])
 def test_the_reference_engines_top_k_top_p_is_vllms(top_k, top_p):
     """The reference engine's mask (kernels.sampling) and the engine strategy's call of vLLM's own
