@@ -122,3 +122,6 @@ def test_train_check_names_its_layouts_flag_for_a_parallel_size_in_the_file(tmp_
     with pytest.raises(ConfigError, match="expert_model_parallel_size=4 differs.*--layouts epN"):
         _plan(train_main, ["--model", "tiny-moe", "--layouts", "tp2-sp-ep2",
                            "--transformer-config", _file(tmp_path, "expert_model_parallel_size: 4\n")])
+    # the layout's own EP (not EP 1) is what the file is checked against
+    _plan(train_main, ["--model", "tiny-moe", "--layouts", "tp2-sp-ep2",
+                       "--transformer-config", _file(tmp_path, "expert_model_parallel_size: 2\n")])
