@@ -29,10 +29,11 @@ RUNS = {
                                     "tp2-sp-ep2,tp1-ep2"),
 }
 CASES = tiered("test_honoured_fields.py: fields launched at a non-default value",
-               ["qk_layernorm", "normalization", "recompute_method"], sorted(RUNS),
-               "a model-YAML field, a --transformer-config field the scoring checker passes through, and a "
-               "training field under bitwise training: the three ways a field reaches the model; each other "
-               "field is one more value through the same path")
+               ["normalization", "recompute_method"], sorted(RUNS),
+               "a --transformer-config field through the scoring checker and one under bitwise training; a "
+               "model-YAML field (qk_layernorm, pre-softmax routing) reaches the same TransformerConfig the "
+               "bundled models' fields do in every parity test, and each other field is one more value through "
+               "the same two paths")
 
 
 def _model_file(tmp_path, name, changes):
