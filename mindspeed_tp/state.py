@@ -66,7 +66,8 @@ def explicit_vocab_size() -> Optional[int]:
     if not raw.isdigit() or int(raw) < 1:
         from .errors import ConfigError
 
-        raise ConfigError(f"MINDSPEED_TP_VOCAB_SIZE={raw!r} must be a positive integer (the model config's vocab_size, not len(tokenizer))")
+        raise ConfigError(f"MINDSPEED_TP_VOCAB_SIZE={raw!r} must be a positive integer (the model config's "
+                          "vocab_size, not len(tokenizer))")
     return int(raw)
 
 

@@ -186,7 +186,7 @@ def test_every_field_a_specific_check_reads_is_classified_refused_under_its_key(
     from mindspeed_tp.contract import model_config
 
     fields = _field_types()
-    for name, *_ in model_config._LOW_PRECISION:
+    for name in ("fp8", "fp4", "use_kitchen", "quant_recipe"):
         assert config_fields.REFUSED.get(name) == "low_precision", name
     for name, *_ in model_config._VARIANTS:
         assert config_fields.classify(name) in (("refused", "architecture_variant"),

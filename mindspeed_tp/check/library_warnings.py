@@ -80,8 +80,8 @@ def recorded() -> Iterator[str]:
 def record_this_run() -> str:
     """A benchmark started by the user (its own torchrun, or one process that launches torchrun workers
     itself): every process records in one directory, named by torchrun's run id (with its port when the
-    id is torchrun's default "none") or by this process (its workers inherit ``ENV``); ``report_after_run`` lists them on rank 0. Call it before
-    megatron-core is imported."""
+    id is torchrun's default "none") or by this process (its workers inherit ``ENV``);
+    ``report_after_run`` lists them on rank 0. Call it before megatron-core is imported."""
     directory = os.environ.get(ENV)
     if directory:  # a worker of a launcher of ours: it reports what this process records
         install_from_env()

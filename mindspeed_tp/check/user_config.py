@@ -11,7 +11,7 @@ from typing import Any, Dict, Optional
 
 import yaml
 
-from ..contract.config_fields import FROM_CHECKER
+from ..contract.config_fields import FROM_CHECKER, config_classes
 from ..errors import ConfigError
 
 # Fields that hold callables or objects a YAML file cannot give.
@@ -28,7 +28,8 @@ _FLAG_OF = {"tensor_model_parallel_size": "--tp (check) or --layouts tpN (train-
             "expert_tensor_parallel_size": "--etp (check) or --layouts etpN (train-check, rl-check)",
             "params_dtype": "--dtype", "pipeline_dtype": "--dtype", "bf16": "--dtype",
             "moe_token_dispatcher_type": "--dispatcher", "recompute_granularity": "--recompute",
-            "recompute_method": "--recompute", "recompute_num_layers": "--recompute", "recompute_modules": "--recompute",
+            "recompute_method": "--recompute", "recompute_num_layers": "--recompute",
+            "recompute_modules": "--recompute",
             # not a flag: the training checkers' loss is the per-token sum over all tokens (a per-rank mean,
             # megatron's default, weighs tokens by how CP / DP split them: the objective depends on the layout)
             "calculate_per_token_loss": "the training checkers, which always train with the per-token loss (a "
@@ -62,20 +63,17 @@ def load(path: Optional[str]) -> Dict[str, Any]:
     return dict(data)
 
 
-def _mla_only_fields():
-    from megatron.core.transformer import transformer_config as tc
+def _field_names(cls):
+    return {f.name for f in dataclasses.fields(cls)}
 
-    mla = getattr(tc, "MLATransformerConfig", None)
-    plain = {f.name for f in dataclasses.fields(tc.TransformerConfig)}
-    return {f.name for f in dataclasses.fields(mla)} - plain if mla is not None else set()
+
+def _mla_only_fields():
+    plain, *mla = config_classes()
+    return _field_names(mla[0]) - _field_names(plain) if mla else set()
 
 
 def config_field_names():
-    from megatron.core.transformer import transformer_config as tc
-
-    names = {f.name for f in dataclasses.fields(tc.TransformerConfig)}
-    mla = getattr(tc, "MLATransformerConfig", None)
-    return names | ({f.name for f in dataclasses.fields(mla)} if mla is not None else set())
+    return set().union(*(_field_names(cls) for cls in config_classes()))
 
 
 # MLATransformerConfig's fields that are GPTModel arguments of a model without MLA: the checkers
@@ -88,8 +86,8 @@ def apply(kwargs: Dict[str, Any], fields: Dict[str, Any], spec: Any) -> Dict[str
     checker sets from its flags or the model (``spec``) may only repeat the checker's value."""
     model = spec.name
     fields = dict(fields)
-    mla = not fields.get("multi_latent_attention") and _mla_only_fields()
-    for name in [n for n in fields if mla and n in mla]:
+    mla_only = set() if fields.get("multi_latent_attention") else _mla_only_fields()
+    for name in [n for n in fields if n in mla_only]:
         value = fields.pop(name)
         if name in _GPT_ARGUMENTS and float(value) == float(_GPT_ARGUMENTS[name](spec)):
             continue  # the value the model's GPTModel gets anyway

@@ -202,7 +202,8 @@ ACCEPTED: Dict[str, Tuple[Callable[[Any], bool], str]] = {
 }
 
 
-def _config_classes():
+def config_classes():
+    """The installed line's TransformerConfig, and its MLATransformerConfig where it has one."""
     from megatron.core.transformer import transformer_config as tc
 
     return [c for c in (tc.TransformerConfig, getattr(tc, "MLATransformerConfig", None)) if c is not None]
@@ -212,7 +213,7 @@ def _config_classes():
 def line_defaults() -> Dict[str, Tuple[Any, ...]]:
     """Field -> the values the installed megatron-core line gives it unset: the dataclass default,
     and what ``__post_init__`` makes of it (``cuda_graph_scope``'s 'full' becomes [])."""
-    classes = _config_classes()
+    classes = config_classes()
     built = classes[0](num_layers=1, hidden_size=64, num_attention_heads=4)
     out: Dict[str, Tuple[Any, ...]] = {}
     for cls in classes:

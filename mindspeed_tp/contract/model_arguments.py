@@ -70,7 +70,7 @@ def check_gpt_model_arguments(arguments: Dict[str, Any]) -> None:
         kind = classify(name)
         if kind is None:
             raise refuse("gpt_model_argument", name=name, value=value,
-                         accepted="its default (mindspeed-tp does not know this argument of the installed megatron-core)")
+                         accepted="its default (an argument of the installed megatron-core mindspeed-tp does not know)")
         if kind[0] == "refused" and not REFUSED[name][0](value):
             raise refuse("gpt_model_argument", name=name, value=value, accepted=REFUSED[name][1])
     check_process_groups(arguments.get("pg_collection"))

@@ -9,14 +9,9 @@ from typing import Any, Optional
 from . import config_fields, refusals
 from .refusals import refuse
 
-# (field, refused when, what it is) for the grouped refusals: low precision, then architecture
-# variants no engine models. A field a megatron-core line lacks reads as None and passes.
-_LOW_PRECISION = (
-    ("fp8", lambda v: v is not None),
-    ("fp4", lambda v: v is not None),
-    ("use_kitchen", bool),
-    ("quant_recipe", lambda v: v is not None),
-)
+# (field, refused when, what it is) for the architecture variants no engine models, named with what
+# they are (biases and low precision: check_refused_fields, with their groups' messages). A field a
+# megatron-core line lacks reads as None and passes.
 _VARIANTS = (
     ("qk_l2_norm", bool, "L2-normalised queries and keys"),
     ("qk_clip", bool, "QK-clip (weights rescaled by the largest attention logit)"),
@@ -80,13 +75,6 @@ def check_model_config(config: Any, profile: Optional[Any] = None, training: boo
     refusals.check_config(refusals.NORM, config)
     if getattr(config, "normalization", "LayerNorm") not in NORMALIZATIONS:  # before the norms are built
         raise refuse("normalization", value=config.normalization)
-    for name in ("add_bias_linear", "add_qkv_bias"):
-        if getattr(config, name, False):
-            raise refuse("bias_linear", setting=name, value=True)
-    for name, bad in _LOW_PRECISION:
-        value = getattr(config, name, None)
-        if bad(value):
-            raise refuse("low_precision", setting=name, value=value)
     for name, bad, what in _VARIANTS:
         value = getattr(config, name, None)
         if bad(value):
@@ -150,11 +138,17 @@ def check_refused_fields(config: Any) -> None:
         value = getattr(config, field)
         if not config_fields.refused_value(field, value):
             continue
-        own = refusals.REFUSALS[key]
-        if "{setting}" in own.message:  # the group's own message names the field it is given
-            try:
-                raise own.error(setting=field, value=value)
-            except KeyError:  # it needs more than the field and value: the generic message
-                pass
-        raise refuse("refused_field", field=field, value=value, key=key, reason=own.reason,
-                     accepted=config_fields.accepted_text(field))
+        raise _refusal_of(field, value, key)
+
+
+def _refusal_of(field: str, value: Any, key: str):
+    """The group's own message where it names the field it is given and needs nothing more (the
+    biases, low precision, the EP overlap), else the generic one with the group's reason."""
+    own = refusals.REFUSALS[key]
+    if "{setting}" in own.message:
+        try:
+            return own.error(setting=field, value=value)
+        except KeyError:  # the message needs more than the field and its value
+            pass
+    return refuse("refused_field", field=field, value=value, key=key, reason=own.reason,
+                  accepted=config_fields.accepted_text(field))

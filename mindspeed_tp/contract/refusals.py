@@ -140,7 +140,8 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "SamplingParams({name}={value!r}) is not supported " + _T + ": training recomputes the model's own "
             "distribution, never this field's change to it (a token sampled under it would be scored against "
             "logits it was not drawn from); set {name} to {accepted} (verl: actor_rollout_ref.rollout.{name})",
-            "penalties, min_p, biases and guided decoding reshape the sampled distribution; training does not model them"),
+            "penalties, min_p, biases and guided decoding reshape the sampled distribution; training does not "
+            "model them"),
     # ---- the profile / TP sizes ----
     Refusal("tp_not_power_of_two_dividing_c", PROFILE, "tensor_model_parallel_size (--tp), expert_tensor_parallel_size",
             "{setting}={tp} is not supported: it must be a power of two dividing the profile's canonical_shards="
@@ -163,15 +164,16 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "the true (unpadded) vocab size is unknown: the logits have {padded} columns, and Megatron pads the "
             "vocabulary to a multiple of make_vocab_size_divisible_by x TP, so padded columns would enter the "
             "log-softmax and make logprobs depend on TP. Set it: mindspeed_tp.set_vocab_size(N), "
-            "MINDSPEED_TP_VOCAB_SIZE=N or --true-on-policy-vocab-size N (N = the model config's vocab_size: the columns the rollout engine's log-softmax spans, e.g. Qwen3's 151936, not len(tokenizer), which can be smaller; {padded} if "
-            "the vocabulary is not padded)",
+            "MINDSPEED_TP_VOCAB_SIZE=N or --true-on-policy-vocab-size N (N = the model config's vocab_size: the "
+            "columns the rollout engine's log-softmax spans, e.g. Qwen3's 151936, not len(tokenizer), which can be "
+            "smaller; {padded} if the vocabulary is not padded)",
             "the padded size depends on TP; only the true size says which columns to exclude"),
     Refusal("vocab_size_conflict", LOSS, "mindspeed_tp.set_vocab_size / MINDSPEED_TP_VOCAB_SIZE",
             "the true vocab size is set to {explicit} (mindspeed_tp.set_vocab_size / MINDSPEED_TP_VOCAB_SIZE) but the "
             "model's config says vocab_size={model}; make them agree", "two sources disagree on the true vocab"),
     Refusal("vocab_size_exceeds_logits", LOSS, "mindspeed_tp.set_vocab_size / MINDSPEED_TP_VOCAB_SIZE",
-            "the true vocab size {vocab} exceeds the model's {padded} logit columns; set it to the model config's vocab_size "
-            "(Hugging Face config.json)", "the true vocab cannot be larger than the padded one"),
+            "the true vocab size {vocab} exceeds the model's {padded} logit columns; set it to the model config's "
+            "vocab_size (Hugging Face config.json)", "the true vocab cannot be larger than the padded one"),
     # ---- layouts (the checker's plan) ----
     Refusal("layout_size_indivisible", LAYOUT, "--tp / --pp / canonical_shards / model size",
             "model {model}: {what}={size} is not divisible by {setting}={divisor}; change {setting} or the model size",
@@ -516,8 +518,7 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "{setting}={value!r} is not supported " + _T + ": megatron-core's combined 1F1B schedule then calls the "
             "MoE layer's route / dispatch / experts / combine directly (never the patched MoELayer.forward) and "
             "defers the weight-gradient GEMMs outside the patched linears; unset {setting}",
-            "the EP-overlap schedule bypasses the patched MoE forward and linears' backward",
-            None, None),
+            "the EP-overlap schedule bypasses the patched MoE forward and linears' backward"),
     Refusal("hidden_dropout", MODEL, "hidden_dropout",
             "hidden_dropout={value} while training is not supported " + _T + " (dropout makes the forward random); set "
             "hidden_dropout=0", "random"),

@@ -9,6 +9,7 @@ covers the verl entry. tests/test_vllm_profile.py walks the installed fields: on
 is refused until it is classified here. The checkers' own flags: ``contract/sampling.py``."""
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Dict, Tuple
 
 from .refusals import refuse
@@ -77,8 +78,10 @@ def field_names(params_type: Any) -> Tuple[str, ...]:
     return tuple(params_type.__struct_fields__)
 
 
+@functools.lru_cache(maxsize=None)
 def field_defaults(params_type: Any) -> Dict[str, Any]:
-    """Each field's default, read off the type (building one would run the patched check again)."""
+    """Each field's default, read off the type (building one would run the patched check again);
+    once per type: the check runs at every request."""
     import dataclasses
 
     if dataclasses.is_dataclass(params_type):
@@ -102,6 +105,6 @@ def check_sampling_params(params: Any) -> None:
         kind = classify(name)
         if kind is None and value != defaults.get(name):
             raise refuse("sampling_parameter", name=name, value=value,
-                         accepted="its default (mindspeed-tp does not know this field of the installed vLLM)")
+                         accepted="its default (a field of the installed vLLM mindspeed-tp does not know)")
         if kind is not None and kind[0] == "refused" and not REFUSED[name][0](value):
             raise refuse("sampling_parameter", name=name, value=value, accepted=REFUSED[name][1])

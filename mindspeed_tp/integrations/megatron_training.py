@@ -1,5 +1,6 @@
 """Megatron-style training-script flags: ``--true-on-policy``, ``--true-on-policy-profile`` and
-``--true-on-policy-vocab-size`` (the model config's vocab_size -- the columns the rollout engine's log-softmax spans, not len(tokenizer) -- before Megatron pads it).
+``--true-on-policy-vocab-size`` (the model config's vocab_size -- the columns the rollout engine's
+log-softmax spans, not len(tokenizer) -- before Megatron pads it).
 
 ``add_true_on_policy_args`` can be passed as Megatron's ``extra_args_provider``; the integration
 registry also wraps ``megatron.training.arguments.parse_args`` (once a training script imports it)

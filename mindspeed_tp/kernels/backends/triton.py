@@ -128,9 +128,7 @@ def restore_torch_settings() -> List[str]:
     return restored
 
 
-def release() -> List[str]:
-    """disable()'s counterpart of ``prepare``."""
-    return restore_torch_settings()
+release = restore_torch_settings  # disable()'s counterpart of ``prepare`` (kernels/dispatch.release)
 
 
 def prepare(profile=None) -> List[str]:

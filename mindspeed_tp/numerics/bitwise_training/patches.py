@@ -45,8 +45,9 @@ FINALIZE = "megatron.core.distributed.finalize_model_grads"
 def check_ddp(module, ddp_config) -> None:
     """What bitwise training refuses, read off the model and the DDP config."""
     config = getattr(module, "config", None)
-    if (getattr(config, "context_parallel_size", 1) or 1) > 1 and not getattr(config, "calculate_per_token_loss", False):
-        raise refuse("bitwise_per_rank_mean_loss", cp=config.context_parallel_size)
+    cp = getattr(config, "context_parallel_size", 1) or 1
+    if cp > 1 and not getattr(config, "calculate_per_token_loss", False):
+        raise refuse("bitwise_per_rank_mean_loss", cp=cp)
     if getattr(config, "num_moe_experts", None):
         if (getattr(config, "context_parallel_size", 1) or 1) > 1:
             raise refuse("bitwise_moe_context_parallel")
