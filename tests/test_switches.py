@@ -123,14 +123,19 @@ def test_a_profile_whose_logprob_semantics_megatron_training_does_not_compute_is
     from types import SimpleNamespace
 
     import mindspeed_tp
+    from mindspeed_tp import state
     from mindspeed_tp.integrations.megatron_training import apply_true_on_policy_args
 
+    def active():  # what an earlier test of this process may have left enabled, or None
+        return state.profile().name if mindspeed_tp.is_enabled() else None
+
+    before = active()
     for semantics in ("processed", "temperature"):
         prof = tmp_path / f"{semantics}.yaml"
         prof.write_text(f"name: {semantics}\nlogprob_semantics: {semantics}\n")
         with pytest.raises(mindspeed_tp.ConfigError, match=f"logprob_semantics is '{semantics}'.*raw logprobs"):
             apply_true_on_policy_args(SimpleNamespace(true_on_policy=True, true_on_policy_profile=str(prof)))
-        assert not mindspeed_tp.is_enabled()
+        assert active() == before  # refused before anything was enabled or switched
     assert apply_true_on_policy_args(SimpleNamespace(true_on_policy=False, true_on_policy_profile=None)) is False
 
 
