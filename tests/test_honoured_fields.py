@@ -3,11 +3,15 @@ each launched at another value (issue #55: classified honoured, never run so): o
 field, bitwise across two layouts -- scoring (``check``: each layout's logprobs against one device)
 or bitwise training (``train-check --bitwise-training``: every step's loss, gradients and logprobs).
 ``contract/config_fields.HONOURED`` cites these cases for the fields; a field that fails here moves
-to refused."""
+to refused. The full tier launches every field on every megatron-core line (the fields' meaning is the
+line's code); the CI tier its two cases on the main line."""
 import pytest
 import yaml
 
-from conftest import explain, run_cli, tiered
+from conftest import explain, main_line, run_cli, test_tier as tier, tiered
+
+if tier() == "full":
+    pytestmark = pytest.mark.version_lines
 
 # field -> (checker, bundled model, model YAML changes, --transformer-config fields, layouts)
 RUNS = {
@@ -34,6 +38,8 @@ CASES = tiered("test_honoured_fields.py: fields launched at a non-default value"
                "model-YAML field (qk_layernorm, pre-softmax routing) reaches the same TransformerConfig the "
                "bundled models' fields do in every parity test, and each other field is one more value through "
                "the same two paths")
+if tier() == "full" and not main_line():
+    CASES = sorted(RUNS)  # tiered() gives the other lines the CI cases; here every field runs on every line
 
 
 def _model_file(tmp_path, name, changes):

@@ -29,7 +29,7 @@ from conftest import explain, run_torchrun
 # kernels and the row-parallel partials; fp32 dense at TP=1 the fp32 attention and GEMM kernels
 # (the fp32 fused-MoE kernel: tests/test_vllm_kernels.py, in-process).
 CONFIGS = [
-    ("dense-fp32-e1", "tiny-dense", "fp32", 1, "tp1,tp2-sp,tp2-sp-pp2,tp2-sp-cp2", ["--long-prompt", "--from-hf"], 4),
+    ("dense-fp32-e1", "tiny-dense", "fp32", 1, "tp1,tp2-sp,tp2-sp-pp2,tp2-sp-cp2", ["--long-prompt", "--from-hf", "--tokenizer-entries", "900"], 4),
     ("moe-bf16-e2", "tiny-moe", "bf16", 2, "tp2-sp-ep2,tp1,tp1-ep2-cp2,tp2-sp-etp2", ["--sync", "tp2-sp-ep2"], 2),
 ]
 
@@ -103,6 +103,17 @@ def test_a_hugging_face_checkpoint_is_scored_as_the_engine_loads_it(tmp_path_fac
     _, res = engine_run("dense-fp32-e1", tmp_path_factory)
     assert res["from_hf"]
     assert res["sets"]["t1"]["tp2-sp"]["ours"]["bitwise"] == 1.0
+
+
+def test_the_logprob_spans_the_configs_vocab_size_not_the_tokenizers(tmp_path_factory):
+    """dense-fp32-e1: the checkpoint's tokenizer has 900 entries, config.json's vocab_size is 1000 (as
+    Qwen3's 151669 and 151936) and the engine loads that tokenizer. The README's guidance (the true
+    vocab size is config.json's vocab_size) is bitwise; the tokenizer's length is not."""
+    _, res = engine_run("dense-fp32-e1", tmp_path_factory)
+    tok = res["tokenizer"]
+    assert tok["tokenizer_len"] == 900 < tok["config_vocab_size"] == 1000, tok
+    assert res["sets"]["t1"][tok["layout"]]["ours"]["bitwise"] == 1.0
+    assert tok["scored"]["bitwise"] < 1.0 and tok["scored"]["max_abs"] > 0, tok
 
 
 def test_weight_sync_in_memory_keeps_the_next_rollout_bitwise(tmp_path_factory):

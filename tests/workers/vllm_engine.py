@@ -34,6 +34,9 @@ from mindspeed_tp.models.weights import SeededWeights, load_weights
 from mindspeed_tp.contract.profile import load_profile
 from worker_exit import finish_worker
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+from hf_models import save_word_tokenizer  # noqa: E402
+
 SEED = 1234
 NEW_TOKENS = 8
 LONG_BUDGET = 1024  # max_num_batched_tokens with --long-prompt: the 1100-token prompt takes two steps
@@ -55,6 +58,9 @@ def main():
     p.add_argument("--sync", metavar="LAYOUT", help="weight-sync round from a training model in this layout")
     p.add_argument("--from-hf", action="store_true",
                    help="training reads the Hugging Face checkpoint the engine loads (the --hf-checkpoint path)")
+    p.add_argument("--tokenizer-entries", type=int, metavar="N",
+                   help="save a tokenizer of N < vocab_size entries with the checkpoint, start the engine with it, "
+                        "and also score the first layout with the logprob over N columns (the wrong guidance)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     init_distributed(900)
@@ -81,6 +87,8 @@ def main():
         from mindspeed_tp.integrations.vllm.checkpoint import write_hf_checkpoint
 
         write_hf_checkpoint(spec, weights, spec.padded_vocab(profile), dtype, tmp)
+        if args.tokenizer_entries:
+            save_word_tokenizer(tmp, args.tokenizer_entries)
     dist.barrier()
     if args.from_hf:
         from mindspeed_tp.hf import open_hf_model
@@ -93,7 +101,7 @@ def main():
         budget = LONG_BUDGET if args.long_prompt else engine_budget([len(x) for x in prompts])
         engine = start_engine(tmp, args.engine_tp, {"bf16": "bfloat16", "fp32": "float32"}[args.dtype],
                               max_model_len=1280 if args.long_prompt else 256, max_num_batched_tokens=budget,
-                              seed=SEED, max_num_seqs=8)
+                              seed=SEED, max_num_seqs=8, load_tokenizer=bool(args.tokenizer_entries))
         began = time.time()
         for name, (ps, temp) in sets.items():
             rollouts[name] = engine.generate(ps, temp, NEW_TOKENS, SEED)
@@ -118,6 +126,9 @@ def main():
                 lp, _ = layout_logprobs(spec, run_at, dtype, prof, SEED, batch, vanilla, weights=weights)
                 row[mode] = compare(lp, ref, batch.scored)
     out["score_seconds"] = round(time.time() - began, 1)
+    if args.tokenizer_entries:
+        out["tokenizer"] = tokenizer_sized(spec, layouts[0], dtype, profile, weights, batches["t1"],
+                                           args.tokenizer_entries, tmp)
     if args.sync:
         out["sync"] = sync_round(spec, Layout.parse(args.sync), dtype, profile, weights, batches["t1"], engine, prompts)
     if engine is not None:
@@ -126,6 +137,19 @@ def main():
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
     finish_worker()
+
+
+def tokenizer_sized(spec, layout, dtype, profile, weights, rollout, entries, checkpoint):
+    """The first layout scored with the log-softmax over the tokenizer's ``entries`` columns instead of
+    config.json's vocab_size (what "the tokenizer's vocab size" as the true vocab size would do)."""
+    from transformers import AutoTokenizer
+
+    batch, ref = rollout
+    tokenizer_len = len(AutoTokenizer.from_pretrained(checkpoint))
+    narrow = dataclasses.replace(spec, vocab_size=entries, padded_vocab_size=spec.padded_vocab(profile))
+    lp, _ = layout_logprobs(narrow, layout, dtype, profile, SEED, batch, False, weights=weights)
+    return {"layout": layout.name, "config_vocab_size": spec.vocab_size, "tokenizer_len": tokenizer_len,
+            "entries": entries, "scored": compare(lp, ref, batch.scored)}
 
 
 def training_gemms(spec, dtype):

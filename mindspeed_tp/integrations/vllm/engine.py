@@ -163,9 +163,12 @@ def temperature_logprobs(steps, tokens: List[int], temperature: float) -> List[f
 
 
 def start_engine(model_dir: str, tp: int, dtype: str, max_model_len: int, max_num_batched_tokens: int,
-                 seed: int = 0, max_num_seqs: int = 16, sampling: Optional[Sampling] = None) -> Engine:
+                 seed: int = 0, max_num_seqs: int = 16, sampling: Optional[Sampling] = None,
+                 load_tokenizer: bool = False) -> Engine:
     """``vllm.LLM`` on ``model_dir`` at TP=``tp``, eager, prefix caching off, token-id prompts,
-    returning the logprobs of ``sampling``'s semantics (``logprobs_mode_for``; default raw)."""
+    returning the logprobs of ``sampling``'s semantics (``logprobs_mode_for``; default raw).
+    load_tokenizer: load ``model_dir``'s tokenizer as a serving engine does (the logprobs still span
+    config.json's ``vocab_size``, which may exceed the tokenizer's entries)."""
     require_vllm()
     with _engine_environment(tp):
         check_engine_settings(os.environ, tp)
@@ -174,7 +177,8 @@ def start_engine(model_dir: str, tp: int, dtype: str, max_model_len: int, max_nu
         mode = logprobs_mode_for(sampling)
         began = time.time()
         llm = LLM(model=model_dir, tensor_parallel_size=int(tp), dtype=dtype, enforce_eager=True,
-                  enable_prefix_caching=False, skip_tokenizer_init=True, max_model_len=int(max_model_len),
+                  enable_prefix_caching=False, skip_tokenizer_init=not load_tokenizer,
+                  max_model_len=int(max_model_len),
                   max_num_batched_tokens=int(max_num_batched_tokens), max_num_seqs=int(max_num_seqs),
                   seed=int(seed), distributed_executor_backend="mp" if tp > 1 else None,
                   logprobs_mode=mode, max_logprobs=-1 if mode == "raw_logits" else 20, block_size=128,
