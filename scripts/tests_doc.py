@@ -118,8 +118,14 @@ def engine_marks() -> dict:
                 if isinstance(deco, ast.Call) and getattr(deco.func, "id", None) == "full_tier":
                     found[node] = _full_tier_kwargs(deco)
                     continue
-                for param in (n for n in ast.walk(deco) if isinstance(n, ast.Call) and getattr(n.func, "attr", None) == "param"):
+                # the parametrize and the module-level lists and marks it names
+                trees = [deco] + [named[n.id] for n in ast.walk(deco) if isinstance(n, ast.Name) and n.id in named]
+                params = (n for t in trees for n in ast.walk(t)
+                          if isinstance(n, ast.Call) and getattr(n.func, "attr", None) == "param")
+                for param in params:
                     marks = [k.value for k in param.keywords if k.arg == "marks"]
+                    if marks and isinstance(marks[0], ast.Name):
+                        marks[0] = named.get(marks[0].id, marks[0])
                     kwargs = _full_tier_kwargs(marks[0]) if marks else None
                     if kwargs is not None:
                         found[f"{node}[{ast.literal_eval(param.args[0])}]"] = kwargs

@@ -1,4 +1,4 @@
-"""Tiny random Qwen3 / Qwen3-MoE checkpoints written by transformers itself (config +
+"""Tiny random Qwen3 / Qwen3-MoE / Qwen2 / Llama checkpoints written by transformers itself (config +
 save_pretrained), with weights scaled so that logits are far from uniform: a wrong tensor
 mapping then moves logprobs by O(1), not by the 1e-3 a near-uniform softmax would show."""
 import math
@@ -16,6 +16,8 @@ def _sharpen(model, seed: int) -> None:
                 p.copy_(1.0 + 0.1 * noise)
             elif "embed_tokens" in name:  # also the tied LM head: keep logits O(1-10)
                 p.copy_(0.25 * noise)
+            elif name.endswith("bias"):  # Qwen2's QKV bias: O(1), as trained ones are
+                p.copy_(noise)
             elif "lm_head" in name:  # untied head: logits of std ~3
                 p.copy_(3.0 * noise / math.sqrt(p.shape[-1]))
             else:  # [out, in] (or [experts, out, in]): unit-variance outputs
@@ -31,6 +33,41 @@ def make_qwen3(directory: str, seed: int = 0, **overrides) -> str:
     cfg.update(overrides)
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(Qwen3Config(**cfg))
+    _sharpen(model, seed)
+    model.save_pretrained(directory)
+    return directory
+
+
+def make_qwen2(directory: str, seed: int = 2, **overrides) -> str:
+    """Qwen2 / Qwen2.5 (QKV bias, no QK-norm, rope_theta 1e6, tied embeddings as the small sizes);
+    the biases sharpened like the weights so that a dropped or misplaced bias moves logprobs by O(1)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = dict(vocab_size=1000, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
+               num_key_value_heads=4, max_position_embeddings=512, rope_theta=1000000.0, tie_word_embeddings=True,
+               use_sliding_window=False)
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(Qwen2Config(**cfg))
+    _sharpen(model, seed)
+    model.save_pretrained(directory)
+    return directory
+
+
+def make_llama(directory: str, seed: int = 3, **overrides) -> str:
+    """Llama-3.1-style (rope_type llama3 with factor 8 over the original 8192 positions, theta 500000:
+    the long wavelengths of a 32-wide head are scaled, the middle band interpolated; GQA; untied);
+    ``tie_word_embeddings=True, rope_scaling.factor=32`` is Llama-3.2 1B / 3B's shape."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = dict(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
+               num_key_value_heads=4, head_dim=32, max_position_embeddings=16384, rope_theta=500000.0,
+               rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 8192},
+               tie_word_embeddings=False, rms_norm_eps=1e-5)
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**cfg))
     _sharpen(model, seed)
     model.save_pretrained(directory)
     return directory

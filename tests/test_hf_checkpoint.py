@@ -164,7 +164,7 @@ def _edit_tensors(directory, edit):
      "unexpected tensor(s) ['model.layers.0.self_attn.q_proj.bias']"),
     (lambda d: _edit_tensors(d, lambda t: t.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(96, 64)})),
      "tensor model.layers.0.mlp.up_proj.weight has shape [96, 64], config.json implies [128, 64]"),
-    (lambda d: _edit_config(d, architectures=["LlamaForCausalLM"], model_type="llama"), "architectures=['LlamaForCausalLM']"),
+    (lambda d: _edit_config(d, architectures=["GPT2LMHeadModel"], model_type="llama"), "architectures=['GPT2LMHeadModel']"),
     (lambda d: _edit_config(d, use_sliding_window=True, sliding_window=64), "sliding-window attention"),
     (lambda d: _edit_config(d, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}),
      "rope_parameters.rope_type='yarn' is not implemented"),

@@ -89,6 +89,7 @@ LAYERS = [
     ("contract",),              # the profile, the canonical tree, the refusals (numerics registers its engines here)
     ("state",),                 # the process's profile and vocab size (a contract Profile)
     ("devices",),               # accelerator detection, CPU shims (patch registries)
+    ("families",),              # one module per Hugging Face family: config.json <-> spec fields (the refusals)
     ("models",),                # model description: specs, layouts, weights, marks (read the contract)
     ("kernels",),               # the kernel interface and backends (dispatch reads devices)
     ("numerics",),              # the strategies, one package per mode/engine (kernels, models, state)

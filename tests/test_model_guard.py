@@ -45,8 +45,7 @@ def test_moe_model_builds():
     assert "BUILT" in _run(extra="num_moe_experts=4, moe_router_topk=2", experts="4")
 
 
-@pytest.mark.parametrize("gpt,name", [(", rope_scaling=True", "rope_scaling"),
-                                      (", rotary_percent=0.5", "rotary_percent"),
+@pytest.mark.parametrize("gpt,name", [(", rotary_percent=0.5", "rotary_percent"),
                                       (", seq_len_interpolation_factor=2.0", "seq_len_interpolation_factor")])
 def test_a_gpt_model_argument_the_engines_do_not_model_is_refused_at_construction(gpt, name):
     """Issue #55: unchecked under the default and rollout-tp profiles before; refused by name now."""

@@ -22,9 +22,21 @@ from conftest import explain, full_tier, run_torchrun
 CONFIGS = [
     ("dense-fp32-e1", "tiny-dense", "fp32", 1, "tp2-sp,tp1", 2, "raw,temperature,processed"),
     ("moe-bf16-e2", "tiny-moe", "bf16", 2, "tp2-sp-ep2,tp1-ep2", 2, "temperature,processed"),
+    # the dense families (issue #56): vLLM's Qwen2ForCausalLM (QKV bias in its GEMM call) and
+    # LlamaForCausalLM (its Llama3RotaryEmbedding cache), each at both engine TPs
+    ("qwen2-bf16-e2", "tiny-qwen2", "bf16", 2, "tp2-sp,tp1", 2, "processed"),
+    ("qwen2-fp32-e1", "tiny-qwen2", "fp32", 1, "tp2-sp,tp1", 2, "processed"),
+    ("llama-bf16-e2", "tiny-llama", "bf16", 2, "tp2-sp,tp1", 2, "processed"),
+    ("llama-fp32-e1", "tiny-llama", "fp32", 1, "tp2-sp,tp1", 2, "processed"),
 ]
 _BY_NAME = {c[0]: c for c in CONFIGS}
-PER_CONFIG = pytest.mark.parametrize("name", [
+FAMILY_FULL = full_tier(
+    covered_by="tests/test_vllm_sampling.py::test_every_semantics_is_bitwise_in_two_layouts_and_vanilla_is_not",
+    why="each family at the other engine TP and dtype: the CI tier runs Qwen2 at engine TP 2 in bf16 and Llama at "
+        "TP 1 in fp32 (the bias and the scaled RoPE cache each through the engine's kernels)")
+FAMILY_CONFIGS = ["qwen2-bf16-e2", "llama-fp32-e1", pytest.param("qwen2-fp32-e1", marks=FAMILY_FULL),
+                  pytest.param("llama-bf16-e2", marks=FAMILY_FULL)]
+CONFIG_PARAMS = [
     "moe-bf16-e2",
     pytest.param("dense-fp32-e1", marks=full_tier(
         covered_by="tests/test_vllm_sampling.py::test_every_semantics_is_bitwise_in_two_layouts_and_vanilla_is_not",
@@ -32,7 +44,8 @@ PER_CONFIG = pytest.mark.parametrize("name", [
             "one-token edge with the MoE kernels and the bf16 logits verl's processor widens (raw: "
             "tests/test_vllm_engine.py); the fp32 dense run adds raw under a cut and repeats the sampling code (the "
             "same vLLM functions) on the fp32 kernels")),
-])
+]
+PER_CONFIG = pytest.mark.parametrize("name", CONFIG_PARAMS)
 _results = {}
 SETS = ("top-p", "top-k", "one-token")
 
@@ -49,7 +62,7 @@ def sampling_run(name, tmp_path_factory):
     return _BY_NAME[name], _results[name]
 
 
-@PER_CONFIG
+@pytest.mark.parametrize("name", CONFIG_PARAMS + FAMILY_CONFIGS)
 def test_every_semantics_is_bitwise_in_two_layouts_and_vanilla_is_not(name, tmp_path_factory):
     (_, _, _, _, layouts, _, semantics), res = sampling_run(name, tmp_path_factory)
     modes = {"raw": "raw_logprobs", "temperature": "raw_logits", "processed": "processed_logprobs"}

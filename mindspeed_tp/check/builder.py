@@ -72,7 +72,7 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype, disp
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=False,
+        add_qkv_bias=spec.add_qkv_bias,
         qk_layernorm=spec.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -155,6 +155,8 @@ def _build_gpt(spec: ModelSpec, layout: Layout, dtype: torch.dtype, profile: Pro
         layer_spec = get_gpt_layer_local_spec(
             num_experts=spec.num_experts, qk_layernorm=spec.qk_layernorm, normalization="RMSNorm"
         )
+    if spec.rope_scaling_factor is not None:  # Llama-3's scaled RoPE
+        model_kwargs = dict(model_kwargs, rope_scaling=True, rope_scaling_factor=spec.rope_scaling_factor)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,

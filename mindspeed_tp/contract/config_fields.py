@@ -49,6 +49,8 @@ HONOURED: Dict[str, str] = {
     **_all("recompute_granularity recompute_num_layers", _RECOMPUTE),
     "calculate_per_token_loss": _BITWISE,
     "moe_router_enable_expert_bias": _MOE_BITWISE,
+    # Qwen2 / Qwen2.5: scored bitwise across layouts, trained bitwise (its gradient a token sum in fixed order)
+    "add_qkv_bias": "tests/test_families.py::test_bitwise_training_two_layouts[qwen2]",
 }
 
 # field -> refusal key (contract/refusals.py); the refusal names the field and the value to set.
@@ -68,7 +70,7 @@ REFUSED: Dict[str, str] = {
     "hidden_dropout": "hidden_dropout",
     "defer_embedding_wgrad_compute": "defer_embedding_wgrad_compute_config",
     "bias_dropout_fusion": "vllm_bias_dropout_fusion",  # engine profiles; elsewhere megatron's own add, unchanged
-    **_all("add_bias_linear add_qkv_bias", "bias_linear"),
+    "add_bias_linear": "bias_linear",
     **_all("fp8 fp4 use_kitchen quant_recipe", "low_precision"),
     **_all("qk_l2_norm qk_clip attention_output_gate experimental_attention_variant linear_attention_freq no_rope_freq "
            "mrope_section is_hybrid_model heterogeneous_block_specs mtp_num_layers use_te_activation_func "

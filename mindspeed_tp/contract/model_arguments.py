@@ -26,6 +26,9 @@ HONOURED: Dict[str, str] = {
     "post_process": _LAYOUT,
     "share_embeddings_and_output_weights": _TIED,
     "rotary_base": _TIED,  # one frequency table megatron computes alike on every rank; the engines rebuild it
+    # Llama-3's scaled RoPE (low / high factors and original context fixed in megatron-core)
+    **{name: "tests/test_families.py::test_bitwise_training_two_layouts[llama31]"
+       for name in ("rope_scaling", "rope_scaling_factor")},
     "vp_stage": _TRAIN,
     # the patches work in parallel_state's groups: a collection of those groups (Megatron-Bridge's
     # use_mpu_process_groups) is accepted, another refused (check_process_groups)
@@ -38,15 +41,12 @@ REFUSED: Dict[str, Tuple[Callable[[Any], bool], str]] = {
     "parallel_output": (bool, "True (vocab-parallel logits; the gathered logits are not the checked path)"),
     "position_embedding_type": (lambda v: v == "rope", "'rope' (the one position encoding the engines model)"),
     "rotary_percent": (lambda v: float(v) == 1.0, "1.0 (partial rotary is not modelled)"),
-    "rope_scaling": (lambda v: not v, "False (scaled RoPE is not modelled)"),
     "seq_len_interpolation_factor": (lambda v: v is None, "None (interpolated positions are not modelled)"),
     "mtp_block_spec": (lambda v: v is None, "None (multi-token prediction layers are refused)"),
     "scatter_embedding_sequence_parallel": (bool, "True (megatron's default; the sequence-parallel layout checked)"),
 }
 
-IRRELEVANT: Dict[str, str] = {
-    "rope_scaling_factor": "read only with rope_scaling (refused)",
-}
+IRRELEVANT: Dict[str, str] = {}
 
 
 def classify(name: str):

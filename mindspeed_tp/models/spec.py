@@ -15,7 +15,8 @@ MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A Qwen3-style decoder: RMSNorm, RoPE, SwiGLU, optional QK-norm and GQA."""
+    """A pre-norm decoder: RMSNorm, RoPE, SwiGLU, GQA; per family (``mindspeed_tp.families``): QK-norm
+    (Qwen3), a QKV bias (Qwen2 / Qwen2.5), Llama-3's scaled RoPE, tied embeddings."""
 
     name: str
     num_layers: int
@@ -30,6 +31,13 @@ class ModelSpec:
     norm_epsilon: float = 1e-6
     qk_layernorm: bool = True
     tie_word_embeddings: bool = False
+    # The Hugging Face family (families.FAMILIES): config.json and tensor names on import / export.
+    family: str = "qwen3"
+    # A bias on the q, k and v projections (Qwen2 / Qwen2.5): Megatron's add_qkv_bias.
+    add_qkv_bias: bool = False
+    # Llama-3's RoPE scaling (rope_type llama3) by this factor, with Megatron's fixed low / high
+    # frequency factors 1 / 4 and original context 8192 (GPTModel's rope_scaling / rope_scaling_factor).
+    rope_scaling_factor: Optional[float] = None
     # Explicit padded vocab (Megatron's --make-vocab-size-divisible-by result); default: the
     # profile pads TP-independently to a multiple of vocab_pad_multiple * canonical_shards.
     padded_vocab_size: Optional[int] = None
@@ -70,6 +78,13 @@ class ModelSpec:
                 )
             if not 0 <= self.first_k_dense < self.num_layers:
                 raise ConfigError(f"model {self.name}: first_k_dense must be in [0, num_layers)")
+        if self.rope_scaling_factor is not None and not self.rope_scaling_factor >= 1.0:
+            raise ConfigError(f"model {self.name}: rope_scaling_factor must be >= 1 (Llama-3's factor), "
+                              f"got {self.rope_scaling_factor!r}; remove it for unscaled RoPE")
+        from ..families import FAMILIES
+
+        if self.family not in FAMILIES:
+            raise ConfigError(f"model {self.name}: family={self.family!r} is not one of {sorted(FAMILIES)}")
         if self.num_attention_heads % self.num_query_groups:
             raise ConfigError(
                 f"model {self.name}: num_attention_heads={self.num_attention_heads} is not divisible "

@@ -181,6 +181,8 @@ def full_weight_shapes(spec: ModelSpec, padded_vocab: int) -> Dict[str, Tuple[in
         p = f"decoder.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "self_attention.linear_qkv.weight"] = (qkv, h)
+        if spec.add_qkv_bias:
+            shapes[p + "self_attention.linear_qkv.bias"] = (qkv,)
         if spec.qk_layernorm:
             shapes[p + "self_attention.q_layernorm.weight"] = (hd,)
             shapes[p + "self_attention.k_layernorm.weight"] = (hd,)

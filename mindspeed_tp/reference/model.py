@@ -30,7 +30,7 @@ class ReferenceModel:
     def __init__(self, spec: ModelSpec, profile: Profile, weights: Dict[str, torch.Tensor], dtype: torch.dtype):
         self.spec, self.profile, self.w, self.dtype = spec, profile, weights, dtype
         self.padded_vocab = spec.padded_vocab(profile)
-        self.inv_freq = rope_inv_freq(spec.kv_channels, int(spec.rotary_base))
+        self.inv_freq = rope_inv_freq(spec.kv_channels, int(spec.rotary_base), spec.rope_scaling_factor)
         self.activation: Callable = swiglu  # fc1's [gate; up] -> silu(gate) * up, as the patched MLP
         # Optional trace(name, input, output) called with each block's rows under the Megatron
         # module name it mirrors (the checker's --bisect aligns the two runs by these names).
@@ -59,8 +59,9 @@ class ReferenceModel:
         return self
 
     # -- building blocks, each mirroring one patched Megatron module --------------------------
-    def _linear(self, x, name, out_dtype=None):
-        return invariant_linear(x, self.w[name], out_dtype=out_dtype, row_multiple=self.profile.gemm_row_multiple)
+    def _linear(self, x, name, out_dtype=None, bias=None):
+        return invariant_linear(x, self.w[name], self.w.get(bias) if bias else None, out_dtype=out_dtype,
+                                row_multiple=self.profile.gemm_row_multiple)
 
     def _row_parallel(self, x, name):
         """RowParallelLinear at TP=1 under the patches: C leaves folded, cast once; with reduction:
@@ -103,7 +104,7 @@ class ReferenceModel:
         p = f"decoder.layers.{layer}.self_attention."
         nq, ng, hd = spec.num_attention_heads, spec.num_query_groups, spec.kv_channels
         g = nq // ng
-        qkv = self._linear(x, p + "linear_qkv.weight")
+        qkv = self._linear(x, p + "linear_qkv.weight", bias=p + "linear_qkv.bias")
         self._record(p + "linear_qkv", x, qkv)
         qkv = qkv.view(-1, ng, (g + 2) * hd)
         q = qkv[..., : g * hd].reshape(-1, nq, hd)

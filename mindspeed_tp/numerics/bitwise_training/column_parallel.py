@@ -9,6 +9,10 @@ same shape in every layout, a rank folds its contiguous run of leaves (a subtree
 subtrees are folded by moving data (``kernels.collectives.fold_across_ranks``), cast once. The LM
 head's tree is over wide vocab leaves on canonical vocab shards (``lm_head_grad``).
 
+A bias (Qwen2's QKV bias) is added to the fp32 product before the one cast, as the scoring forward
+adds it (``kernels.linear.invariant_linear``); its gradient is the weight gradient's GEMM against a
+column of ones: the micro-batch's tokens summed in the same fixed order in every layout.
+
 A gated fc1 (SwiGLU) holds two parts per rank, ``[gate_r; up_r]``: leaf i is gate chunk i
 followed by up chunk i, so its rows are the same features in every layout.
 """
@@ -50,12 +54,17 @@ class CanonicalColumnLinear(torch.autograd.Function):
     (SP: each rank keeps its sequence slice)."""
 
     @staticmethod
-    def forward(ctx, x, weight, group, sequence_parallel, out_dtype, leaves, compute, row_multiple):
+    def forward(ctx, x, weight, group, sequence_parallel, out_dtype, leaves, compute, row_multiple, bias=None):
         ctx.group, ctx.sp, ctx.leaves, ctx.row_multiple = group, sequence_parallel, leaves, row_multiple
+        ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.save_for_backward(x, weight)
         full = gather_sequence(x, group) if sequence_parallel else x
         lead = full.shape[:-1]
-        out = compute(full.reshape(-1, full.shape[-1]), weight, out_dtype)
+        x2d = full.reshape(-1, full.shape[-1])
+        if bias is None:
+            out = compute(x2d, weight, out_dtype)
+        else:  # fp32 product + bias, one cast (as the scoring forward)
+            out = (compute(x2d, weight, torch.float32) + bias.float()).to(out_dtype)
         return out.reshape(*lead, weight.shape[0])
 
     @staticmethod
@@ -66,10 +75,15 @@ class CanonicalColumnLinear(torch.autograd.Function):
         x2d = full.reshape(-1, full.shape[-1])
         dtype = torch.promote_types(x.dtype, weight.dtype)
         dy = grad.reshape(-1, grad.shape[-1]).to(dtype)
-        dw = None
-        if ctx.needs_input_grad[1]:  # under CP: the whole micro-batch's tokens (context_parallel.py)
+        dw = dbias = None
+        if ctx.needs_input_grad[1] or (len(ctx.needs_input_grad) > 8 and ctx.needs_input_grad[8]):
+            # under CP: the whole micro-batch's tokens (context_parallel.py)
             dy_all, x_all = weight_grad_operands(dy, x2d.to(dtype))
-            dw = invariant_weight_grad(dy_all, x_all, weight.dtype, ctx.row_multiple)
+            if ctx.needs_input_grad[1]:
+                dw = invariant_weight_grad(dy_all, x_all, weight.dtype, ctx.row_multiple)
+            if ctx.bias_dtype is not None and ctx.needs_input_grad[8]:
+                ones = torch.ones(dy_all.shape[0], 1, dtype=dtype, device=dy_all.device)
+                dbias = invariant_weight_grad(dy_all, ones, ctx.bias_dtype, ctx.row_multiple).reshape(-1)
         dx = None
         if ctx.needs_input_grad[0] and isinstance(ctx.leaves, tuple):  # the LM head
             vocab, shards, width = ctx.leaves
@@ -82,7 +96,8 @@ class CanonicalColumnLinear(torch.autograd.Function):
             partial = fold_leaf_products(dyl, wl.t().to(dtype), ctx.leaves, ctx.row_multiple)
             partial = partial.reshape(*lead, partial.shape[-1])
             dx = fold_across_ranks(partial, ctx.group, x.dtype, scatter_dim0=ctx.sp)
-        return dx, dw, None, None, None, None, None, None
+        grads = (dx, dw, None, None, None, None, None, None)
+        return grads if ctx.bias_dtype is None else grads + (dbias,)
 
 
 def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
@@ -93,12 +108,17 @@ def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     return full.reshape(-1, *x.shape[1:])
 
 
-def column_linear(x, weight, group, sequence_parallel: bool, out_dtype, compute, prof, vocab: Optional[int] = None):
+def column_linear(x, weight, group, sequence_parallel: bool, out_dtype, compute, prof, vocab: Optional[int] = None,
+                  bias: Optional[torch.Tensor] = None):
     """The column-parallel GEMM under bitwise training with profile ``prof``. ``compute(x2d, weight,
-    out_dtype)`` is the forward's invariant GEMM; ``vocab``: the true vocab size when this is the LM head."""
+    out_dtype)`` is the forward's invariant GEMM; ``vocab``: the true vocab size when this is the LM head;
+    ``bias``: this rank's slice of the layer's bias."""
     if vocab is not None:
         leaves = (vocab, prof.canonical_shards, prof.lm_head_grad_leaf_width)
     else:
         leaves = leaves_per_rank(weight, group_size(group), prof)
+    if bias is not None:
+        return CanonicalColumnLinear.apply(x, weight, group, bool(sequence_parallel), out_dtype, leaves, compute,
+                                           prof.gemm_row_multiple, bias)
     return CanonicalColumnLinear.apply(x, weight, group, bool(sequence_parallel), out_dtype, leaves, compute,
                                        prof.gemm_row_multiple)

@@ -63,8 +63,6 @@ class BitwiseTraining(CanonicalTree):
     def column_linear(self, input, weight, bias, group, sequence_parallel, allreduce_dgrad):
         """The SP gather and the dgrad sum inside one function whose input gradient is folded in
         canonical order (``column_parallel.py``)."""
-        if bias is not None:
-            raise refuse("bitwise_training_bias", layer="column-parallel")
         logits = state.want_fp32_output()
         out_dtype = torch.float32 if logits else input.dtype
         vocab = true_vocab_size(weight.shape[0] * group_size(group)) if logits else None
@@ -76,7 +74,7 @@ class BitwiseTraining(CanonicalTree):
             return dispatch.kernel("linear", x2d)(x2d, w, dtype, row_multiple)
 
         return column_parallel.column_linear(input, weight, reduce_group, sequence_parallel, out_dtype, compute,
-                                             self.profile, vocab)
+                                             self.profile, vocab, bias)
 
     def check_row_bias(self, layer) -> None:
         if layer.bias is not None:

@@ -1,6 +1,7 @@
 """The patched Megatron forward under a ``vllm-cpu-*`` profile: each patched megatron-core piece
-computes what the engine's Qwen3 / Qwen3-MoE model computes at TP=R (vllm/model_executor/models/
-qwen3.py, qwen3_moe.py), through the engine's own ops (``kernels``).
+computes what the engine's Qwen3 / Qwen3-MoE / Qwen2 / Llama model computes at TP=R (vllm/model_executor/
+models/qwen3.py, qwen3_moe.py, qwen2.py, llama.py: one decoder, the QK-norm, the QKV bias and Llama-3's
+RoPE cache per family), through the engine's own ops (``kernels``).
 
 Operator order the engine uses and Megatron does not, and how it is reproduced:
 - residual stream: the engine's fused-add RMSNorm adds a layer's output to the residual in fp32
@@ -47,14 +48,14 @@ def check_ready(prof) -> None:
     _ready[key] = (require_vllm(prof.engine.version), check_profile_isa(prof.engine.cpu_isa))
 
 
-def set_rope(config, base: float, max_positions: int) -> None:
+def set_rope(config, base: float, max_positions: int, llama3_factor: Optional[float] = None) -> None:
     """Recorded at GPTModel construction, for that model's config: the engine's RoPE cache is built
-    from these."""
-    _rope[config] = (float(base), int(max_positions))
+    from these (``llama3_factor``: GPTModel's rope_scaling_factor under rope_scaling)."""
+    _rope[config] = (float(base), int(max_positions), None if llama3_factor is None else float(llama3_factor))
 
 
 def rope_of(config):
-    """(base, max positions) of the model built with ``config``."""
+    """(base, max positions, Llama-3 factor or None) of the model built with ``config``."""
     found = _rope.get(config)
     if found is None:
         raise ConfigError("vllm-cpu profile: this model was built before the patches were enabled (its RoPE base "
@@ -66,11 +67,9 @@ def rope_of(config):
 
 def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """Column-parallel GEMM (merged qkv, gate_up, LM head): the engine's GEMM on this rank's output
-    columns, in the model dtype (the engine's logits too)."""
-    if bias is not None:
-        raise refuse("vllm_model_shape", what="add_bias_linear / add_qkv_bias", engine="no biases",
-                     fix="build the model without them")
-    return kernels.engine_linear(x, weight)
+    columns, in the model dtype (the engine's logits too); a bias (Qwen2's QKV bias: add_qkv_bias;
+    add_bias_linear is refused before) its slice, added in the same engine call."""
+    return kernels.engine_linear(x, weight, bias=bias)
 
 
 def norm(x: torch.Tensor, weight: torch.Tensor, eps: float, normalization: str) -> torch.Tensor:
@@ -93,14 +92,15 @@ def residual_add(x_with_bias, residual: torch.Tensor, prob: float, training: boo
 def rope(t: torch.Tensor, config, interleaved: bool, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
     """RoPE on [s, b, heads, dim] at absolute positions 0..s-1 (the scored sequences start at 0), or at
     ``positions`` (s,) (a context-parallel rank's chunks)."""
-    base, max_positions = rope_of(config)
+    base, max_positions, llama3_factor = rope_of(config)
     s, b, h, d = t.shape
     x = t.reshape(s * b, h, d)
     if positions is None:
         positions = torch.arange(s, device=t.device)
     longest = int(positions.max()) + 1 if positions.numel() else s
     positions = positions.to(t.device).repeat_interleave(b)
-    out = kernels.rotary(x, positions, base, max(max_positions, longest), neox=not interleaved)
+    out = kernels.rotary(x, positions, base, max(max_positions, longest), neox=not interleaved,
+                         llama3_factor=llama3_factor)
     return out.reshape(s, b, h, d)
 
 

@@ -93,9 +93,13 @@ def _prepack(weight: torch.Tensor) -> _Holder:
     return holder
 
 
-def _engine_gemm(weight: torch.Tensor, source: Optional[torch.Tensor] = None):
+def _engine_gemm(weight: torch.Tensor, source: Optional[torch.Tensor] = None,
+                 bias: Optional[torch.Tensor] = None):
+    """The engine's ``cpu_linear`` on ``weight``'s holder; ``bias`` (a column-parallel layer's
+    slice: Qwen2's QKV bias) goes into the same call, as the engine's layer passes its own."""
     holder = _engine_holder(weight, source)
-    return lambda x: holder.cpu_linear(x, holder.weight, None)
+    bias = None if bias is None else bias.detach().contiguous()
+    return lambda x: holder.cpu_linear(x, holder.weight, bias)
 
 
 def engine_gemm_name(weight: torch.Tensor) -> str:
@@ -103,16 +107,34 @@ def engine_gemm_name(weight: torch.Tensor) -> str:
     return host.gemm_name(_engine_holder(weight).cpu_linear)
 
 
-def engine_linear(x: torch.Tensor, weight: torch.Tensor, source: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``x @ weight.T`` in x's dtype by the engine's own GEMM; plain backward. ``source``: the
-    parameter ``weight`` is a slice of (``_engine_holder``)."""
+def engine_linear(x: torch.Tensor, weight: torch.Tensor, source: Optional[torch.Tensor] = None,
+                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` in x's dtype by the engine's own GEMM; plain backward (the bias's
+    gradient: the sum of the output gradient's rows). ``source``: the parameter ``weight`` is a
+    slice of (``_engine_holder``)."""
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1])
-    if weight.dtype != x2d.dtype:
-        raise TypeError(f"engine_linear: input {x2d.dtype} and weight {weight.dtype} differ (the engine runs one dtype)")
-    gemm = _engine_gemm(weight, source)
+    if weight.dtype != x2d.dtype or (bias is not None and bias.dtype != x2d.dtype):
+        raise TypeError(f"engine_linear: input {x2d.dtype}, weight {weight.dtype} and bias "
+                        f"{None if bias is None else bias.dtype} differ (the engine runs one dtype)")
+    gemm = _engine_gemm(weight, source, bias)
     out = with_plain_backward(x2d, weight, lambda a, w: gemm(a.contiguous()))
+    if bias is not None and torch.is_grad_enabled() and bias.requires_grad:
+        out = _BiasGrad.apply(out, bias)
     return out.reshape(*lead, out.shape[-1])
+
+
+class _BiasGrad(torch.autograd.Function):
+    """Identity on the output (the engine added the bias inside its GEMM); the bias's gradient is the
+    sum of the output gradient's rows, as an unpatched linear's."""
+
+    @staticmethod
+    def forward(ctx, out, bias):
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad.sum(dim=0)
 
 
 def engine_partial_linear(x: torch.Tensor, weight: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
@@ -145,15 +167,22 @@ def fused_add_residual(out: torch.Tensor, residual: torch.Tensor) -> torch.Tenso
 # ---------------------------------------------------------------- RoPE
 
 @functools.lru_cache(maxsize=16)
-def _cos_sin_cache(head_dim: int, rotary_dim: int, base: float, max_positions: int, dtype: torch.dtype):
+def _cos_sin_cache(head_dim: int, rotary_dim: int, base: float, max_positions: int, dtype: torch.dtype,
+                   llama3_factor: Optional[float] = None):
     """The engine's cos/sin cache: RotaryEmbedding._compute_cos_sin_cache (fp32), cast to the model
-    dtype as its constructor does."""
+    dtype as its constructor does; with ``llama3_factor`` its Llama3RotaryEmbedding's (rope_type
+    llama3 with Megatron's fixed low / high factors 1 / 4 and original context 8192)."""
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+    from vllm.model_executor.layers.rotary_embedding.llama3_rope import Llama3RotaryEmbedding
 
-    rope = object.__new__(RotaryEmbedding)  # the cache recipe only; no CustomOp/vLLM config needed
+    cls = RotaryEmbedding if llama3_factor is None else Llama3RotaryEmbedding
+    rope = object.__new__(cls)  # the cache recipe only; no CustomOp/vLLM config needed
     rope.head_size, rope.rotary_dim, rope.base = head_dim, rotary_dim, base
     rope.max_position_embeddings = max_positions
-    return RotaryEmbedding._compute_cos_sin_cache(rope).to(dtype)
+    if llama3_factor is not None:
+        rope.scaling_factor, rope.low_freq_factor, rope.high_freq_factor = float(llama3_factor), 1.0, 4.0
+        rope.orig_max_position = 8192
+    return cls._compute_cos_sin_cache(rope).to(dtype)
 
 
 class _Rope(torch.autograd.Function):
@@ -182,10 +211,13 @@ class _Rope(torch.autograd.Function):
         return dx.to(grad.dtype), None, None, None
 
 
-def rotary(x: torch.Tensor, positions: torch.Tensor, base: float, max_positions: int, neox: bool = True) -> torch.Tensor:
-    """RoPE on x (tokens, heads, head_dim) at ``positions`` (tokens,) by ``_C.rotary_embedding``."""
+def rotary(x: torch.Tensor, positions: torch.Tensor, base: float, max_positions: int, neox: bool = True,
+           llama3_factor: Optional[float] = None) -> torch.Tensor:
+    """RoPE on x (tokens, heads, head_dim) at ``positions`` (tokens,) by ``_C.rotary_embedding``;
+    ``llama3_factor``: Llama-3's scaled frequencies."""
     dim = x.shape[-1]
-    cache = _cos_sin_cache(dim, dim, float(base), int(max_positions), x.dtype)
+    cache = _cos_sin_cache(dim, dim, float(base), int(max_positions), x.dtype,
+                           None if llama3_factor is None else float(llama3_factor))
     return _Rope.apply(x, positions.to(torch.int64).contiguous(), cache, bool(neox))
 
 

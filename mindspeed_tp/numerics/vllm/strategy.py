@@ -31,16 +31,17 @@ class VllmEngine(RolloutLayout):
         bound.apply_defaults()
         a = bound.arguments
         if a.get("position_embedding_type", "rope") != "rope" or float(a.get("rotary_percent", 1.0)) != 1.0 \
-                or a.get("rope_scaling", False):
-            raise refuse("vllm_model_shape", what="RoPE other than full, unscaled rope",
-                         engine="full RoPE without scaling",
-                         fix="position_embedding_type='rope', rotary_percent=1.0, rope_scaling=False")
+                or a.get("seq_len_interpolation_factor") is not None:
+            raise refuse("vllm_model_shape", what="RoPE other than full rope (plain or Llama-3-scaled)",
+                         engine="full RoPE, plain or Llama-3-scaled",
+                         fix="position_embedding_type='rope', rotary_percent=1.0, seq_len_interpolation_factor=None")
         head_dim = getattr(a["config"], "kv_channels", None)
         if head_dim:
             check_head_dim(head_dim)
         config = a["config"]
         check_activation_widths(activation_widths(config), self.profile.rollout_tp, config.params_dtype)
-        forward.set_rope(a["config"], a.get("rotary_base", 10000), a["max_sequence_length"])
+        forward.set_rope(a["config"], a.get("rotary_base", 10000), a["max_sequence_length"],
+                         a.get("rope_scaling_factor", 8.0) if a.get("rope_scaling", False) else None)
 
     def column_gemm(self, x, weight, bias):
         """The engine's GEMM; its logits stay in the model dtype."""

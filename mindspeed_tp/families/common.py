@@ -1,0 +1,104 @@
+"""What the families' Hugging Face configs share: the decoder's sizes, plain or Llama-3-scaled RoPE,
+and the refusals of what no family here maps (another activation, sliding windows, other RoPE
+scalings)."""
+from __future__ import annotations
+
+from typing import Any, Dict, Tuple
+
+from ..contract.refusals import refuse
+from ..errors import ConfigError
+
+# Megatron's Llama-3 RoPE scaling (RotaryEmbedding._apply_scaling): only the factor is a GPTModel
+# argument, the rest are fixed there.
+LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def decoder_fields(cfg: Dict[str, Any], name: str, where: str) -> Dict[str, Any]:
+    """The ModelSpec fields every family's config.json states alike."""
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise refuse("hf_hidden_act", where=where, act=cfg.get("hidden_act"))
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    return dict(
+        name=name,
+        num_layers=int(cfg["num_hidden_layers"]),
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=int(cfg.get("num_key_value_heads") or heads),
+        kv_channels=int(cfg.get("head_dim") or hidden // heads),
+        ffn_hidden_size=int(cfg["intermediate_size"]),
+        vocab_size=int(cfg["vocab_size"]),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    )
+
+
+def _rope_blocks(cfg: Dict[str, Any]):
+    """(key, block) of the RoPE settings: transformers 5 writes ``rope_parameters``, older ones
+    ``rope_theta`` and ``rope_scaling``."""
+    return [(key, cfg.get(key) or {}) for key in ("rope_parameters", "rope_scaling")]
+
+
+def rope_fields(cfg: Dict[str, Any], where: str, scalings: Tuple[str, ...] = ()) -> Dict[str, Any]:
+    """``rotary_base`` and, for rope_type ``llama3`` when the family allows it, ``rope_scaling_factor``;
+    any other scaling (linear, dynamic, yarn, longrope, ...) changes the angles and is refused by name."""
+    factor = None
+    for key, block in _rope_blocks(cfg):
+        kind = block.get("rope_type", block.get("type", "default"))
+        if kind in (None, "default"):
+            continue
+        if kind not in scalings:
+            raise refuse("hf_rope_scaling", where=where, key=key, kind=kind,
+                         supported=", ".join(("default",) + scalings))
+        for param, fixed in LLAMA3_FIXED.items():
+            if float(block.get(param, fixed)) != fixed:
+                raise refuse("hf_rope_llama3", where=where, key=f"{key}.{param}", value=block.get(param), fixed=fixed)
+        factor = float(block["factor"])
+    params = cfg.get("rope_parameters") or {}
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    if float(theta) != int(theta):
+        raise ConfigError(f"{where}: rope_theta={theta} must be an integer (Megatron's rotary_base is an int)")
+    return {"rotary_base": float(theta), "rope_scaling_factor": factor}
+
+
+def refuse_sliding_window(cfg: Dict[str, Any], where: str) -> None:
+    if cfg.get("use_sliding_window") or any(t != "full_attention" for t in cfg.get("layer_types") or []):
+        raise refuse("hf_sliding_window", where=where)
+
+
+def check_model_type(cfg: Dict[str, Any], model_type: str, architecture: str, where: str) -> None:
+    if cfg.get("model_type", model_type) != model_type:
+        raise ConfigError(f"{where}: model_type={cfg.get('model_type')!r} does not match architecture {architecture}")
+
+
+def decoder_config(spec, architecture: str, model_type: str, dtype: str) -> Dict[str, Any]:
+    """config.json fields every family writes alike (inverse of ``decoder_fields`` and ``rope_fields``)."""
+    cfg = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "hidden_act": "silu",
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.ffn_hidden_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_query_groups,
+        "head_dim": spec.kv_channels,
+        "vocab_size": spec.vocab_size,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rope_theta": spec.rotary_base,
+        "rms_norm_eps": spec.norm_epsilon,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "torch_dtype": dtype,
+    }
+    if spec.rope_scaling_factor is not None:
+        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": spec.rope_scaling_factor, **LLAMA3_FIXED}
+    return cfg
+
+
+def refuse_features(spec, family: str, **absent: bool) -> None:
+    """Export: a spec field this family's config.json cannot state (``absent``: field -> set)."""
+    named = sorted(field for field, present in absent.items() if present)
+    if named:
+        raise ConfigError(f"model {spec.name}: {', '.join(named)} cannot be written as a {family} checkpoint "
+                          f"(set family to one that has it, or unset it)")

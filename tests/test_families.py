@@ -1,0 +1,218 @@
+"""The dense families users RL-train (issue #56), each from a tiny checkpoint transformers writes:
+Qwen2 / Qwen2.5 (QKV bias, no QK-norm, tied embeddings), Llama-3.1 (llama3-scaled RoPE, no QK-norm,
+GQA, untied) and Llama-3.2 (the same, tied, factor 32). For each: the reference engine and
+Megatron's forward match transformers' own fp32 forward, every layout is bitwise the one-device
+result, the checkpoint exports back bit for bit, and bitwise training holds across layouts. What the
+families do not model is refused naming the config.json key."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from mindspeed_tp.contract.profile import load_profile
+from mindspeed_tp.errors import ConfigError
+from mindspeed_tp.hf import SafetensorsCheckpoint, open_hf_model, spec_from_hf_config
+from mindspeed_tp.reference import ReferenceModel
+
+from conftest import bits_equal, explain, full_tier, run_cli, run_torchrun
+from hf_models import make_llama, make_qwen2, save_word_tokenizer, transformers_logprobs
+
+SEMANTICS_ATOL = 1e-4  # as tests/test_hf_checkpoint.py: a few ulp per op through two layers
+LLAMA32_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+FAMILIES = {
+    "qwen2": (make_qwen2, {}),
+    "llama31": (make_llama, {}),
+    "llama32": (make_llama, {"tie_word_embeddings": True, "rope_scaling": LLAMA32_ROPE}),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    out = {}
+    for name, (make, overrides) in FAMILIES.items():
+        out[name] = make(str(root / name), **overrides)
+        save_word_tokenizer(out[name], 1000)
+    return out
+
+
+def _sequences():
+    gen = torch.Generator().manual_seed(5)
+    return [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (3, 17, 64, 150)]
+
+
+def _worst(ours, theirs):
+    return max(float((a - b).abs().max()) for a, b in zip(ours, theirs))
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_the_reference_engine_matches_transformers_fp32(checkpoints, name):
+    """And the family's own feature matters: without the QKV bias or the RoPE scaling the same
+    comparison fails by far (so the match is not a tolerance hiding a dropped piece)."""
+    profile = load_profile()
+    spec, weights = open_hf_model(checkpoints[name], profile)
+    theirs = transformers_logprobs(checkpoints[name], _sequences())
+    assert torch.cat(theirs).std() > 1.0, "logits too uniform for this check to detect a mapping error"
+    ours = ReferenceModel.from_source(spec, profile, weights, torch.float32).score(_sequences())
+    assert _worst(ours, theirs) < SEMANTICS_ATOL
+    if spec.add_qkv_bias:
+        broken = ReferenceModel.from_source(spec, profile, weights, torch.float32)
+        for key in [k for k in broken.w if k.endswith("linear_qkv.bias")]:
+            broken.w[key] = torch.zeros_like(broken.w[key])
+    else:
+        import dataclasses
+
+        assert spec.rope_scaling_factor is not None
+        plain = dataclasses.replace(spec, rope_scaling_factor=None)
+        broken = ReferenceModel.from_source(plain, profile, weights, torch.float32)
+    assert _worst(broken.score(_sequences()), theirs) > 100 * SEMANTICS_ATOL
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_megatron_matches_transformers_and_every_layout_is_bitwise_fp32(checkpoints, tmp_path, name):
+    """One checker launch: Megatron's TP=1 forward (the checker's reference) against transformers,
+    and tp2-sp / tp1-pp2 against it bit for bit."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps(s) for s in _sequences()) + "\n")
+    layouts = "tp2-sp,tp1-pp2"
+    proc = run_cli("check", "--hf-checkpoint", checkpoints[name], "--prompts", str(prompts), "--layouts", layouts,
+                   "--dtype", "fp32", "--dump-logprobs", str(tmp_path / "dump"))
+    assert proc.returncode == 0, explain(proc)
+    dump = load_file(str(tmp_path / "dump" / "logprobs.safetensors"))
+    reference = dump["consistent/reference"]
+    for layout in layouts.split(","):
+        assert bits_equal(dump[f"consistent/{layout}"], reference), layout
+    sequences = _sequences()
+    for i, theirs in enumerate(transformers_logprobs(checkpoints[name], sequences)):
+        ours = reference[i, : len(sequences[i]) - 1]
+        assert (ours - theirs).abs().max() < SEMANTICS_ATOL, (i, (ours - theirs).abs().max())
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=full_tier(
+    covered_by="tests/test_families.py::test_megatron_matches_transformers_and_every_layout_is_bitwise_fp32",
+    why="the same family code at bf16: the fp32 launch shows the mapping and layout invariance; bf16 adds the "
+        "casts every family shares with Qwen3 (test_parity_dense.py)")) for n in sorted(FAMILIES)])
+def test_bf16_layouts_bitwise(checkpoints, tmp_path, name):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps(s) for s in _sequences()) + "\n")
+    layouts = "tp2-sp-pp2,tp4-sp"
+    proc = run_cli("check", "--hf-checkpoint", checkpoints[name], "--prompts", str(prompts), "--layouts", layouts,
+                   "--dtype", "bf16", "--nproc", "4", "--dump-logprobs", str(tmp_path / "dump"))
+    assert proc.returncode == 0, explain(proc)
+    dump = load_file(str(tmp_path / "dump" / "logprobs.safetensors"))
+    for layout in layouts.split(","):
+        assert bits_equal(dump[f"consistent/{layout}"], dump["consistent/reference"]), layout
+
+
+@pytest.mark.parametrize("name,profile", [("qwen2", "default"), ("llama31", "rollout-tp2"), pytest.param(
+    "llama32", "default", marks=full_tier(
+        covered_by="tests/test_families.py::test_rollouts_are_scored_bitwise",
+        why="Llama-3.2 differs from 3.1 by the tied head and the factor, both in the fp32 launch against "
+            "transformers"))])
+def test_rollouts_are_scored_bitwise(checkpoints, name, profile):
+    """The reference rollout engine samples at T=0.8 with top-p 0.95 (processed logprobs); a sharded
+    layout scores them bit for bit -- under ``rollout-tp2`` the engine is the TP-2 emulation."""
+    proc = run_cli("check", "--hf-checkpoint", checkpoints[name], "--profile", profile, "--rollout", "6",
+                   "--temperature", "0.8", "--top-p", "0.95", "--logprob-semantics", "processed",
+                   "--max-new-tokens", "8", "--layouts", "tp2-sp", "--dtype", "bf16")
+    assert proc.returncode == 0, explain(proc)
+    assert "bitwise equal to the rollout engine" in proc.stdout, explain(proc)
+
+
+@pytest.mark.parametrize("name,layout", [("qwen2", "tp2-sp-pp2"), ("llama32", "tp2-sp")])
+def test_export_round_trip_bitwise(checkpoints, tmp_path, name, layout):
+    """The QKV biases (sliced by TP and regrouped per query group) and the RoPE scaling in config.json."""
+    out = tmp_path / "exported"
+    proc = run_torchrun("hf_export.py", 4 if "pp2" in layout else 2, checkpoints[name], layout, "fp32", str(out))
+    assert proc.returncode == 0, explain(proc)
+    original, exported = SafetensorsCheckpoint(checkpoints[name]), SafetensorsCheckpoint(str(out))
+    assert exported.names() == original.names()
+    for tensor in original.names():
+        assert bits_equal(original.read(tensor), exported.read(tensor)), tensor
+    seq = [_sequences()[2]]
+    assert bits_equal(transformers_logprobs(str(out), seq)[0], transformers_logprobs(checkpoints[name], seq)[0])
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama32"])
+def test_spec_to_config_json_and_back(checkpoints, name):
+    from mindspeed_tp.hf import hf_config_from_spec
+
+    spec, _ = open_hf_model(checkpoints[name], load_profile())
+    assert spec_from_hf_config(hf_config_from_spec(spec, "float32"), spec.name) == spec
+
+
+def _model_yaml(tmp_path, checkpoint):
+    """The checkpoint's spec as a model YAML (the checkers' --model), seeded weights."""
+    spec, _ = open_hf_model(checkpoint, load_profile())
+    path = tmp_path / "model.yaml"
+    path.write_text(yaml.safe_dump({k: v for k, v in spec.to_dict().items() if v is not None}))
+    return str(path)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama31"])
+def test_bitwise_training_two_layouts(checkpoints, tmp_path, name):
+    """Every step's loss, gradients (the QKV bias's among them) and logprobs bitwise across layouts."""
+    proc = run_cli("train-check", "--model", _model_yaml(tmp_path, checkpoints[name]), "--layouts", "tp2-sp,tp1-pp2",
+                   "--dtype", "fp32", "--bitwise-training", "--steps", "2", "--global-batch-size", "4",
+                   "--micro-batch-size", "1", "--seq-length", "32", timeout=1200)
+    assert proc.returncode == 0, explain(proc)
+    assert "bitwise" in proc.stdout.lower(), explain(proc)
+
+
+# -- what the families do not model: refused naming the key ----------------------------------------
+
+def _edited(checkpoint, tmp_path, **changes):
+    directory = str(tmp_path / "ckpt")
+    shutil.copytree(checkpoint, directory)
+    path = os.path.join(directory, "config.json")
+    cfg = json.load(open(path))
+    cfg.update(changes)
+    json.dump(cfg, open(path, "w"))
+    return directory
+
+
+@pytest.mark.parametrize("name,changes,message", [
+    ("llama31", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling.rope_type='linear'"),
+    ("llama31", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type='dynamic'"),
+    ("llama31", {"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "rope_scaling.rope_type='longrope'"),
+    ("llama31", {"rope_scaling": dict(LLAMA32_ROPE, original_max_position_embeddings=4096)},
+     "rope_scaling.original_max_position_embeddings=4096"),
+    ("llama31", {"rope_scaling": dict(LLAMA32_ROPE, high_freq_factor=2.0)}, "rope_scaling.high_freq_factor=2.0"),
+    ("llama31", {"attention_bias": True}, "attention_bias=true"),
+    ("llama31", {"mlp_bias": True}, "mlp_bias=true"),
+    ("llama31", {"pretraining_tp": 2}, "pretraining_tp=2"),
+    ("qwen2", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling.rope_type='llama3'"),
+    ("qwen2", {"use_sliding_window": True}, "use_sliding_window"),
+    ("qwen2", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ("qwen2", {"architectures": ["MistralForCausalLM"]}, "architectures=['MistralForCausalLM'] is not supported"),
+])
+def test_what_a_family_does_not_model_is_refused_by_name(checkpoints, tmp_path, name, changes, message):
+    directory = _edited(checkpoints[name], tmp_path, **changes)
+    with pytest.raises(ConfigError) as err:
+        open_hf_model(directory, load_profile())
+    assert message in str(err.value)
+
+
+def test_the_checker_exits_2_naming_the_key(checkpoints, tmp_path):
+    directory = _edited(checkpoints["llama31"], tmp_path, rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    proc = run_cli("check", "--hf-checkpoint", directory, "--layouts", "tp1")
+    assert proc.returncode == 2 and "rope_scaling.rope_type='yarn'" in proc.stderr, explain(proc)
+
+
+def test_megatron_computes_the_references_llama3_frequencies():
+    """The reference engine's scaled inv_freq is megatron-core's RotaryEmbedding's, bit for bit."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from mindspeed_tp.kernels import rope_inv_freq
+
+    for dim, base, factor in ((32, 500000, 8.0), (128, 500000, 32.0), (64, 10000, 8.0)):
+        theirs = RotaryEmbedding(dim, 1.0, rotary_base=base, rope_scaling=True, rope_scaling_factor=factor,
+                                 use_cpu_initialization=True).inv_freq
+        ours = rope_inv_freq(dim, base, factor)
+        assert bits_equal(ours, theirs), (dim, base, factor)
+        assert not bits_equal(ours, rope_inv_freq(dim, base)), "the scaling changed nothing at this head size"
