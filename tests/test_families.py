@@ -164,6 +164,26 @@ def test_bitwise_training_two_layouts(checkpoints, tmp_path, name):
     assert "bitwise" in proc.stdout.lower(), explain(proc)
 
 
+@pytest.mark.parametrize("model", ["tiny-qwen2", "tiny-llama"])
+def test_rl_check_three_iterations_at_ratio_exactly_one(tmp_path, model):
+    """GRPO against the reference engine sampling at T=0.8 with top-p 0.95 (processed logprobs),
+    bitwise training at tp2-sp: every iteration's training logprobs equal the rollout's."""
+    report = tmp_path / "rl.json"
+    proc = run_cli("rl-check", "--model", model, "--layout", "tp2-sp", "--iterations", "3", "--temperature", "0.8",
+                   "--top-p", "0.95", "--logprob-semantics", "processed", "--bitwise-training", "--json", str(report),
+                   timeout=1200)
+    assert proc.returncode == 0, explain(proc)
+    (arm,) = json.loads(report.read_text())["arms"]
+    iterations = arm["iterations"]
+    assert len(iterations) == 3
+    for r in iterations:
+        assert r["bitwise_fraction"] == 1.0 and r["step_bitwise_fraction"] == 1.0, r
+        assert r["max_abs_logdiff"] == 0.0 and r["max_abs_ratio_minus_1"] == 0.0, r
+    # the groups' rewards differ (advantages not all zero): the policy really moves between iterations
+    groups = [r["rewards"][i:i + 4] for r in iterations for i in range(0, len(r["rewards"]), 4)]
+    assert any(len(set(g)) > 1 for g in groups)
+
+
 # -- what the families do not model: refused naming the key ----------------------------------------
 
 def _edited(checkpoint, tmp_path, **changes):
