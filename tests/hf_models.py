@@ -73,6 +73,22 @@ def make_llama(directory: str, seed: int = 3, **overrides) -> str:
     return directory
 
 
+def make_mistral(directory: str, seed: int = 4, **overrides) -> str:
+    """Mistral with a sliding window of 24 keys (shorter than the test prompts, crossing the attention's
+    key blocks) and Mistral-Nemo's shape: head size 32 with hidden 192, not hidden / heads; untied."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = dict(vocab_size=1000, hidden_size=192, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
+               num_key_value_heads=4, head_dim=32, max_position_embeddings=512, rope_theta=1000000.0,
+               sliding_window=24, tie_word_embeddings=False, rms_norm_eps=1e-5)
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    model = MistralForCausalLM(MistralConfig(**cfg))
+    _sharpen(model, seed)
+    model.save_pretrained(directory)
+    return directory
+
+
 def make_qwen3_moe(directory: str, seed: int = 1, **overrides) -> str:
     """Qwen3-MoE (normalised top-2 of 8 experts, a leading dense layer, untied), saved in shards
     with an index file."""

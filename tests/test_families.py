@@ -1,6 +1,7 @@
 """The dense families users RL-train (issue #56), each from a tiny checkpoint transformers writes:
 Qwen2 / Qwen2.5 (QKV bias, no QK-norm, tied embeddings), Llama-3.1 (llama3-scaled RoPE, no QK-norm,
-GQA, untied) and Llama-3.2 (the same, tied, factor 32). For each: the reference engine and
+GQA, untied), Llama-3.2 (the same, tied, factor 32) and Mistral (a sliding window shorter than the
+prompts, Mistral-Nemo's head size other than hidden / heads). For each: the reference engine and
 Megatron's forward match transformers' own fp32 forward, every layout is bitwise the one-device
 result, the checkpoint exports back bit for bit, and bitwise training holds across layouts. What the
 families do not model is refused naming the config.json key."""
@@ -19,7 +20,7 @@ from mindspeed_tp.hf import SafetensorsCheckpoint, open_hf_model, spec_from_hf_c
 from mindspeed_tp.reference import ReferenceModel
 
 from conftest import bits_equal, explain, full_tier, run_cli, run_torchrun
-from hf_models import make_llama, make_qwen2, save_word_tokenizer, transformers_logprobs
+from hf_models import make_llama, make_mistral, make_qwen2, save_word_tokenizer, transformers_logprobs
 
 SEMANTICS_ATOL = 1e-4  # as tests/test_hf_checkpoint.py: a few ulp per op through two layers
 LLAMA32_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -28,6 +29,7 @@ FAMILIES = {
     "qwen2": (make_qwen2, {}),
     "llama31": (make_llama, {}),
     "llama32": (make_llama, {"tie_word_embeddings": True, "rope_scaling": LLAMA32_ROPE}),
+    "mistral": (make_mistral, {}),
 }
 
 
@@ -60,13 +62,16 @@ def test_the_reference_engine_matches_transformers_fp32(checkpoints, name):
     assert torch.cat(theirs).std() > 1.0, "logits too uniform for this check to detect a mapping error"
     ours = ReferenceModel.from_source(spec, profile, weights, torch.float32).score(_sequences())
     assert _worst(ours, theirs) < SEMANTICS_ATOL
+    import dataclasses
+
     if spec.add_qkv_bias:
         broken = ReferenceModel.from_source(spec, profile, weights, torch.float32)
         for key in [k for k in broken.w if k.endswith("linear_qkv.bias")]:
             broken.w[key] = torch.zeros_like(broken.w[key])
+    elif spec.sliding_window is not None:
+        full = dataclasses.replace(spec, sliding_window=None)
+        broken = ReferenceModel.from_source(full, profile, weights, torch.float32)
     else:
-        import dataclasses
-
         assert spec.rope_scaling_factor is not None
         plain = dataclasses.replace(spec, rope_scaling_factor=None)
         broken = ReferenceModel.from_source(plain, profile, weights, torch.float32)
@@ -109,22 +114,27 @@ def test_bf16_layouts_bitwise(checkpoints, tmp_path, name):
         assert bits_equal(dump[f"consistent/{layout}"], dump["consistent/reference"]), layout
 
 
-@pytest.mark.parametrize("name,profile", [("qwen2", "default"), ("llama31", "rollout-tp2"), pytest.param(
+@pytest.mark.parametrize("name,profile", [("qwen2", "default"), ("llama31", "rollout-tp2"), ("mistral", "default"),
+                                          pytest.param(
     "llama32", "default", marks=full_tier(
         covered_by="tests/test_families.py::test_rollouts_are_scored_bitwise",
         why="Llama-3.2 differs from 3.1 by the tied head and the factor, both in the fp32 launch against "
             "transformers"))])
-def test_rollouts_are_scored_bitwise(checkpoints, name, profile):
+def test_rollouts_are_scored_bitwise(checkpoints, tmp_path, name, profile):
     """The reference rollout engine samples at T=0.8 with top-p 0.95 (processed logprobs); a sharded
-    layout scores them bit for bit -- under ``rollout-tp2`` the engine is the TP-2 emulation."""
-    proc = run_cli("check", "--hf-checkpoint", checkpoints[name], "--profile", profile, "--rollout", "6",
+    layout scores them bit for bit -- under ``rollout-tp2`` the engine is the TP-2 emulation. The
+    prompts (3 to 150 tokens) run the paged decode past Mistral's 24-key window and a key block."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps(s) for s in _sequences()) + "\n")
+    proc = run_cli("check", "--hf-checkpoint", checkpoints[name], "--prompts", str(prompts), "--profile", profile,
+                   "--rollout", "6",
                    "--temperature", "0.8", "--top-p", "0.95", "--logprob-semantics", "processed",
                    "--max-new-tokens", "8", "--layouts", "tp2-sp", "--dtype", "bf16")
     assert proc.returncode == 0, explain(proc)
     assert "bitwise equal to the rollout engine" in proc.stdout, explain(proc)
 
 
-@pytest.mark.parametrize("name,layout", [("qwen2", "tp2-sp-pp2"), ("llama32", "tp2-sp")])
+@pytest.mark.parametrize("name,layout", [("qwen2", "tp2-sp-pp2"), ("llama32", "tp2-sp"), ("mistral", "tp2-sp")])
 def test_export_round_trip_bitwise(checkpoints, tmp_path, name, layout):
     """The QKV biases (sliced by TP and regrouped per query group) and the RoPE scaling in config.json."""
     out = tmp_path / "exported"
@@ -138,7 +148,7 @@ def test_export_round_trip_bitwise(checkpoints, tmp_path, name, layout):
     assert bits_equal(transformers_logprobs(str(out), seq)[0], transformers_logprobs(checkpoints[name], seq)[0])
 
 
-@pytest.mark.parametrize("name", ["qwen2", "llama32"])
+@pytest.mark.parametrize("name", ["qwen2", "llama32", "mistral"])
 def test_spec_to_config_json_and_back(checkpoints, name):
     from mindspeed_tp.hf import hf_config_from_spec
 
@@ -154,7 +164,7 @@ def _model_yaml(tmp_path, checkpoint):
     return str(path)
 
 
-@pytest.mark.parametrize("name", ["qwen2", "llama31"])
+@pytest.mark.parametrize("name", ["qwen2", "llama31", "mistral"])
 def test_bitwise_training_two_layouts(checkpoints, tmp_path, name):
     """Every step's loss, gradients (the QKV bias's among them) and logprobs bitwise across layouts."""
     proc = run_cli("train-check", "--model", _model_yaml(tmp_path, checkpoints[name]), "--layouts", "tp2-sp,tp1-pp2",
@@ -209,7 +219,8 @@ def _edited(checkpoint, tmp_path, **changes):
     ("qwen2", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling.rope_type='llama3'"),
     ("qwen2", {"use_sliding_window": True}, "use_sliding_window"),
     ("qwen2", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
-    ("qwen2", {"architectures": ["MistralForCausalLM"]}, "architectures=['MistralForCausalLM'] is not supported"),
+    ("qwen2", {"architectures": ["Gemma2ForCausalLM"]}, "architectures=['Gemma2ForCausalLM'] is not supported"),
+    ("mistral", {"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
 ])
 def test_what_a_family_does_not_model_is_refused_by_name(checkpoints, tmp_path, name, changes, message):
     directory = _edited(checkpoints[name], tmp_path, **changes)
@@ -236,3 +247,18 @@ def test_megatron_computes_the_references_llama3_frequencies():
         ours = rope_inv_freq(dim, base, factor)
         assert bits_equal(ours, theirs), (dim, base, factor)
         assert not bits_equal(ours, rope_inv_freq(dim, base)), "the scaling changed nothing at this head size"
+
+
+def test_the_vllm_profiles_refuse_a_sliding_window_by_name(checkpoints):
+    """The engine's windowed attention kernel and plan are not modelled yet: the vllm-cpu profiles
+    refuse a Mistral window at model construction; the default profile builds it."""
+    from mindspeed_tp.check.builder import transformer_config
+    from mindspeed_tp.contract.model_config import check_model_config
+    from mindspeed_tp.models.layout import Layout
+
+    spec, _ = open_hf_model(checkpoints["mistral"], load_profile())
+    config = transformer_config(spec, Layout.parse("tp1"), torch.float32)
+    assert tuple(config.window_size) == (23, 0)
+    check_model_config(config, load_profile("default"))
+    with pytest.raises(ConfigError, match=r"window_size=\(23, 0\) with a vllm-cpu profile"):
+        check_model_config(config, load_profile("vllm-cpu-tp1"))

@@ -642,3 +642,50 @@ def test_the_torch_backend_is_refused_on_accelerator_tensors(device):
             dispatch.backend_name(tensor)
     finally:
         dispatch.select(before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("window", [0, 5, 23, 130])
+def test_sliding_window_attention_is_the_window_mask_and_prefill_decode_agree(dtype, window):
+    """A window hides the keys more than ``window`` positions before a query: the same bits as that
+    mask given explicitly, close to exact masked attention, and every chunked prefill and one-token
+    decode step over the window equals the full pass (the key blocks wholly before a query's window
+    add exactly nothing, as causally hidden ones)."""
+    from mindspeed_tp.kernels import decode_attention
+    from mindspeed_tp.kernels.backends.torch import _math_attention
+
+    q, k, v = (x[:1] for x in _qkv(dtype, s=160))
+    pos = torch.arange(160)
+    hidden = (pos.view(1, -1) < pos.view(-1, 1) - window).view(1, 1, 160, 160)
+    full = consistent_attention(q, k, v, SCALE, causal=True, block_size=16, window=window)
+    assert bits_equal(full, consistent_attention(q, k, v, SCALE, causal=True, block_size=16, excluded=hidden))
+    exact = _math_attention(q.float(), k.float(), v.float(), SCALE, True, None, None, window)
+    assert (full.float() - exact).abs().max() < (1e-5 if dtype == torch.float32 else 2e-2)
+    if window < 159:
+        assert not bits_equal(full, consistent_attention(q, k, v, SCALE, causal=True, block_size=16))
+    for lo, hi in ((0, 7), (7, 40), (40, 129), (129, 160)):
+        chunk = consistent_attention(q[:, :, lo:hi], k[:, :, :hi], v[:, :, :hi], SCALE, causal=True,
+                                     q_positions=torch.arange(lo, hi), block_size=16, window=window)
+        assert bits_equal(chunk, full[:, :, lo:hi]), (lo, hi)
+    pages = k.shape[2] // 16  # a paged cache of 16-key pages holding the whole sequence
+    k_cache = k[0].permute(1, 0, 2).reshape(pages, 16, k.shape[1], k.shape[3])
+    v_cache = v[0].permute(1, 0, 2).reshape(pages, 16, v.shape[1], v.shape[3])
+    table = torch.arange(pages).view(1, -1)
+    for p in (0, 23, 24, 100, 159):
+        step = decode_attention(q[:, :, p:p + 1], k_cache, v_cache, torch.tensor([p + 1]), table, SCALE,
+                                block_size=16, window=window)
+        assert bits_equal(step, full[:, :, p:p + 1]), p
+
+
+@pytest.mark.parametrize("backend", ["triton", "npu"])
+def test_a_backend_without_a_window_kernel_refuses_the_window_by_name(backend):
+    import importlib
+
+    module = importlib.import_module(f"mindspeed_tp.kernels.backends.{backend}")
+    q = torch.zeros(1, 2, 4, 16)
+    with pytest.raises(ConfigError, match=f"the {backend} backend's kernel does not implement it"):
+        module.attention(q, q, q, SCALE, True, window=3)
+    cache = torch.zeros(1, 4, 2, 16)
+    with pytest.raises(ConfigError, match="window_size"):
+        module.decode_attention(q, cache, cache, torch.tensor([4]), torch.zeros(1, 1, dtype=torch.long), SCALE,
+                                window=3)

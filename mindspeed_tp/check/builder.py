@@ -92,6 +92,8 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype, disp
     )
     if layout.vpp > 1:
         kwargs["virtual_pipeline_model_parallel_size"] = layout.vpp
+    if spec.sliding_window is not None:  # Hugging Face's W keys, the query's own included
+        kwargs["window_size"] = (spec.sliding_window - 1, 0)
     kwargs.update(overrides)
     fields = _USER_FIELDS if user_fields is None else user_fields
     kwargs = user_config.apply(kwargs, fields, spec)

@@ -112,7 +112,7 @@ def build_parser(prog: str = "mindspeed-tp check") -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML file (or bundled name, e.g. 'demo') whose keys set any flag below")
     p.add_argument("--model", help="bundled model name (default tiny-dense) or a model config YAML path")
     p.add_argument("--hf-checkpoint", metavar="DIR",
-                   help="Hugging Face checkpoint directory (Qwen3, Qwen3-MoE, Qwen2 / Qwen2.5, Llama) (config.json + safetensors): the model "
+                   help="Hugging Face checkpoint directory (Qwen3, Qwen3-MoE, Qwen2 / Qwen2.5, Llama, Mistral) (config.json + safetensors): the model "
                         "and its weights, instead of --model and seeded weights")
     p.add_argument("--prompts", metavar="FILE",
                    help="JSONL prompts, one per line: [token ids], {\"input_ids\": [...]} or {\"text\": ...} (text "

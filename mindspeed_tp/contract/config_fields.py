@@ -49,6 +49,8 @@ HONOURED: Dict[str, str] = {
     **_all("recompute_granularity recompute_num_layers", _RECOMPUTE),
     "calculate_per_token_loss": _BITWISE,
     "moe_router_enable_expert_bias": _MOE_BITWISE,
+    # Mistral's sliding window (left, 0): scored bitwise across layouts, with chunked prefill and decode
+    "window_size": "tests/test_families.py::test_bitwise_training_two_layouts[mistral]",
     # Qwen2 / Qwen2.5: scored bitwise across layouts, trained bitwise (its gradient a token sum in fixed order)
     "add_qkv_bias": "tests/test_families.py::test_bitwise_training_two_layouts[qwen2]",
 }
@@ -59,7 +61,7 @@ REFUSED: Dict[str, str] = {
         "bias_activation_fusion fused_single_qkv_rope activation_func_clamp_value glu_linear_offset softmax_scale "
         "rotary_interleaved fp32_residual_connection apply_residual_connection_post_layernorm fp16 enable_autocast "
         "gradient_accumulation_fusion cross_entropy_loss_fusion enable_cuda_graph external_cuda_graph cuda_graph_impl "
-        "apply_query_key_layer_scaling window_size softmax_type layernorm_zero_centered_gamma moe_router_dtype "
+        "apply_query_key_layer_scaling window_attn_skip_freq softmax_type layernorm_zero_centered_gamma moe_router_dtype "
         "moe_expert_capacity_factor moe_pad_expert_input_to_capacity moe_input_jitter_eps "
         "moe_router_topk_limited_devices moe_router_num_groups moe_router_group_topk moe_grouped_gemm "
         "moe_permute_fusion moe_router_fusion moe_shared_expert_overlap moe_apply_probs_on_input "
@@ -110,7 +112,6 @@ REFUSED: Dict[str, str] = {
            "moe_ncclep_static_shape moe_ncclep_zero_copy moe_expert_rank_capacity_factor", "moe_token_dispatcher_type"),
     **_all("moe_pad_experts_for_cuda_graph_inference cuda_graph_modules inference_cuda_graph_scope", "cuda_graph_impl"),
     **_all("moe_flex_dispatcher_backend moe_deepep_num_sms moe_hybridep_num_sms", "moe_token_dispatcher_type"),
-    "window_attn_skip_freq": "window_size",
     **_all("hierarchical_context_parallel_sizes", "context_parallel_comm_type"),
     "max_seqlen_per_dp_cp_rank": "architecture_variant",  # hybrid_context_parallel's
     **_all("cuda_graph_use_single_mempool cuda_graph_retain_backward_graph cuda_graph_warmup_steps cuda_graph_scope",

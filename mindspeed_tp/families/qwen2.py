@@ -30,7 +30,8 @@ def hf_config(spec, dtype: str) -> Dict[str, Any]:
     if spec.kv_channels * spec.num_attention_heads != spec.hidden_size:
         raise ConfigError(f"model {spec.name}: kv_channels={spec.kv_channels} is not hidden_size / num_attention_heads "
                           f"= {spec.hidden_size // spec.num_attention_heads}, the head size a Qwen2 checkpoint implies")
-    refuse_features(spec, "Qwen2", experts=spec.is_moe, qk_layernorm=spec.qk_layernorm,
+    refuse_features(spec, "Qwen2", sliding_window=spec.sliding_window is not None,
+                    experts=spec.is_moe, qk_layernorm=spec.qk_layernorm,
                     rope_scaling_factor=spec.rope_scaling_factor is not None,
                     **{"add_qkv_bias=false": not spec.add_qkv_bias})
     cfg = decoder_config(spec, "Qwen2ForCausalLM", "qwen2", dtype)

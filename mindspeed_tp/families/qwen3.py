@@ -57,7 +57,8 @@ def hf_config(spec, dtype: str) -> Dict[str, Any]:
             or spec.moe_router_enable_expert_bias or spec.moe_router_topk_scaling_factor:
         raise ConfigError(f"model {spec.name}: only Qwen3 / Qwen3-MoE style models can be exported to HF format "
                           f"(softmax router, no shared expert, no expert bias, no top-k scaling)")
-    refuse_features(spec, "Qwen3", add_qkv_bias=spec.add_qkv_bias,
+    refuse_features(spec, "Qwen3", sliding_window=spec.sliding_window is not None,
+                    add_qkv_bias=spec.add_qkv_bias,
                     rope_scaling_factor=spec.rope_scaling_factor is not None,
                     **{"qk_layernorm=false": not spec.qk_layernorm})
     arch = "Qwen3MoeForCausalLM" if spec.is_moe else "Qwen3ForCausalLM"

@@ -22,6 +22,7 @@ def consistent_attention(
     block_size: int = 128,
     row_multiple: int = 16,
     split_size: Optional[int] = None,
+    window: Optional[int] = None,
 ) -> torch.Tensor:
     """Attention for q (b, hq, sq, d) over k, v (b, hkv, sk, d); returns (b, hq, sq, d).
 
@@ -30,9 +31,11 @@ def consistent_attention(
     split_size: if set (a multiple of block_size), keys are processed in fixed splits aligned to
     absolute positions, each with its own online softmax, merged in split order (what split-KV
     decode kernels do); every mode must then use the same split size.
+    window: sliding-window attention, a query sees the keys at most ``window`` positions before it
+    (megatron-core's window_size (window, 0); a Hugging Face sliding_window of window + 1).
     """
     attend = dispatch.kernel("attention", q)
-    return attend(q, k, v, scale, causal, q_positions, excluded, block_size, row_multiple, split_size)
+    return attend(q, k, v, scale, causal, q_positions, excluded, block_size, row_multiple, split_size, window)
 
 
 def decode_attention(
@@ -45,6 +48,7 @@ def decode_attention(
     block_size: int = 128,
     row_multiple: int = 16,
     split_size: Optional[int] = None,
+    window: Optional[int] = None,
 ) -> torch.Tensor:
     """Causal attention of the newest queries over a paged KV cache (the rollout decode step).
 
@@ -55,7 +59,8 @@ def decode_attention(
     ``flash_attn_with_kvcache`` with num_splits=1).
     """
     decode = dispatch.kernel("decode_attention", q)
-    return decode(q, k_cache, v_cache, cache_seqlens, page_table, scale, block_size, row_multiple, split_size)
+    return decode(q, k_cache, v_cache, cache_seqlens, page_table, scale, block_size, row_multiple, split_size,
+                  window)
 
 
 def packed_attention(
@@ -68,6 +73,7 @@ def packed_attention(
     block_size: int = 128,
     row_multiple: int = 16,
     split_size: Optional[int] = None,
+    window: Optional[int] = None,
 ) -> torch.Tensor:
     """Attention over packed (thd) sequences: q (t, hq, d), k, v (t, hkv, d), sequence i in rows
     cu_seqlens[i]:cu_seqlens[i+1] (a list of ints). Each sequence attends over its own keys only,
@@ -79,6 +85,6 @@ def packed_attention(
             continue
         one = [x[start:stop].permute(1, 0, 2).unsqueeze(0) for x in (q, k, v)]  # (1, h, len, d)
         out = consistent_attention(*one, scale=scale, causal=causal, block_size=block_size,
-                                   row_multiple=row_multiple, split_size=split_size)
+                                   row_multiple=row_multiple, split_size=split_size, window=window)
         outs.append(out.squeeze(0).permute(1, 0, 2))
     return torch.cat(outs, dim=0) if outs else q.new_zeros(q.shape)

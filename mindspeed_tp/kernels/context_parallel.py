@@ -104,15 +104,17 @@ def gather_sequence(x: torch.Tensor, bounds: Sequence[int], group) -> torch.Tens
     return _GatherSequence.apply(x, sequence_order(bounds, group_size(group)), group)
 
 
-def cp_attention(q, k_full, v_full, scale, causal, q_positions, excluded, block_size, row_multiple, split_size):
+def cp_attention(q, k_full, v_full, scale, causal, q_positions, excluded, block_size, row_multiple, split_size,
+                 window=None):
     """The consistent attention of this rank's queries q (b, hq, sq_local, d) at ``q_positions``
     over the whole sequence's keys k_full, v_full (b, hkv, S, d): the one-device procedure per query."""
     attend = dispatch.kernel("attention", q)
-    return attend(q, k_full, v_full, scale, causal, q_positions, excluded, block_size, row_multiple, split_size)
+    return attend(q, k_full, v_full, scale, causal, q_positions, excluded, block_size, row_multiple, split_size,
+                  window)
 
 
 def packed_cp_attention(q, k_full, v_full, bounds, cp_size, cp_rank, scale, causal, block_size, row_multiple,
-                        split_size):
+                        split_size, window=None):
     """Packed (thd) under CP: q (t_local, hq, d) this rank's rows, k_full / v_full (T, hkv, d) the
     whole packed row in sequence order, bounds its cu_seqlens. Each sequence's local queries at their
     own positions over that sequence's keys from its position 0: the one-device bits."""
@@ -123,7 +125,7 @@ def packed_cp_attention(q, k_full, v_full, bounds, cp_size, cp_rank, scale, caus
         one_q = q[start:start + n].permute(1, 0, 2).unsqueeze(0)
         one_k, one_v = (x[a:b].permute(1, 0, 2).unsqueeze(0) for x in (k_full, v_full))
         out = cp_attention(one_q, one_k, one_v, scale, causal, pos.to(q.device), None, block_size, row_multiple,
-                           split_size)
+                           split_size, window)
         outs.append(out.squeeze(0).permute(1, 0, 2))
         start += n
     return torch.cat(outs, dim=0) if outs else q.new_zeros(q.shape)

@@ -16,7 +16,8 @@ MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", 
 @dataclass(frozen=True)
 class ModelSpec:
     """A pre-norm decoder: RMSNorm, RoPE, SwiGLU, GQA; per family (``mindspeed_tp.families``): QK-norm
-    (Qwen3), a QKV bias (Qwen2 / Qwen2.5), Llama-3's scaled RoPE, tied embeddings."""
+    (Qwen3), a QKV bias (Qwen2 / Qwen2.5), Llama-3's scaled RoPE, a sliding window (Mistral), tied
+    embeddings."""
 
     name: str
     num_layers: int
@@ -38,6 +39,9 @@ class ModelSpec:
     # Llama-3's RoPE scaling (rope_type llama3) by this factor, with Megatron's fixed low / high
     # frequency factors 1 / 4 and original context 8192 (GPTModel's rope_scaling / rope_scaling_factor).
     rope_scaling_factor: Optional[float] = None
+    # Sliding-window attention in every layer (Mistral 7B v0.1): each query sees itself and the W - 1
+    # keys before it (Hugging Face sliding_window W; Megatron's window_size (W - 1, 0)).
+    sliding_window: Optional[int] = None
     # Explicit padded vocab (Megatron's --make-vocab-size-divisible-by result); default: the
     # profile pads TP-independently to a multiple of vocab_pad_multiple * canonical_shards.
     padded_vocab_size: Optional[int] = None
@@ -81,6 +85,9 @@ class ModelSpec:
         if self.rope_scaling_factor is not None and not self.rope_scaling_factor >= 1.0:
             raise ConfigError(f"model {self.name}: rope_scaling_factor must be >= 1 (Llama-3's factor), "
                               f"got {self.rope_scaling_factor!r}; remove it for unscaled RoPE")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ConfigError(f"model {self.name}: sliding_window must be a positive integer (keys a query sees, "
+                              f"itself included), got {self.sliding_window!r}; remove it for full attention")
         from ..families import FAMILIES
 
         if self.family not in FAMILIES:

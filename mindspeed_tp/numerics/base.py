@@ -12,6 +12,14 @@ import torch
 from ..contract.profile import Profile
 
 
+def attention_window(module) -> Optional[int]:
+    """The left extent of a sliding-window attention layer: megatron-core's ``config.window_size``
+    (left, 0) (a query sees itself and the ``left`` keys before it), or None. Other windows and
+    alternating windowed layers are refused with the config (``window_size``, ``window_attn_skip_freq``)."""
+    window = getattr(getattr(module, "config", None), "window_size", None)
+    return None if window is None else int(window[0])
+
+
 class Numerics:
     """A numerics strategy under one profile (``self.profile``)."""
 

@@ -8,6 +8,7 @@ angles of its chunks; for packed (thd) ones the adapter picks each sequence's ch
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 
 import torch
@@ -27,6 +28,14 @@ def cp_group():
     return group if group is not None and group.size() > 1 else None
 
 
+@functools.lru_cache(maxsize=None)
+def _local_attention_windows() -> bool:
+    """Whether this line's local DotProductAttention takes a window_size (0.12 asserts it is None)."""
+    from megatron.core.transformer import dot_product_attention
+
+    return "is_layer_window_attention" in inspect.getsource(dot_product_attention)
+
+
 def check_modes(packed: bool = False) -> None:
     """What the active strategy's CP does not cover yet, refused by name (the strategy decides)."""
     ACTIVE.strategy.check_context_parallel(packed)
@@ -35,9 +44,11 @@ def check_modes(packed: bool = False) -> None:
 def attention_init(original):
     """DotProductAttention.__init__ on a CP model: megatron's local attention asserts CP = 1; it is
     built from a copy of the config with CP = 1 (nothing it computes at construction depends on
-    CP), then keeps the real config."""
+    CP), then keeps the real config. The same for a sliding window on the lines whose local
+    attention asserts ``window_size`` is None (megatron-core 0.12; the patched forward applies it)."""
 
     def __init__(self, config, *args, **kwargs):
+        local = config
         if getattr(config, "context_parallel_size", 1) > 1:
             check_modes()  # at model construction, before any batch
             bound = inspect.signature(original).bind(self, config, *args, **kwargs)
@@ -46,10 +57,11 @@ def attention_init(original):
                 raise refuse("context_parallel_comm_type", value=cp_type)
             local = copy.copy(config)
             local.context_parallel_size = 1
-            original(self, local, *args, **kwargs)
-            self.config = config
-            return
-        original(self, config, *args, **kwargs)
+        if getattr(config, "window_size", None) is not None and not _local_attention_windows():
+            local = copy.copy(local)
+            local.window_size = None
+        original(self, local, *args, **kwargs)
+        self.config = config
 
     return __init__
 

@@ -133,6 +133,7 @@ class ReferenceModel:
                 block_size=prof.attention_block_size,
                 row_multiple=prof.gemm_row_multiple,
                 split_size=prof.attention_split_size,
+                window=None if spec.sliding_window is None else spec.sliding_window - 1,
             )
             outputs.append(ctx[0].permute(1, 0, 2).reshape(stop - start, nq * hd))
         ctx = torch.cat(outputs)

@@ -109,6 +109,7 @@ def attention(
     block_size: int = 128,
     row_multiple: int = 16,
     split_size: Optional[int] = None,
+    window: Optional[int] = None,
 ) -> torch.Tensor:
     """Training / prefill attention through ``flash_attn_npu.flash_attn_func``.
 
@@ -116,6 +117,8 @@ def attention(
     bottom-right aligned, i.e. queries are the last sq key positions. ``block_size`` and
     ``row_multiple`` do not apply (the kernel's own fixed tiling).
     """
+    if window is not None:  # sliding-window attention: the torch backend only
+        raise refuse("attention_window_backend", backend="npu")
     if excluded is not None:
         raise refuse("npu_explicit_mask")
     if split_size is not None:
@@ -149,9 +152,12 @@ def decode_attention(
     block_size: int = 128,
     row_multiple: int = 16,
     split_size: Optional[int] = None,
+    window: Optional[int] = None,
 ) -> torch.Tensor:
     """Decode over a paged KV cache through the v3 ``flash_attn_with_kvcache`` (num_splits=1); see
     ``kernels.attention.decode_attention`` for the shapes."""
+    if window is not None:  # sliding-window attention: the torch backend only
+        raise refuse("attention_window_backend", backend="npu")
     if split_size is not None:
         raise refuse("npu_split_kv")
     out = npu_runtime.load().flash_attn_with_kvcache(

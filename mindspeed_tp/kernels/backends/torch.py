@@ -182,13 +182,15 @@ def attention(
     block_size: int = 128,
     row_multiple: int = 16,
     split_size: Optional[int] = None,
+    window: Optional[int] = None,
 ) -> torch.Tensor:
     """The blocked attention (arguments: ``kernels.attention.consistent_attention``); under grad, the
     gradient is recomputed per query tile (``_RecomputeBackward``)."""
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
-        return _blocked_attention(q, k, v, scale, causal, q_positions, excluded, block_size, row_multiple, split_size)
+        return _blocked_attention(q, k, v, scale, causal, q_positions, excluded, block_size, row_multiple, split_size,
+                                  window)
     return _RecomputeBackward.apply(q, k, v, (scale, causal, q_positions, excluded, block_size, row_multiple,
-                                              split_size))
+                                              split_size, window))
 
 
 class _RecomputeBackward(torch.autograd.Function):
@@ -207,6 +209,7 @@ class _RecomputeBackward(torch.autograd.Function):
     def backward(ctx, grad):
         q, k, v = ctx.saved_tensors
         scale, causal, q_positions, excluded, block_size = ctx.args[:5]
+        window = ctx.args[7]
         sq, sk = q.shape[2], k.shape[2]
         starts = range(0, sq, block_size)
         if q_positions is None:  # the last sq of sk positions: each tile's key extent known on the host
@@ -232,7 +235,7 @@ class _RecomputeBackward(torch.autograd.Function):
             parts = [q[:, :, start:stop], k[:, :, :keys], v[:, :, :keys]]
             parts = [t.detach().requires_grad_(n) for t, n in zip(parts, need)]
             with torch.enable_grad():
-                out = _math_attention(*parts, scale, causal, pos, ex)
+                out = _math_attention(*parts, scale, causal, pos, ex, window)
                 grads = iter(torch.autograd.grad(out, [t for t in parts if t.requires_grad], grad[:, :, start:stop]))
             for total, n, rows in zip(totals, need, (slice(start, stop), slice(0, keys), slice(0, keys))):
                 if n:
@@ -240,7 +243,7 @@ class _RecomputeBackward(torch.autograd.Function):
         return tuple(t.to(x.dtype) if t is not None else None for t, x in zip(totals, (q, k, v))) + (None,)
 
 
-def _math_attention(q, k, v, scale, causal, q_positions, excluded):
+def _math_attention(q, k, v, scale, causal, q_positions, excluded, window=None):
     """softmax(q k^T * scale, hidden keys masked) v in fp32 over all keys at once; queries that see
     no key give 0 (as the blocked kernel does)."""
     b, hq, sq, d = q.shape
@@ -254,6 +257,8 @@ def _math_attention(q, k, v, scale, causal, q_positions, excluded):
     visible = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
     if causal:
         visible = torch.arange(sk, device=q.device).unsqueeze(0) <= q_positions.unsqueeze(1)
+    if window is not None:
+        visible = visible & (torch.arange(sk, device=q.device).unsqueeze(0) >= q_positions.unsqueeze(1) - window)
     if excluded is not None:
         visible = visible & ~excluded.to(torch.bool)[..., :sk]
     visible = visible.expand(b, hq, sq, sk)
@@ -275,9 +280,11 @@ def _blocked_attention(
     block_size: int = 128,
     row_multiple: int = 16,
     split_size: Optional[int] = None,
+    window: Optional[int] = None,
 ) -> torch.Tensor:
     """consistent_attention's forward on the torch backend (see there): key blocks with an online
-    softmax."""
+    softmax; ``window``: keys more than that many positions before a query are hidden (sliding-window
+    attention; a block wholly before the window adds exactly nothing, as a causally hidden one)."""
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     if hq % hkv:
@@ -298,7 +305,7 @@ def _blocked_attention(
             if ex is not None and ex.shape[-2] == sq:  # per-query masks follow their rows
                 ex = ex[..., start:stop, :]
             outs.append(_blocked_attention(q[:, :, start:stop], k, v, scale, causal, q_positions[start:stop], ex,
-                                             block_size, row_multiple, split_size))
+                                             block_size, row_multiple, split_size, window))
             start = stop
         return torch.cat(outs, dim=2)
     nblk = -(-sk // block_size)
@@ -337,6 +344,8 @@ def _blocked_attention(
         visible = (key_pos < sk).unsqueeze(0).expand(sq, block_size)
         if causal:
             visible = visible & (key_pos.unsqueeze(0) <= q_positions.unsqueeze(1))
+        if window is not None:
+            visible = visible & (key_pos.unsqueeze(0) >= q_positions.unsqueeze(1) - window)
         visible = visible.repeat(g, 1).unsqueeze(0)  # (1, rows, B)
         if excluded is not None:
             ex = excluded[..., lo:hi].expand(b, 1, sq, block_size)
@@ -367,6 +376,7 @@ def decode_attention(
     block_size: int = 128,
     row_multiple: int = 16,
     split_size: Optional[int] = None,
+    window: Optional[int] = None,
 ) -> torch.Tensor:
     """Causal attention of the newest queries over a paged KV cache (the rollout decode step).
 
@@ -383,5 +393,5 @@ def decode_attention(
         keys = k_cache[pages].reshape(-1, *k_cache.shape[2:])[:n].permute(1, 0, 2).unsqueeze(0)
         values = v_cache[pages].reshape(-1, *v_cache.shape[2:])[:n].permute(1, 0, 2).unsqueeze(0)
         outs.append(attention(q[i : i + 1], keys, values, scale, causal=True, block_size=block_size,
-                              row_multiple=row_multiple, split_size=split_size))
+                              row_multiple=row_multiple, split_size=split_size, window=window))
     return torch.cat(outs, dim=0)

@@ -474,6 +474,7 @@ def attention(
     block_size: int = 128,
     row_multiple: int = 16,
     split_size: Optional[int] = None,
+    window: Optional[int] = None,
 ) -> torch.Tensor:
     """Consistent attention for q (b, hq, sq, d) over k, v (b, hkv, sk, d) -> (b, hq, sq, d).
 
@@ -484,6 +485,8 @@ def attention(
     (fixed tiles). Each sequence is one page of the kernel's paged addressing. Backward: the torch
     reference's (exact attention's gradient recomputed tile by tile from q, k, v).
     """
+    if window is not None:  # sliding-window attention: the torch backend only
+        raise refuse("attention_window_backend", backend="triton")
     args = (scale, causal, q_positions, excluded, block_size, row_multiple, split_size)
     if _needs_grad(q, k, v):
         return _TritonRecompute.apply(q, k, v, args)
@@ -529,6 +532,7 @@ def decode_attention(
     block_size: int = 128,
     row_multiple: int = 16,
     split_size: Optional[int] = None,
+    window: Optional[int] = None,
 ) -> torch.Tensor:
     """Causal attention of each request's last sq tokens over a paged KV cache (the rollout step).
 
@@ -536,6 +540,8 @@ def decode_attention(
     in order; cache_seqlens (b,) keys per request, the new tokens included. The same kernel as
     ``attention``, so a decode step equals the training forward bitwise.
     """
+    if window is not None:  # sliding-window attention: the torch backend only
+        raise refuse("attention_window_backend", backend="triton")
     b, _, sq, _ = q.shape
     device = q.device
     seqlens = cache_seqlens.to(device=device, dtype=torch.int32)

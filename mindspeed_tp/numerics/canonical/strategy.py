@@ -15,7 +15,7 @@ from ...kernels.collectives import fold_across_ranks, group_size
 from ...kernels.context_parallel import cp_attention, packed_cp_attention
 from ...kernels.norm import affine_norm
 from ...kernels.sampling import mask_dropped_vocab, reference_mask
-from ..base import Numerics
+from ..base import Numerics, attention_window
 from .moe_layer import canonical_moe
 
 
@@ -137,7 +137,7 @@ class CanonicalTree(Numerics):
             query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
             scale=compat.attention_scale(module), causal=causal, excluded=attention_mask,
             block_size=prof.attention_block_size, row_multiple=prof.gemm_row_multiple,
-            split_size=prof.attention_split_size,
+            split_size=prof.attention_split_size, window=attention_window(module),
         )
         return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
 
@@ -145,7 +145,7 @@ class CanonicalTree(Numerics):
         prof = self.profile
         context = packed_attention(query, key, value, bounds, scale=compat.attention_scale(module), causal=causal,
                                    block_size=prof.attention_block_size, row_multiple=prof.gemm_row_multiple,
-                                   split_size=prof.attention_split_size)
+                                   split_size=prof.attention_split_size, window=attention_window(module))
         return context.reshape(context.shape[0], -1)
 
     def cp_attention(self, module, query, key_full, value_full, attention_mask, mask_name, causal, q_positions):
@@ -158,7 +158,7 @@ class CanonicalTree(Numerics):
         context = cp_attention(
             query.permute(1, 2, 0, 3), key_full.permute(1, 2, 0, 3), value_full.permute(1, 2, 0, 3),
             compat.attention_scale(module), causal, q_positions, attention_mask, prof.attention_block_size,
-            prof.gemm_row_multiple, prof.attention_split_size,
+            prof.gemm_row_multiple, prof.attention_split_size, attention_window(module),
         )
         return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
 
@@ -166,7 +166,7 @@ class CanonicalTree(Numerics):
         prof = self.profile
         context = packed_cp_attention(query, key_full, value_full, bounds, cp_size, cp_rank,
                                       compat.attention_scale(module), causal, prof.attention_block_size,
-                                      prof.gemm_row_multiple, prof.attention_split_size)
+                                      prof.gemm_row_multiple, prof.attention_split_size, attention_window(module))
         return context.reshape(context.shape[0], -1)
 
     # ------------------------------------------------------------------ MoE and logprobs
