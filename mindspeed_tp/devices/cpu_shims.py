@@ -101,6 +101,15 @@ def _get_default_causal_mask(sq: int) -> torch.Tensor:
     return _causal_mask(sq)
 
 
+@_cuda.register("megatron.core.transformer.utils:get_sliding_window_causal_mask",
+                "the sliding-window mask (window_size) is built on device='cuda'", optional=True)
+def _get_sliding_window_causal_mask(sq: int, skv: int, window_size) -> torch.Tensor:
+    """megatron's mask on the CPU: True hides a key outside [i - left, i + right] (shifted by skv - sq)."""
+    m = torch.ones(sq, skv, dtype=torch.bool)
+    upper = torch.triu(m, diagonal=skv - sq - window_size[0])
+    return ~torch.tril(upper, diagonal=skv - sq + window_size[1])
+
+
 @_no_te_apex.register("megatron.core.transformer.torch_norm:WrappedTorchNorm.__new__",
                       "torch norms assert sequence_parallel=False; a norm is per token, so build it "
                       "without SP and tag its parameters for the SP gradient all-reduce", wraps=True)

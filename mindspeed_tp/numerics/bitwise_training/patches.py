@@ -28,6 +28,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from ... import compat
 from ...contract.refusals import refuse
 from ...models.marks import PER_TOKEN_PARAM_ATTR
 from ...patching import PatchRegistry
@@ -286,7 +287,7 @@ def chained_grad_norm(original):
             return original(self)
         total = None
         for opt in self.chained_optimizers:
-            grads = opt.get_main_grads_for_grad_norm()
+            grads = compat.grads_for_grad_norm(opt)
             device = grads[0].device if grads else "cpu"
             acc = square_sums(grads, opt.get_grad_stats_parallel_group(), device)
             total = acc if total is None else total + acc.to(total.device)

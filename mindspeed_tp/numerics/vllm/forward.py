@@ -1,7 +1,7 @@
 """The patched Megatron forward under a ``vllm-cpu-*`` profile: each patched megatron-core piece
 computes what the engine's Qwen3 / Qwen3-MoE / Qwen2 / Llama model computes at TP=R (vllm/model_executor/
-models/qwen3.py, qwen3_moe.py, qwen2.py, llama.py: one decoder, the QK-norm, the QKV bias and Llama-3's
-RoPE cache per family), through the engine's own ops (``kernels``).
+models/qwen3.py, qwen3_moe.py, qwen2.py, llama.py, mistral.py: one decoder, the QK-norm, the QKV bias,
+Llama-3's RoPE cache and Mistral's sliding window per family), through the engine's own ops (``kernels``).
 
 Operator order the engine uses and Megatron does not, and how it is reproduced:
 - residual stream: the engine's fused-add RMSNorm adds a layer's output to the residual in fp32
@@ -104,8 +104,9 @@ def rope(t: torch.Tensor, config, interleaved: bool, positions: Optional[torch.T
     return out.reshape(s, b, h, d)
 
 
-def attention(query, key, value, scale: float, causal: bool) -> torch.Tensor:
-    """DotProductAttention: query [sq, b, np, hn], key/value [sk, b, ng, hn] -> [sq, b, np*hn]."""
+def attention(query, key, value, scale: float, causal: bool, window: Optional[int] = None) -> torch.Tensor:
+    """DotProductAttention: query [sq, b, np, hn], key/value [sk, b, ng, hn] -> [sq, b, np*hn];
+    ``window``: megatron-core's left window (its window_size (left, 0)), the engine's W = left + 1."""
     if not causal:
         raise refuse("vllm_model_shape", what="non-causal attention", engine="causal decoder attention",
                      fix="use attn_mask_type causal")
@@ -114,7 +115,7 @@ def attention(query, key, value, scale: float, causal: bool) -> torch.Tensor:
     if max(plan.prompt_lens) > sq:
         raise ConfigError(f"engine_scoring: a prompt length exceeds the scored sequence length {sq}")
     out = kernels.attention(query.permute(1, 0, 2, 3), key.permute(1, 0, 2, 3), value.permute(1, 0, 2, 3),
-                            plan, scale)
+                            plan, scale, -1 if window is None else int(window) + 1)
     return out.permute(1, 0, 2, 3).reshape(sq, b, np_ * hn)
 
 

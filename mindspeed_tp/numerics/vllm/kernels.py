@@ -228,8 +228,10 @@ def attention_isa(dtype: torch.dtype, head_dim: int) -> str:
     return host.attention_isa(dtype, BLOCK_SIZE, head_dim)
 
 
-def _paged_attention(q, k, v, plan, scale: float) -> torch.Tensor:
-    """q (b, s, hq, d), k/v (b, s, hk, d) -> (b, s, hq, d) as the engine computed each position.
+def _paged_attention(q, k, v, plan, scale: float, sliding_window: int = -1) -> torch.Tensor:
+    """q (b, s, hq, d), k/v (b, s, hk, d) -> (b, s, hq, d) as the engine computed each position;
+    ``sliding_window``: the engine's window (Hugging Face's sliding_window W; -1: none), given to its
+    scheduler plan and its kernel as the engine's attention layer gives them.
 
     Sequence i's K/V go into its own KV blocks (``cpu_attn_reshape_and_cache``); its prompt
     positions are prefill requests (one per chunk the engine prefilled it in, each over the keys
@@ -263,11 +265,12 @@ def _paged_attention(q, k, v, plan, scale: float) -> torch.Tensor:
     block_table = block_table_seq[seq_of].contiguous()
     metadata = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=int(seq_lens_t.shape[0]), num_heads=hq, num_kv_heads=hk, head_dim=d, seq_lens=seq_lens_t, dtype=dtype,
-        query_start_loc=query_start_loc, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False)
+        query_start_loc=query_start_loc, causal=True, sliding_window_size=int(sliding_window), isa=isa,
+        enable_kv_split=False)
     out = torch.empty_like(query)
     ops.cpu_attention_with_kv_cache(
         query=query, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=query_start_loc,
-        seq_lens=seq_lens_t, scale=float(scale), causal=True, alibi_slopes=None, sliding_window=-1,
+        seq_lens=seq_lens_t, scale=float(scale), causal=True, alibi_slopes=None, sliding_window=int(sliding_window),
         block_table=block_table, softcap=0.0, scheduler_metadata=metadata, s_aux=None)
     return out.view(b, s, hq, d)  # the requests' rows are the sequences' positions in order
 
@@ -275,8 +278,9 @@ def _paged_attention(q, k, v, plan, scale: float) -> torch.Tensor:
 BACKWARD_BLOCK = 256  # query rows per block of the attention backward: memory (b, h, block, s) fp32
 
 
-def _attention_backward(q, k, v, grad, scale: float, block: int):
-    """Gradients of plain causal attention in fp32 (GQA: query head j reads KV head j // (hq/hk)),
+def _attention_backward(q, k, v, grad, scale: float, block: int, sliding_window: int = -1):
+    """Gradients of plain causal attention in fp32 (with ``sliding_window`` W > 0: each query over
+    itself and the W - 1 keys before it) (GQA: query head j reads KV head j // (hq/hk)),
     recomputed from q/k/v one block of query rows at a time: a block's scores against the keys up
     to its last row are its whole softmax (causal), so nothing of size s x s is ever held.
     The same math as differentiating ``softmax(q k^T * scale, causal) v`` densely (tested against it)."""
@@ -299,7 +303,10 @@ def _attention_backward(q, k, v, grad, scale: float, block: int):
         kb, vb = kf[:, :, :end], vf[:, :, :end]
         scores = (qb @ kb.transpose(-1, -2)).mul_(scale)  # (b, hk, rows * rep, end)
         row_pos = (start + torch.arange(n) // rep).unsqueeze(-1)
-        p = torch.softmax(scores.masked_fill_(torch.arange(end) > row_pos, float("-inf")), dim=-1)
+        hidden = torch.arange(end) > row_pos
+        if sliding_window > 0:
+            hidden = hidden | (torch.arange(end) <= row_pos - sliding_window)
+        p = torch.softmax(scores.masked_fill_(hidden, float("-inf")), dim=-1)
         del scores
         ds = gb @ vb.transpose(-1, -2)  # dP, turned into dS in place
         ds.sub_((ds * p).sum(-1, keepdim=True)).mul_(p).mul_(scale)  # softmax backward: sum(dP * P) = dO . O
@@ -312,21 +319,23 @@ def _attention_backward(q, k, v, grad, scale: float, block: int):
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan, scale):
+    def forward(ctx, q, k, v, plan, scale, sliding_window):
         ctx.save_for_backward(q, k, v)
-        ctx.scale = scale
-        return _paged_attention(q.detach(), k.detach(), v.detach(), plan, scale)
+        ctx.scale, ctx.window = scale, sliding_window
+        return _paged_attention(q.detach(), k.detach(), v.detach(), plan, scale, sliding_window)
 
     @staticmethod
     def backward(ctx, grad):  # plain causal attention in fp32, recomputed block by block
         q, k, v = ctx.saved_tensors
-        dq, dk, dv = _attention_backward(q.detach(), k.detach(), v.detach(), grad, ctx.scale, BACKWARD_BLOCK)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        dq, dk, dv = _attention_backward(q.detach(), k.detach(), v.detach(), grad, ctx.scale, BACKWARD_BLOCK,
+                                         ctx.window)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
-def attention(q, k, v, plan, scale: float) -> torch.Tensor:
-    """Engine attention for a scored batch: q (b, s, hq, d), k/v (b, s, hk, d)."""
-    return _Attention.apply(q, k, v, plan, float(scale))
+def attention(q, k, v, plan, scale: float, sliding_window: int = -1) -> torch.Tensor:
+    """Engine attention for a scored batch: q (b, s, hq, d), k/v (b, s, hk, d); ``sliding_window``:
+    the engine's W (-1: none)."""
+    return _Attention.apply(q, k, v, plan, float(scale), int(sliding_window))
 
 
 # ---------------------------------------------------------------- MoE

@@ -8,6 +8,7 @@ import inspect
 
 from ... import compat
 from ...contract.refusals import refuse
+from ..base import attention_window
 from ..rollout_layout.strategy import RolloutLayout
 from . import forward, kernels
 from .refusals import activation_widths, check_activation_widths, check_head_dim
@@ -59,7 +60,7 @@ class VllmEngine(RolloutLayout):
 
     def attention(self, module, query, key, value, attention_mask, mask_name, causal):
         """The engine's paged attention: prompt prefill, then decode steps."""
-        return forward.attention(query, key, value, compat.attention_scale(module), causal)
+        return forward.attention(query, key, value, compat.attention_scale(module), causal, attention_window(module))
 
     def packed_attention(self, module, query, key, value, bounds, causal):
         raise refuse("packed_sequences_engine")
