@@ -86,6 +86,15 @@ def attention_scale(module) -> float:
     return float(module.softmax_scale)
 
 
+def forget_stale_embedding_ranks(parallel_state) -> None:
+    """megatron-core 0.12's destroy_model_parallel forgets the (position) embedding groups but not their
+    global ranks: a rank outside the next layout's position-embedding group then reads as inside it
+    and asserts on the missing group. Later lines reset them too; resetting again is a no-op there."""
+    for name in ("_EMBEDDING_GLOBAL_RANKS", "_POSITION_EMBEDDING_GLOBAL_RANKS"):
+        if getattr(parallel_state, name, None) is not None:
+            setattr(parallel_state, name, None)
+
+
 def grads_for_grad_norm(optimizer):
     """The gradients a megatron optimizer's norm covers (each once: shared and TP-duplicated ones
     filtered): ``get_grads_for_grad_norm`` from megatron-core 0.19, ``get_main_grads_for_grad_norm``

@@ -19,9 +19,12 @@ from mindspeed_tp.errors import ConfigError
 from mindspeed_tp.hf import SafetensorsCheckpoint, open_hf_model, spec_from_hf_config
 from mindspeed_tp.reference import ReferenceModel
 
-from conftest import bits_equal, explain, full_tier, run_cli, run_torchrun
+from conftest import bits_equal, explain, full_tier, run_cli, run_torchrun, test_tier as tier
 from hf_models import make_llama, make_mistral, make_qwen2, save_word_tokenizer, transformers_logprobs
 
+# The full tier also launches these on the other megatron-core lines (the window's construction on 0.12, the
+# RoPE-scaling arguments, the bias): the family code meets each line's megatron there.
+ON_EVERY_LINE = pytest.mark.version_lines if tier() == "full" else (lambda test: test)
 SEMANTICS_ATOL = 1e-4  # as tests/test_hf_checkpoint.py: a few ulp per op through two layers
 LLAMA32_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
@@ -82,6 +85,7 @@ def test_the_reference_engine_matches_transformers_fp32(checkpoints, name):
     covered_by="tests/test_families.py::test_the_reference_engine_matches_transformers_fp32",
     why="Llama-3.2 is Llama-3.1's code with a tied head and another factor: its mapping against transformers runs "
         "in the reference-engine test (CI tier), the layouts in llama31's launch"))])
+@ON_EVERY_LINE
 def test_megatron_matches_transformers_and_every_layout_is_bitwise_fp32(checkpoints, tmp_path, name):
     """One checker launch: Megatron's TP=1 forward (the checker's reference) against transformers,
     and tp2-sp / tp1-pp2 against it bit for bit."""
@@ -186,6 +190,7 @@ def _model_yaml(tmp_path, checkpoint):
     covered_by="tests/test_families.py::test_bitwise_training_two_layouts",
     why="Llama's difference is the RoPE table, which training reads as the scoring forward does (the fp32 launch); "
         "the CI tier trains Qwen2's bias gradient and Mistral's windowed attention backward"))])
+@ON_EVERY_LINE
 def test_bitwise_training_two_layouts(checkpoints, tmp_path, name):
     """Every step's loss, gradients (the QKV bias's among them) and logprobs bitwise across layouts."""
     proc = run_cli("train-check", "--model", _model_yaml(tmp_path, checkpoints[name]), "--layouts", "tp2-sp,tp1-pp2",

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import state
+from .. import compat, state
 from ..contract.profile import Profile
 from ..contract.sampling import Sampling
 from ..devices.npu_runtime import import_required
@@ -144,6 +144,7 @@ def teardown_parallel_state() -> None:
 
     groups = _megatron_groups(parallel_state)
     parallel_state.destroy_model_parallel()
+    compat.forget_stale_embedding_ranks(parallel_state)
     for group in groups:
         try:
             dist.destroy_process_group(group)
@@ -158,8 +159,6 @@ def setup_parallel_state(layout: Layout, seed: int, training: bool = False) -> N
     global _current_layout
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    from .. import compat
 
     world = dist.get_world_size()
     if training and world != layout.world_size:
