@@ -54,6 +54,8 @@ def rope_fields(cfg: Dict[str, Any], where: str, scalings: Tuple[str, ...] = ())
         for param, fixed in LLAMA3_FIXED.items():
             if float(block.get(param, fixed)) != fixed:
                 raise refuse("hf_rope_llama3", where=where, key=f"{key}.{param}", value=block.get(param), fixed=fixed)
+        if "factor" not in block:
+            raise ConfigError(f"{where}: {key}.rope_type={kind!r} without its factor")
         factor = float(block["factor"])
     params = cfg.get("rope_parameters") or {}
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
