@@ -136,8 +136,8 @@ def parse_case(name: str) -> Case:
     raise ValueError(f"--cases: {name!r} is neither a catalogue case (--list) nor MODEL-LAYOUT-SEQ-DTYPE with a "
                      f"bundled model ({', '.join(sorted(bundled_models()))}), e.g. tiny-dense-tp2-sp-64-fp32")
 QUICK = ["qwen3-1.7b-2layer-tp2-sp-1k-fp32"]
-# The full run: every dense case (MoE cases run when named with --cases).
-FULL = [n for n, c in CASES.items() if "a3b" not in c.model]
+# The full run: every dense Qwen3 case (the MoE and Llama cases run when named with --cases: their own reports).
+FULL = [n for n, c in CASES.items() if c.model.startswith("qwen3-") and "a3b" not in c.model]
 SMOKE_CASE = Case("tiny-dense-tied", "tp2-sp", 64, "fp32")
 
 

@@ -184,12 +184,17 @@ def test_scale_bench_cases_are_the_issues_matrix():
     full = {(c.model, c.layout, c.seq_length, c.dtype) for c in (scale_bench.CASES[n] for n in scale_bench.FULL)}
     assert full == {(m, lay, s, d) for m in ("qwen3-1.7b-2layer", "qwen3-8b-2layer") for lay in ("tp2-sp", "tp2-sp-dp2")
                     for s in (1024, 4096, 8192) for d in ("fp32", "bf16")}
-    dims = {n: load_model_spec(n) for n in ("qwen3-1.7b-2layer", "qwen3-8b-2layer", "qwen3-30b-a3b-2layer")}
+    llama = {(c.model, c.layout, c.seq_length, c.dtype, c.optimizer) for c in scale_bench.CASES.values()
+             if c.model.startswith("llama")}
+    assert llama == {("llama3-8b-2layer", "tp2-sp", s, "fp32", "sgd") for s in (1024, 4096)}
+    dims = {n: load_model_spec(n) for n in ("qwen3-1.7b-2layer", "qwen3-8b-2layer", "qwen3-30b-a3b-2layer",
+                                           "llama3-8b-2layer")}
     got = {n: (s.hidden_size, s.num_attention_heads, s.num_query_groups, s.kv_channels, s.ffn_hidden_size,
                s.vocab_size, s.tie_word_embeddings, s.num_layers) for n, s in dims.items()}
     assert got == {"qwen3-1.7b-2layer": (2048, 16, 8, 128, 6144, 151936, True, 2),
                    "qwen3-8b-2layer": (4096, 32, 8, 128, 12288, 151936, False, 2),
-                   "qwen3-30b-a3b-2layer": (2048, 32, 4, 128, 6144, 151936, False, 2)}
+                   "qwen3-30b-a3b-2layer": (2048, 32, 4, 128, 6144, 151936, False, 2),
+                   "llama3-8b-2layer": (4096, 32, 8, 128, 14336, 128256, False, 2)}
     moe = dims["qwen3-30b-a3b-2layer"]
     assert (moe.num_experts, moe.moe_router_topk, moe.moe_ffn_hidden_size) == (128, 8, 768)
     assert scale_bench.CASES["qwen3-30b-a3b-2layer-tp2-sp-ep2-1k-fp32"].modes == ("vanilla", "default", "bitwise")
