@@ -91,8 +91,7 @@ def forget_stale_embedding_ranks(parallel_state) -> None:
     global ranks: a rank outside the next layout's position-embedding group then reads as inside it
     and asserts on the missing group. Later lines reset them too; resetting again is a no-op there."""
     for name in ("_EMBEDDING_GLOBAL_RANKS", "_POSITION_EMBEDDING_GLOBAL_RANKS"):
-        if getattr(parallel_state, name, None) is not None:
-            setattr(parallel_state, name, None)
+        setattr(parallel_state, name, None)
 
 
 def grads_for_grad_norm(optimizer):

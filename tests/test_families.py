@@ -19,12 +19,9 @@ from mindspeed_tp.errors import ConfigError
 from mindspeed_tp.hf import SafetensorsCheckpoint, open_hf_model, spec_from_hf_config
 from mindspeed_tp.reference import ReferenceModel
 
-from conftest import bits_equal, explain, full_tier, run_cli, run_torchrun, test_tier as tier
+from conftest import bits_equal, explain, full_tier, on_every_line_in_the_full_tier, run_cli, run_torchrun
 from hf_models import make_llama, make_mistral, make_qwen2, save_word_tokenizer, transformers_logprobs
 
-# The full tier also launches these on the other megatron-core lines (the window's construction on 0.12, the
-# RoPE-scaling arguments, the bias): the family code meets each line's megatron there.
-ON_EVERY_LINE = pytest.mark.version_lines if tier() == "full" else (lambda test: test)
 SEMANTICS_ATOL = 1e-4  # as tests/test_hf_checkpoint.py: a few ulp per op through two layers
 LLAMA32_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
@@ -85,7 +82,7 @@ def test_the_reference_engine_matches_transformers_fp32(checkpoints, name):
     covered_by="tests/test_families.py::test_the_reference_engine_matches_transformers_fp32",
     why="Llama-3.2 is Llama-3.1's code with a tied head and another factor: its mapping against transformers runs "
         "in the reference-engine test (CI tier), the layouts in llama31's launch"))])
-@ON_EVERY_LINE
+@on_every_line_in_the_full_tier  # the window on 0.12, the RoPE-scaling arguments, the bias
 def test_megatron_matches_transformers_and_every_layout_is_bitwise_fp32(checkpoints, tmp_path, name):
     """One checker launch: Megatron's TP=1 forward (the checker's reference) against transformers,
     and tp2-sp / tp1-pp2 against it bit for bit."""
@@ -178,6 +175,24 @@ def test_spec_to_config_json_and_back(checkpoints, name):
     assert spec_from_hf_config(hf_config_from_spec(spec, "float32"), spec.name) == spec
 
 
+@pytest.mark.parametrize("name,change,named", [
+    ("qwen2", {"add_qkv_bias": False}, "add_qkv_bias=False"),
+    ("qwen2", {"sliding_window": 8}, "sliding_window"),
+    ("llama32", {"qk_layernorm": True}, "qk_layernorm=True"),
+    ("mistral", {"rope_scaling_factor": 8.0}, "rope_scaling_factor"),
+])
+def test_a_spec_its_family_cannot_state_is_not_exported(checkpoints, name, change, named):
+    """Export writes a family's config.json only for what the architecture computes: a field its
+    architecture fixes otherwise, or a feature it has no key for, is a ConfigError naming it."""
+    import dataclasses
+
+    from mindspeed_tp.hf import hf_config_from_spec
+
+    spec, _ = open_hf_model(checkpoints[name], load_profile())
+    with pytest.raises(ConfigError, match=rf"{named}.* cannot be written as a"):
+        hf_config_from_spec(dataclasses.replace(spec, **change))
+
+
 def _model_yaml(tmp_path, checkpoint):
     """The checkpoint's spec as a model YAML (the checkers' --model), seeded weights."""
     spec, _ = open_hf_model(checkpoint, load_profile())
@@ -190,7 +205,7 @@ def _model_yaml(tmp_path, checkpoint):
     covered_by="tests/test_families.py::test_bitwise_training_two_layouts",
     why="Llama's difference is the RoPE table, which training reads as the scoring forward does (the fp32 launch); "
         "the CI tier trains Qwen2's bias gradient and Mistral's windowed attention backward"))])
-@ON_EVERY_LINE
+@on_every_line_in_the_full_tier  # the window on 0.12, the RoPE-scaling arguments, the bias
 def test_bitwise_training_two_layouts(checkpoints, tmp_path, name):
     """Every step's loss, gradients (the QKV bias's among them) and logprobs bitwise across layouts."""
     proc = run_cli("train-check", "--model", _model_yaml(tmp_path, checkpoints[name]), "--layouts", "tp2-sp,tp1-pp2",

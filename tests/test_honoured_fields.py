@@ -8,10 +8,7 @@ line's code); the CI tier its two cases on the main line."""
 import pytest
 import yaml
 
-from conftest import explain, main_line, run_cli, test_tier as tier, tiered
-
-if tier() == "full":
-    pytestmark = pytest.mark.version_lines
+from conftest import explain, main_line, on_every_line_in_the_full_tier, run_cli, test_tier as tier, tiered
 
 # field -> (checker, bundled model, model YAML changes, --transformer-config fields, layouts)
 RUNS = {
@@ -54,6 +51,7 @@ def _model_file(tmp_path, name, changes):
     return str(path)
 
 
+@on_every_line_in_the_full_tier
 @pytest.mark.parametrize("field", CASES)
 def test_an_honoured_field_at_another_value_is_bitwise_across_layouts(field, tmp_path):
     checker, model, model_changes, fields, layouts = RUNS[field]

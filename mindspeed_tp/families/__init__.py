@@ -5,8 +5,8 @@ layers compute differently is a spec field each (``qk_layernorm``, ``add_qkv_bia
 Megatron build (``check/builder.py``), the reference engine and the profiles' forwards.
 
 A family module defines ``NAME`` (``ModelSpec.family``), ``ARCHITECTURES`` (config.json's
-``architectures`` entries it reads), ``spec_fields(cfg, architecture, where)`` and
-``hf_config(spec)``; adding a family is one module listed here (docs/DEVELOPING.md)."""
+``architectures`` entries it reads), ``FIXED`` (the spec fields its architecture fixes: set on import,
+checked on export), ``spec_fields(cfg, architecture, name, where)`` and ``hf_config(spec, dtype)``; adding a family is one module listed here (docs/DEVELOPING.md)."""
 from __future__ import annotations
 
 from types import ModuleType

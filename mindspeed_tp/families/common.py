@@ -34,17 +34,12 @@ def decoder_fields(cfg: Dict[str, Any], name: str, where: str) -> Dict[str, Any]
     )
 
 
-def _rope_blocks(cfg: Dict[str, Any]):
-    """(key, block) of the RoPE settings: transformers 5 writes ``rope_parameters``, older ones
-    ``rope_theta`` and ``rope_scaling``."""
-    return [(key, cfg.get(key) or {}) for key in ("rope_parameters", "rope_scaling")]
-
-
 def rope_fields(cfg: Dict[str, Any], where: str, scalings: Tuple[str, ...] = ()) -> Dict[str, Any]:
     """``rotary_base`` and, for rope_type ``llama3`` when the family allows it, ``rope_scaling_factor``;
     any other scaling (linear, dynamic, yarn, longrope, ...) changes the angles and is refused by name."""
     factor = None
-    for key, block in _rope_blocks(cfg):
+    for key in ("rope_parameters", "rope_scaling"):  # transformers 5 writes the first, older ones the second
+        block = cfg.get(key) or {}
         kind = block.get("rope_type", block.get("type", "default"))
         if kind in (None, "default"):
             continue
@@ -64,8 +59,11 @@ def rope_fields(cfg: Dict[str, Any], where: str, scalings: Tuple[str, ...] = ())
     return {"rotary_base": float(theta), "rope_scaling_factor": factor}
 
 
-def refuse_sliding_window(cfg: Dict[str, Any], where: str) -> None:
-    if cfg.get("use_sliding_window") or any(t != "full_attention" for t in cfg.get("layer_types") or []):
+def refuse_sliding_window(cfg: Dict[str, Any], where: str, every_layer: bool = False) -> None:
+    """Sliding windows are refused; with ``every_layer`` (Mistral's ``sliding_window``) only windows
+    that alternate with full layers (``layer_types``)."""
+    alternating = any(t != "full_attention" for t in cfg.get("layer_types") or [])
+    if alternating or (cfg.get("use_sliding_window") and not every_layer):
         raise refuse("hf_sliding_window", where=where)
 
 
@@ -98,9 +96,19 @@ def decoder_config(spec, architecture: str, model_type: str, dtype: str) -> Dict
     return cfg
 
 
-def refuse_features(spec, family: str, **absent: bool) -> None:
-    """Export: a spec field this family's config.json cannot state (``absent``: field -> set)."""
-    named = sorted(field for field, present in absent.items() if present)
+# The spec features a family's config.json may or may not be able to state (its ALLOWS).
+OPTIONAL = {
+    "rope_scaling_factor": lambda spec: spec.rope_scaling_factor is not None,
+    "sliding_window": lambda spec: spec.sliding_window is not None,
+    "experts": lambda spec: spec.is_moe,
+}
+
+
+def check_exportable(spec, family: str, fixed: Dict[str, Any], allows: Tuple[str, ...] = ()) -> None:
+    """Export: ``spec`` has the values the family's architecture fixes (``fixed``, the ones its import
+    sets) and no OPTIONAL feature but those it ``allows``; otherwise a ConfigError naming each field."""
+    named = [f"{field}={getattr(spec, field)!r}" for field, value in fixed.items() if getattr(spec, field) != value]
+    named += [field for field, present in OPTIONAL.items() if field not in allows and present(spec)]
     if named:
         raise ConfigError(f"model {spec.name}: {', '.join(named)} cannot be written as a {family} checkpoint "
-                          f"(set family to one that has it, or unset it)")
+                          f"(set family to one that has it, or change the field)")

@@ -7,11 +7,12 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from ..contract.refusals import refuse
-from .common import (check_model_type, decoder_config, decoder_fields, refuse_features, refuse_sliding_window,
+from .common import (check_exportable, check_model_type, decoder_config, decoder_fields, refuse_sliding_window,
                      rope_fields)
 
 NAME = "llama"
 ARCHITECTURES = {"LlamaForCausalLM": "llama"}
+FIXED = dict(qk_layernorm=False, add_qkv_bias=False)  # what the architecture fixes (import sets, export checks)
 
 
 def spec_fields(cfg: Dict[str, Any], architecture: str, name: str, where: str) -> Dict[str, Any]:
@@ -24,13 +25,11 @@ def spec_fields(cfg: Dict[str, Any], architecture: str, name: str, where: str) -
         raise refuse("hf_pretraining_tp", where=where, tp=cfg.get("pretraining_tp"))
     refuse_sliding_window(cfg, where)
     return dict(decoder_fields(cfg, name, where), **rope_fields(cfg, where, scalings=("llama3",)), family=NAME,
-                qk_layernorm=False)
+                **FIXED)
 
 
 def hf_config(spec, dtype: str) -> Dict[str, Any]:
-    refuse_features(spec, "Llama", sliding_window=spec.sliding_window is not None,
-                    experts=spec.is_moe,
-                    qk_layernorm=spec.qk_layernorm, add_qkv_bias=spec.add_qkv_bias)
+    check_exportable(spec, "Llama", FIXED, allows=("rope_scaling_factor",))
     cfg = decoder_config(spec, "LlamaForCausalLM", "llama", dtype)
     cfg.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
     return cfg

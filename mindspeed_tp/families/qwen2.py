@@ -8,11 +8,12 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from ..errors import ConfigError
-from .common import (check_model_type, decoder_config, decoder_fields, refuse_features, refuse_sliding_window,
+from .common import (check_exportable, check_model_type, decoder_config, decoder_fields, refuse_sliding_window,
                      rope_fields)
 
 NAME = "qwen2"
 ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2"}
+FIXED = dict(qk_layernorm=False, add_qkv_bias=True)  # what the architecture fixes (import sets, export checks)
 
 
 def spec_fields(cfg: Dict[str, Any], architecture: str, name: str, where: str) -> Dict[str, Any]:
@@ -22,18 +23,14 @@ def spec_fields(cfg: Dict[str, Any], architecture: str, name: str, where: str) -
     if int(cfg.get("head_dim") or derived) != derived:
         raise ConfigError(f"{where}: head_dim={cfg['head_dim']} differs from hidden_size / num_attention_heads = "
                           f"{derived}, which Qwen2 (vLLM's qwen2.py) uses; remove head_dim or fix it")
-    return dict(decoder_fields(cfg, name, where), **rope_fields(cfg, where), family=NAME, qk_layernorm=False,
-                add_qkv_bias=True)
+    return dict(decoder_fields(cfg, name, where), **rope_fields(cfg, where), family=NAME, **FIXED)
 
 
 def hf_config(spec, dtype: str) -> Dict[str, Any]:
     if spec.kv_channels * spec.num_attention_heads != spec.hidden_size:
         raise ConfigError(f"model {spec.name}: kv_channels={spec.kv_channels} is not hidden_size / num_attention_heads "
                           f"= {spec.hidden_size // spec.num_attention_heads}, the head size a Qwen2 checkpoint implies")
-    refuse_features(spec, "Qwen2", sliding_window=spec.sliding_window is not None,
-                    experts=spec.is_moe, qk_layernorm=spec.qk_layernorm,
-                    rope_scaling_factor=spec.rope_scaling_factor is not None,
-                    **{"add_qkv_bias=false": not spec.add_qkv_bias})
+    check_exportable(spec, "Qwen2", FIXED)
     cfg = decoder_config(spec, "Qwen2ForCausalLM", "qwen2", dtype)
     cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=spec.num_layers)
     return cfg

@@ -7,11 +7,12 @@ from typing import Any, Dict
 
 from ..contract.refusals import refuse
 from ..errors import ConfigError
-from .common import (check_model_type, decoder_config, decoder_fields, refuse_features, refuse_sliding_window,
+from .common import (check_exportable, check_model_type, decoder_config, decoder_fields, refuse_sliding_window,
                      rope_fields)
 
 NAME = "qwen3"
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
+FIXED = dict(qk_layernorm=True, add_qkv_bias=False)  # what the architecture fixes (import sets, export checks)
 
 
 def _first_k_dense(cfg: Dict[str, Any], layers: int, where: str) -> int:
@@ -31,7 +32,7 @@ def spec_fields(cfg: Dict[str, Any], architecture: str, name: str, where: str) -
     if cfg.get("attention_bias"):
         raise refuse("hf_attention_bias", where=where, family="Qwen3")
     refuse_sliding_window(cfg, where)
-    fields = dict(decoder_fields(cfg, name, where), **rope_fields(cfg, where), family=NAME, qk_layernorm=True)
+    fields = dict(decoder_fields(cfg, name, where), **rope_fields(cfg, where), family=NAME, **FIXED)
     if architecture == "Qwen3MoeForCausalLM":
         experts = cfg.get("num_experts", cfg.get("num_local_experts"))
         if not experts:
@@ -57,10 +58,7 @@ def hf_config(spec, dtype: str) -> Dict[str, Any]:
             or spec.moe_router_enable_expert_bias or spec.moe_router_topk_scaling_factor:
         raise ConfigError(f"model {spec.name}: only Qwen3 / Qwen3-MoE style models can be exported to HF format "
                           f"(softmax router, no shared expert, no expert bias, no top-k scaling)")
-    refuse_features(spec, "Qwen3", sliding_window=spec.sliding_window is not None,
-                    add_qkv_bias=spec.add_qkv_bias,
-                    rope_scaling_factor=spec.rope_scaling_factor is not None,
-                    **{"qk_layernorm=false": not spec.qk_layernorm})
+    check_exportable(spec, "Qwen3", FIXED, allows=("experts",))
     arch = "Qwen3MoeForCausalLM" if spec.is_moe else "Qwen3ForCausalLM"
     cfg = decoder_config(spec, arch, ARCHITECTURES[arch], dtype)
     cfg.update(attention_bias=False, use_sliding_window=False)

@@ -33,7 +33,7 @@ def _local_attention_windows() -> bool:
     """Whether this line's local DotProductAttention takes a window_size (0.12 asserts it is None)."""
     from megatron.core.transformer import dot_product_attention
 
-    return "is_layer_window_attention" in inspect.getsource(dot_product_attention)
+    return hasattr(dot_product_attention, "is_layer_window_attention")  # what it windows layers by
 
 
 def check_modes(packed: bool = False) -> None:

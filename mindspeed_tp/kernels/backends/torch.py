@@ -209,7 +209,7 @@ class _RecomputeBackward(torch.autograd.Function):
     def backward(ctx, grad):
         q, k, v = ctx.saved_tensors
         scale, causal, q_positions, excluded, block_size = ctx.args[:5]
-        window = ctx.args[7] if len(ctx.args) > 7 else None  # the Triton forward's args: no window (it refuses one)
+        window = ctx.args[7]
         sq, sk = q.shape[2], k.shape[2]
         starts = range(0, sq, block_size)
         if q_positions is None:  # the last sq of sk positions: each tile's key extent known on the host

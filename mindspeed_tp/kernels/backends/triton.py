@@ -487,7 +487,7 @@ def attention(
     """
     if window is not None:  # sliding-window attention: the torch backend only
         raise refuse("attention_window_backend", backend="triton")
-    args = (scale, causal, q_positions, excluded, block_size, row_multiple, split_size)
+    args = (scale, causal, q_positions, excluded, block_size, row_multiple, split_size, window)
     if _needs_grad(q, k, v):
         return _TritonRecompute.apply(q, k, v, args)
     return _attention_forward(q, k, v, *args)
@@ -503,7 +503,8 @@ class _TritonRecompute(torch_backend._RecomputeBackward):
         return _attention_forward(q, k, v, *args)
 
 
-def _attention_forward(q, k, v, scale, causal, q_positions, excluded, block_size, row_multiple, split_size):
+def _attention_forward(q, k, v, scale, causal, q_positions, excluded, block_size, row_multiple, split_size,
+                       window=None):  # the torch recompute's arguments; a window was refused on entry
     b, _, sq, _ = q.shape
     sk = k.shape[2]
     device = q.device

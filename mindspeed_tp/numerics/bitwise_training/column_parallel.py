@@ -54,7 +54,7 @@ class CanonicalColumnLinear(torch.autograd.Function):
     (SP: each rank keeps its sequence slice)."""
 
     @staticmethod
-    def forward(ctx, x, weight, group, sequence_parallel, out_dtype, leaves, compute, row_multiple, bias=None):
+    def forward(ctx, x, weight, group, sequence_parallel, out_dtype, leaves, compute, row_multiple, bias):
         ctx.group, ctx.sp, ctx.leaves, ctx.row_multiple = group, sequence_parallel, leaves, row_multiple
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.save_for_backward(x, weight)
@@ -76,12 +76,12 @@ class CanonicalColumnLinear(torch.autograd.Function):
         dtype = torch.promote_types(x.dtype, weight.dtype)
         dy = grad.reshape(-1, grad.shape[-1]).to(dtype)
         dw = dbias = None
-        if ctx.needs_input_grad[1] or (len(ctx.needs_input_grad) > 8 and ctx.needs_input_grad[8]):
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[8]:
             # under CP: the whole micro-batch's tokens (context_parallel.py)
             dy_all, x_all = weight_grad_operands(dy, x2d.to(dtype))
             if ctx.needs_input_grad[1]:
                 dw = invariant_weight_grad(dy_all, x_all, weight.dtype, ctx.row_multiple)
-            if ctx.bias_dtype is not None and ctx.needs_input_grad[8]:
+            if ctx.needs_input_grad[8]:
                 ones = torch.ones(dy_all.shape[0], 1, dtype=dtype, device=dy_all.device)
                 dbias = invariant_weight_grad(dy_all, ones, ctx.bias_dtype, ctx.row_multiple).reshape(-1)
         dx = None
@@ -96,8 +96,7 @@ class CanonicalColumnLinear(torch.autograd.Function):
             partial = fold_leaf_products(dyl, wl.t().to(dtype), ctx.leaves, ctx.row_multiple)
             partial = partial.reshape(*lead, partial.shape[-1])
             dx = fold_across_ranks(partial, ctx.group, x.dtype, scatter_dim0=ctx.sp)
-        grads = (dx, dw, None, None, None, None, None, None)
-        return grads if ctx.bias_dtype is None else grads + (dbias,)
+        return dx, dw, None, None, None, None, None, None, dbias
 
 
 def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
@@ -117,8 +116,5 @@ def column_linear(x, weight, group, sequence_parallel: bool, out_dtype, compute,
         leaves = (vocab, prof.canonical_shards, prof.lm_head_grad_leaf_width)
     else:
         leaves = leaves_per_rank(weight, group_size(group), prof)
-    if bias is not None:
-        return CanonicalColumnLinear.apply(x, weight, group, bool(sequence_parallel), out_dtype, leaves, compute,
-                                           prof.gemm_row_multiple, bias)
     return CanonicalColumnLinear.apply(x, weight, group, bool(sequence_parallel), out_dtype, leaves, compute,
-                                       prof.gemm_row_multiple)
+                                       prof.gemm_row_multiple, bias)
