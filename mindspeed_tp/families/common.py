@@ -3,6 +3,7 @@ and the refusals of what no family here maps (another activation, sliding window
 scalings)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Dict, Tuple
 
 from ..contract.refusals import refuse
@@ -112,3 +113,19 @@ def check_exportable(spec, family: str, fixed: Dict[str, Any], allows: Tuple[str
     if named:
         raise ConfigError(f"model {spec.name}: {', '.join(named)} cannot be written as a {family} checkpoint "
                           f"(set family to one that has it, or change the field)")
+
+
+@dataclass(frozen=True)
+class ExpertNames:
+    """Where a family's checkpoint keeps an MoE layer's tensors, below ``model.layers.{i}.`` (a
+    family with MoE layers sets ``EXPERT_NAMES``); ``expert`` takes the expert index as ``{e}``."""
+    router: str
+    expert: str
+    gate: str
+    up: str
+    down: str
+
+
+# Qwen3-MoE's names (and DeepSeek's, GLM's): mlp.gate, mlp.experts.{e}.{gate,up,down}_proj
+QWEN_EXPERT_NAMES = ExpertNames("mlp.gate.weight", "mlp.experts.{e}.", "gate_proj.weight", "up_proj.weight",
+                                "down_proj.weight")

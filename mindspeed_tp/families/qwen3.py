@@ -7,12 +7,13 @@ from typing import Any, Dict
 
 from ..contract.refusals import refuse
 from ..errors import ConfigError
-from .common import (check_exportable, check_model_type, decoder_config, decoder_fields, refuse_sliding_window,
-                     rope_fields)
+from .common import (QWEN_EXPERT_NAMES, check_exportable, check_model_type, decoder_config, decoder_fields,
+                     refuse_sliding_window, rope_fields)
 
 NAME = "qwen3"
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 FIXED = dict(qk_layernorm=True, add_qkv_bias=False)  # what the architecture fixes (import sets, export checks)
+EXPERT_NAMES = QWEN_EXPERT_NAMES
 
 
 def _first_k_dense(cfg: Dict[str, Any], layers: int, where: str) -> int:

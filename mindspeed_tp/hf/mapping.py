@@ -1,11 +1,13 @@
-"""Tensor-by-tensor map between Hugging Face names (Qwen3 / Qwen3-MoE, Qwen2, Llama: one naming) and
-Megatron's TP=1 names; which tensors exist follows the spec (QK-norm, QKV bias, tied embeddings).
+"""Tensor-by-tensor map between Hugging Face names (the families' one naming; an MoE layer's by its
+family's EXPERT_NAMES) and Megatron's TP=1 names; which tensors exist follows the spec (QK-norm,
+QKV bias, tied embeddings).
 
 Every Megatron tensor is a concatenation, along dim 0, of row ranges of Hugging Face tensors (or
 of zero rows, for vocabulary padding):
 - linear_qkv (weight and bias): per query group g, the group's q heads, then its k head, then its v
   head (GQA);
-- linear_fc1 (dense, shared and expert MLPs): gate_proj rows, then up_proj rows (SwiGLU);
+- linear_fc1 (dense, shared and expert MLPs): gate_proj rows, then up_proj rows (SwiGLU; Mixtral's
+  w1, then w3);
 - word embeddings / output layer: the vocabulary rows, then zero rows up to the padded vocab.
 Everything else maps one to one. The same pieces serve loading (any shard is a set of row or
 column ranges of them) and exporting (writing the pieces back).
@@ -33,6 +35,18 @@ def _whole(hf_name: str, rows: int) -> List[Piece]:
     return [Piece(hf_name, 0, rows)]
 
 
+def _expert_names(spec: ModelSpec):
+    """The MoE tensors' names in the family's checkpoints (families/common.ExpertNames)."""
+    from ..errors import ConfigError
+    from ..families import FAMILIES
+
+    names = getattr(FAMILIES[spec.family], "EXPERT_NAMES", None)
+    if names is None:
+        raise ConfigError(f"model {spec.name}: family {spec.family!r} has no MoE layers; set the family of an MoE "
+                          f"architecture (qwen3, mixtral) or unset num_experts")
+    return names
+
+
 def expected_hf_shapes(spec: ModelSpec) -> Dict[str, Tuple[int, ...]]:
     """Every tensor a Hugging Face checkpoint of ``spec`` holds, with its shape."""
     h, hd, nq, ng = spec.hidden_size, spec.kv_channels, spec.num_attention_heads, spec.num_query_groups
@@ -52,12 +66,11 @@ def expected_hf_shapes(spec: ModelSpec) -> Dict[str, Tuple[int, ...]]:
             shapes.update({p + "self_attn.q_proj.bias": (nq * hd,), p + "self_attn.k_proj.bias": (ng * hd,),
                            p + "self_attn.v_proj.bias": (ng * hd,)})
         if spec.is_moe and i >= spec.first_k_dense:
-            f = spec.moe_ffn_hidden_size or spec.ffn_hidden_size
-            shapes[p + "mlp.gate.weight"] = (spec.num_experts, h)
+            f, n = spec.moe_ffn_hidden_size or spec.ffn_hidden_size, _expert_names(spec)
+            shapes[p + n.router] = (spec.num_experts, h)
             for e in range(spec.num_experts):
-                q = p + f"mlp.experts.{e}."
-                shapes.update({q + "gate_proj.weight": (f, h), q + "up_proj.weight": (f, h),
-                               q + "down_proj.weight": (h, f)})
+                q = p + n.expert.format(e=e)
+                shapes.update({q + n.gate: (f, h), q + n.up: (f, h), q + n.down: (h, f)})
         else:
             f = spec.ffn_hidden_size
             shapes.update({p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
@@ -102,12 +115,12 @@ def megatron_pieces(spec: ModelSpec, padded_vocab: int) -> Dict[str, List[Piece]
         if spec.add_qkv_bias:
             out[p + "self_attention.linear_qkv.bias"] = grouped_qkv(q, "bias")
         if spec.is_moe and i >= spec.first_k_dense:
-            f = spec.moe_ffn_hidden_size or spec.ffn_hidden_size
-            out[p + "mlp.router.weight"] = _whole(q + "mlp.gate.weight", spec.num_experts)
+            f, n = spec.moe_ffn_hidden_size or spec.ffn_hidden_size, _expert_names(spec)
+            out[p + "mlp.router.weight"] = _whole(q + n.router, spec.num_experts)
             for e in range(spec.num_experts):
-                m, x = p + f"mlp.experts.local_experts.{e}.", q + f"mlp.experts.{e}."
-                out[m + "linear_fc1.weight"] = gated(x, f)
-                out[m + "linear_fc2.weight"] = _whole(x + "down_proj.weight", h)
+                m, x = p + f"mlp.experts.local_experts.{e}.", q + n.expert.format(e=e)
+                out[m + "linear_fc1.weight"] = _whole(x + n.gate, f) + _whole(x + n.up, f)
+                out[m + "linear_fc2.weight"] = _whole(x + n.down, h)
         else:
             out[p + "mlp.linear_fc1.weight"] = gated(q + "mlp.", spec.ffn_hidden_size)
             out[p + "mlp.linear_fc2.weight"] = _whole(q + "mlp.down_proj.weight", h)

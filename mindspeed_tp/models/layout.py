@@ -80,6 +80,14 @@ class Layout:
                 sizes[m.group(1)] = int(m.group(2))
         return cls(sp=sp, **sizes)
 
+    @classmethod
+    def parse_training(cls, text: str) -> "Layout":
+        """A training layout: one that names no dpN gets the DP replicas its expert grid needs
+        (tp1-ep4 runs on 4 ranks, as megatron's DP is what the world leaves)."""
+        layout = cls.parse(text)
+        named_dp = any(token.startswith("dp") for token in text.strip().lower().split("-"))
+        return layout if named_dp else layout.with_experts_dp()
+
     def with_experts_dp(self) -> "Layout":
         """The same layout with the fewest DP replicas that hold its expert grid (ep*etp dividing
         tp*cp*dp): the world megatron-core would need, for a training layout that names no dpN."""

@@ -134,7 +134,7 @@ def plan(ns: argparse.Namespace) -> Plan:
     if ns.bitwise_training and not profile.bitwise_training:
         profile = profile.replace(bitwise_training=True)
     names = [x for x in str(ns.layouts or ns.layout).split(",") if x.strip()]
-    layouts = [Layout.parse(x) for x in names]
+    layouts = [Layout.parse_training(x) for x in names]
     k = int(ns.iterations)
     if ns.reshard_at is not None:
         if len(layouts) != 2:
@@ -157,8 +157,6 @@ def plan(ns: argparse.Namespace) -> Plan:
                           f"{spec.max_position_embeddings}")
     if ns.eos_token_id is not None and not 0 <= int(ns.eos_token_id) < spec.vocab_size:
         raise ConfigError(f"--eos-token-id {ns.eos_token_id}: not a token of the model (vocab {spec.vocab_size})")
-    if (ns.save_state or ns.bitwise_training) and spec.is_moe:
-        raise ConfigError("--save-state / --bitwise-training / --reshard-at: dense models only")
     settings = RLSettings(prompts=int(ns.prompts), group_size=int(ns.group_size), max_prompt=int(ns.max_prompt),
                           max_new_tokens=int(ns.max_new_tokens), temperature=float(ns.temperature),
                           eos_token_id=None if ns.eos_token_id is None else int(ns.eos_token_id),

@@ -120,14 +120,8 @@ class Plan(NamedTuple):
 
 
 def parse_layouts(text: Optional[str]) -> List[Layout]:
-    """The --layouts entries; one that names no dpN gets the DP replicas its expert grid needs
-    (tp1-ep4 runs on 4 ranks, as megatron's DP is what the world leaves)."""
-    layouts = []
-    for entry in (x for x in str(text or "").split(",") if x.strip()):
-        layout = Layout.parse(entry)
-        named_dp = any(token.startswith("dp") for token in entry.strip().lower().split("-"))
-        layouts.append(layout if named_dp else layout.with_experts_dp())
-    return layouts
+    """The --layouts entries (Layout.parse_training: the DP an expert grid needs where none is named)."""
+    return [Layout.parse_training(entry) for entry in str(text or "").split(",") if entry.strip()]
 
 
 def plan(ns: argparse.Namespace) -> Plan:

@@ -27,7 +27,7 @@ from ...contract.sampling import Sampling
 from ...errors import ConfigError
 
 from ...numerics.vllm.host import check_engine_family
-from ...numerics.vllm.refusals import check_engine_settings, require_vllm
+from ...numerics.vllm.refusals import check_engine_settings, check_head_dim, require_vllm
 
 # One OpenMP thread per engine worker (what the profiles were measured with); KV split off so
 # that decode attention does not depend on the thread count; 1 GiB of KV cache.
@@ -162,6 +162,14 @@ def temperature_logprobs(steps, tokens: List[int], temperature: float) -> List[f
     return lp.gather(-1, torch.tensor(tokens, dtype=torch.long).unsqueeze(-1)).squeeze(-1).tolist()
 
 
+def _head_dim(model_dir: str) -> int:
+    """The attention head size the engine will run, as vLLM's model classes read config.json."""
+    from ...hf.config import read_hf_config
+
+    cfg = read_hf_config(model_dir)
+    return int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
+
+
 def start_engine(model_dir: str, tp: int, dtype: str, max_model_len: int, max_num_batched_tokens: int,
                  seed: int = 0, max_num_seqs: int = 16, sampling: Optional[Sampling] = None,
                  load_tokenizer: bool = False) -> Engine:
@@ -170,6 +178,7 @@ def start_engine(model_dir: str, tp: int, dtype: str, max_model_len: int, max_nu
     load_tokenizer: load ``model_dir``'s tokenizer as a serving engine does (the logprobs still span
     config.json's ``vocab_size``, which may exceed the tokenizer's entries)."""
     require_vllm()
+    check_head_dim(_head_dim(model_dir))  # else the engine starts and dies in its attention kernel
     with _engine_environment(tp):
         check_engine_settings(os.environ, tp)
         from vllm import LLM

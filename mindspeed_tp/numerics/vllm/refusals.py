@@ -55,8 +55,22 @@ def check_engine_settings(env: Mapping[str, str], tp: int, prefix_caching: bool 
 
 def activation_widths(model) -> Dict[str, Optional[int]]:
     """The intermediate sizes the engine's SiLU-and-mul runs on (dense and shared-expert MLPs; routed
-    experts run in the engine's fused MoE kernel), from a TransformerConfig or a model spec."""
-    return {name: getattr(model, name, None) for name in ("ffn_hidden_size", "moe_shared_expert_intermediate_size")}
+    experts run in the engine's fused MoE kernel), from a TransformerConfig or a model spec. A model
+    whose every layer is MoE (Mixtral) runs no dense MLP: its ffn_hidden_size is no row width."""
+    widths = {name: getattr(model, name, None) for name in ("ffn_hidden_size", "moe_shared_expert_intermediate_size")}
+    if not _has_dense_layers(model):
+        widths.pop("ffn_hidden_size")
+    return widths
+
+
+def _has_dense_layers(model) -> bool:
+    experts = getattr(model, "num_experts", None) or getattr(model, "num_moe_experts", None)
+    if not experts:
+        return True
+    if hasattr(model, "first_k_dense"):  # a model spec
+        return model.first_k_dense > 0
+    freq = getattr(model, "moe_layer_freq", 1)  # a TransformerConfig: an int N (every N-th layer MoE) or a list
+    return 0 in freq if isinstance(freq, (list, tuple)) else int(freq) != 1
 
 
 def check_activation_widths(widths, engine_tp: int, dtype) -> None:

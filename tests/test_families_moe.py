@@ -1,0 +1,171 @@
+"""The MoE families users RL-train (issue #57), each from a tiny checkpoint transformers writes.
+Mixtral: softmax over 8 experts, top-2 renormalised, an MoE block in every layer, no QK-norm, the
+checkpoint's own expert names (block_sparse_moe, w1 / w3 / w2). For each: the reference engine and
+Megatron's forward match transformers' own fp32 forward, every EP / expert-TP / TP layout gives
+logprobs and routing bitwise the one-device result, the checkpoint exports back bit for bit, bitwise
+training holds across layouts and the RL loop runs at ratio exactly 1. What a family does not model
+is refused naming the config.json key."""
+import dataclasses
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mindspeed_tp.contract.profile import load_profile
+from mindspeed_tp.errors import ConfigError
+from mindspeed_tp.hf import SafetensorsCheckpoint, hf_config_from_spec, open_hf_model, spec_from_hf_config
+from mindspeed_tp.reference import ReferenceModel
+
+from conftest import bits_equal, explain, full_tier, run_cli, run_torchrun
+from hf_models import make_mixtral, save_word_tokenizer, transformers_logprobs
+from test_families import SEMANTICS_ATOL, _edited, _model_yaml, _sequences, _worst
+
+FAMILIES = {"mixtral": make_mixtral}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe-families")
+    out = {}
+    for name, make in FAMILIES.items():
+        out[name] = make(str(root / name))
+        save_word_tokenizer(out[name], 1000)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_the_reference_engine_matches_transformers_fp32(checkpoints, name):
+    """And the routing matters: the softmax over all experts without renormalising the top-k
+    (``moe_router_pre_softmax``) fails the same comparison by far."""
+    profile = load_profile()
+    spec, weights = open_hf_model(checkpoints[name], profile)
+    theirs = transformers_logprobs(checkpoints[name], _sequences())
+    assert torch.cat(theirs).std() > 1.0, "logits too uniform for this check to detect a mapping error"
+    ours = ReferenceModel.from_source(spec, profile, weights, torch.float32).score(_sequences())
+    assert _worst(ours, theirs) < SEMANTICS_ATOL
+    unnormalised = dataclasses.replace(spec, moe_router_pre_softmax=True)
+    broken = ReferenceModel.from_source(unnormalised, profile, weights, torch.float32).score(_sequences())
+    assert _worst(broken, theirs) > 100 * SEMANTICS_ATOL
+
+
+def _check(checkpoint, tmp_path, layouts, dtype, nproc):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps(s) for s in _sequences()) + "\n")
+    proc = run_cli("check", "--hf-checkpoint", checkpoint, "--prompts", str(prompts), "--layouts", layouts,
+                   "--dtype", dtype, "--nproc", str(nproc), "--dump-logprobs", str(tmp_path / "dump"))
+    assert proc.returncode == 0, explain(proc)
+    dump = load_file(str(tmp_path / "dump" / "logprobs.safetensors"))
+    for layout in layouts.split(","):
+        assert bits_equal(dump[f"consistent/{layout}"], dump["consistent/reference"]), layout
+        assert bits_equal(dump[f"consistent/routing/{layout}"], dump["consistent/routing/reference"]), layout
+    return dump
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_megatron_matches_transformers_and_ep_layouts_are_bitwise_fp32(checkpoints, tmp_path, name):
+    """One checker launch: Megatron's TP=1 forward (the checker's reference) against transformers,
+    tp2-sp-ep2 and tp1-ep2 against it bit for bit, logprobs and routing."""
+    dump = _check(checkpoints[name], tmp_path, "tp2-sp-ep2,tp1-ep2", "fp32", 2)
+    sequences = _sequences()
+    for i, theirs in enumerate(transformers_logprobs(checkpoints[name], sequences)):
+        ours = dump["consistent/reference"][i, : len(sequences[i]) - 1]
+        assert (ours - theirs).abs().max() < SEMANTICS_ATOL, (i, (ours - theirs).abs().max())
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_bf16_ep_etp_layouts_bitwise(checkpoints, tmp_path, name):
+    """bf16 (where the routing is fragile: near-tied router logits) on four ranks: EP with TP and SP,
+    EP 4 alone, expert-TP (tp1-ep2-dp2, a scoring replica of tp1-ep2, trains below)."""
+    _check(checkpoints[name], tmp_path, "tp2-sp-ep2,tp1-ep4,tp2-sp-ep2-etp2", "bf16", 4)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_rollouts_are_scored_bitwise(checkpoints, tmp_path, name):
+    """The reference rollout engine samples at T=0.8 with top-p 0.95 (processed logprobs); tp2-sp-ep2
+    scores them bit for bit."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps(s) for s in _sequences()) + "\n")
+    proc = run_cli("check", "--hf-checkpoint", checkpoints[name], "--prompts", str(prompts), "--rollout", "6",
+                   "--temperature", "0.8", "--top-p", "0.95", "--logprob-semantics", "processed",
+                   "--max-new-tokens", "8", "--layouts", "tp2-sp-ep2", "--dtype", "bf16")
+    assert proc.returncode == 0, explain(proc)
+    assert "bitwise equal to the rollout engine" in proc.stdout, explain(proc)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_export_round_trip_bitwise(checkpoints, tmp_path, name):
+    """Experts sliced by EP and expert-TP written back under the family's own names, in shards."""
+    out = tmp_path / "exported"
+    proc = run_torchrun("hf_export.py", 4, checkpoints[name], "tp2-sp-ep2-etp2", "fp32", str(out))
+    assert proc.returncode == 0, explain(proc)
+    original, exported = SafetensorsCheckpoint(checkpoints[name]), SafetensorsCheckpoint(str(out))
+    assert exported.names() == original.names()
+    for tensor in original.names():
+        assert bits_equal(original.read(tensor), exported.read(tensor)), tensor
+    seq = [_sequences()[2]]
+    assert bits_equal(transformers_logprobs(str(out), seq)[0], transformers_logprobs(checkpoints[name], seq)[0])
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_spec_to_config_json_and_back(checkpoints, name):
+    spec, _ = open_hf_model(checkpoints[name], load_profile())
+    assert spec_from_hf_config(hf_config_from_spec(spec, "float32"), spec.name) == spec
+
+
+@pytest.mark.parametrize("name,change,named", [
+    ("mixtral", {"moe_router_pre_softmax": True}, "moe_router_pre_softmax=True"),
+    ("mixtral", {"first_k_dense": 1}, "first_k_dense=1"),
+    ("mixtral", {"qk_layernorm": True}, "qk_layernorm=True"),
+    ("mixtral", {"moe_shared_expert_intermediate_size": 64}, "moe_shared_expert_intermediate_size"),
+    ("mixtral", {"num_experts": None}, "has MoE layers"),
+])
+def test_a_spec_its_family_cannot_state_is_not_exported(checkpoints, name, change, named):
+    spec, _ = open_hf_model(checkpoints[name], load_profile())
+    with pytest.raises(ConfigError, match=named):
+        hf_config_from_spec(dataclasses.replace(spec, **change))
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_bitwise_training_two_layouts(checkpoints, tmp_path, name):
+    """Every step's loss, gradients (router and experts among them) and logprobs bitwise across EP
+    with TP and SP and EP across DP, with the alltoall dispatcher."""
+    proc = run_cli("train-check", "--model", _model_yaml(tmp_path, checkpoints[name]),
+                   "--layouts", "tp2-sp-ep2,tp1-ep2-dp2", "--dtype", "bf16", "--bitwise-training", "--steps", "2",
+                   "--global-batch-size", "4", "--micro-batch-size", "1", "--seq-length", "32", timeout=1200)
+    assert proc.returncode == 0, explain(proc)
+    assert "bitwise" in proc.stdout.lower(), explain(proc)
+
+
+@pytest.mark.parametrize("model", ["tiny-mixtral"])
+def test_rl_check_three_iterations_at_ratio_exactly_one(tmp_path, model):
+    """GRPO against the reference engine sampling at T=0.8 with top-p 0.95 (processed logprobs),
+    bitwise training at tp2-sp-ep2, resharded to tp1-ep2 after iteration 2 (the experts' state saved
+    in one EP grid, loaded in another): every iteration's training logprobs equal the rollout's."""
+    report = tmp_path / "rl.json"
+    proc = run_cli("rl-check", "--model", model, "--layouts", "tp2-sp-ep2,tp1-ep2", "--reshard-at", "2",
+                   "--iterations", "3", "--temperature", "0.8", "--top-p", "0.95", "--logprob-semantics", "processed",
+                   "--bitwise-training", "--max-new-tokens", "32", "--json", str(report), timeout=1200)
+    assert proc.returncode == 0, explain(proc)
+    (arm,) = json.loads(report.read_text())["arms"]
+    iterations = arm["iterations"]
+    assert [r["iteration"] for r in iterations] == [1, 2, 3]
+    for r in iterations:
+        assert r["bitwise_fraction"] == 1.0 and r["step_bitwise_fraction"] == 1.0, r
+        assert r["max_abs_logdiff"] == 0.0 and r["max_abs_ratio_minus_1"] == 0.0, r
+    # the groups' rewards differ (advantages not all zero): the policy really moves between iterations
+    groups = [r["rewards"][i:i + 4] for r in iterations for i in range(0, len(r["rewards"]), 4)]
+    assert any(len(set(g)) > 1 for g in groups)
+
+
+@pytest.mark.parametrize("name,changes,message", [
+    ("mixtral", {"router_jitter_noise": 0.01}, "router_jitter_noise=0.01"),
+    ("mixtral", {"attention_bias": True}, "attention_bias=true"),
+    ("mixtral", {"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
+    ("mixtral", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+])
+def test_what_a_family_does_not_model_is_refused_by_name(checkpoints, tmp_path, name, changes, message):
+    directory = _edited(checkpoints[name], tmp_path, **changes)
+    with pytest.raises(ConfigError) as err:
+        open_hf_model(directory, load_profile())
+    assert message in str(err.value)
