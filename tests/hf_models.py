@@ -22,6 +22,9 @@ def _sharpen(model, seed: int) -> None:
                 p.copy_(3.0 * noise / math.sqrt(p.shape[-1]))
             else:  # [out, in] (or [experts, out, in]): unit-variance outputs
                 p.copy_(noise / math.sqrt(p.shape[-1]))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # the selection bias: large enough to change choices
+                b.copy_(0.3 * torch.randn(b.shape, generator=gen))
 
 
 def _write(directory: str, architecture: str, cfg: dict, overrides: dict, seed: int, **save_kwargs) -> str:
@@ -93,6 +96,20 @@ def make_mixtral(directory: str, seed: int = 6, **overrides) -> str:
                max_position_embeddings=512, rope_theta=1000000.0, sliding_window=None, tie_word_embeddings=False,
                rms_norm_eps=1e-5)
     _write(directory, "Mixtral", cfg, overrides, seed, max_shard_size="300KB")
+    assert os.path.isfile(os.path.join(directory, "model.safetensors.index.json"))
+    return directory
+
+
+def make_glm4_moe(directory: str, seed: int = 7, **overrides) -> str:
+    """GLM-4.5 (a leading dense layer, then sigmoid routing on score + a nonzero selection bias, top-2
+    of 8 renormalised and scaled by 2.5, one shared expert; QKV bias, RoPE on half of each 32-wide
+    head, no QK-norm; untied), saved in shards."""
+    cfg = dict(vocab_size=1000, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=3,
+               num_attention_heads=8, num_key_value_heads=4, head_dim=32, n_routed_experts=8, num_experts_per_tok=2,
+               n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, norm_topk_prob=True,
+               routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=False, partial_rotary_factor=0.5,
+               max_position_embeddings=512, rope_theta=1000000.0, tie_word_embeddings=False, rms_norm_eps=1e-5)
+    _write(directory, "Glm4Moe", cfg, overrides, seed, max_shard_size="300KB")
     assert os.path.isfile(os.path.join(directory, "model.safetensors.index.json"))
     return directory
 

@@ -229,7 +229,7 @@ def test_every_gpt_model_argument_is_classified_and_refused_by_name():
     base.update(position_embedding_type="rope", rotary_base=1000000, share_embeddings_and_output_weights=True)
     ma.check_gpt_model_arguments(base)
     others = {"fp16_lm_cross_entropy": True, "parallel_output": False, "position_embedding_type": "learned_absolute",
-              "rotary_percent": 0.5, "seq_len_interpolation_factor": 2.0,
+              "seq_len_interpolation_factor": 2.0,
               "mtp_block_spec": object(), "scatter_embedding_sequence_parallel": False}
     assert set(others) == set(ma.REFUSED)
     for name, value in others.items():

@@ -1,6 +1,8 @@
 """The MoE families users RL-train (issue #57), each from a tiny checkpoint transformers writes.
 Mixtral: softmax over 8 experts, top-2 renormalised, an MoE block in every layer, no QK-norm, the
-checkpoint's own expert names (block_sparse_moe, w1 / w3 / w2). For each: the reference engine and
+checkpoint's own expert names (block_sparse_moe, w1 / w3 / w2). GLM-4.5: a leading dense layer, then
+sigmoid scores selected on score + a nonzero e_score_correction_bias, top-2 renormalised and scaled
+by 2.5, a shared expert; QKV bias and RoPE on half of each head. For each: the reference engine and
 Megatron's forward match transformers' own fp32 forward, every EP / expert-TP / TP layout gives
 logprobs and routing bitwise the one-device result, the checkpoint exports back bit for bit, bitwise
 training holds across layouts and the RL loop runs at ratio exactly 1. What a family does not model
@@ -18,17 +20,24 @@ from mindspeed_tp.hf import SafetensorsCheckpoint, hf_config_from_spec, open_hf_
 from mindspeed_tp.reference import ReferenceModel
 
 from conftest import bits_equal, explain, full_tier, run_cli, run_torchrun
-from hf_models import make_mixtral, save_word_tokenizer, transformers_logprobs
+from hf_models import make_glm4_moe, make_mixtral, save_word_tokenizer, transformers_logprobs
 from test_families import SEMANTICS_ATOL, _edited, _model_yaml, _sequences, _worst
 
-FAMILIES = {"mixtral": make_mixtral}
+# family -> (checkpoint writer, spec changes that each drop one thing the family computes: each must
+# fail the comparison with transformers by far)
+FAMILIES = {
+    "mixtral": (make_mixtral, [{"moe_router_pre_softmax": True}]),
+    "glm45": (make_glm4_moe, [{"rotary_percent": 1.0}, {"moe_router_enable_expert_bias": False},
+                              {"moe_router_topk_scaling_factor": None},
+                              {"moe_shared_expert_intermediate_size": None}]),
+}
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe-families")
     out = {}
-    for name, make in FAMILIES.items():
+    for name, (make, _) in FAMILIES.items():
         out[name] = make(str(root / name))
         save_word_tokenizer(out[name], 1000)
     return out
@@ -36,17 +45,17 @@ def checkpoints(tmp_path_factory):
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_the_reference_engine_matches_transformers_fp32(checkpoints, name):
-    """And the routing matters: the softmax over all experts without renormalising the top-k
-    (``moe_router_pre_softmax``) fails the same comparison by far."""
+    """And what the family computes matters: without each piece (Mixtral's renormalised top-k; GLM's
+    partial rotary, selection bias, scaling factor, shared expert) the comparison fails by far."""
     profile = load_profile()
     spec, weights = open_hf_model(checkpoints[name], profile)
     theirs = transformers_logprobs(checkpoints[name], _sequences())
     assert torch.cat(theirs).std() > 1.0, "logits too uniform for this check to detect a mapping error"
     ours = ReferenceModel.from_source(spec, profile, weights, torch.float32).score(_sequences())
     assert _worst(ours, theirs) < SEMANTICS_ATOL
-    unnormalised = dataclasses.replace(spec, moe_router_pre_softmax=True)
-    broken = ReferenceModel.from_source(unnormalised, profile, weights, torch.float32).score(_sequences())
-    assert _worst(broken, theirs) > 100 * SEMANTICS_ATOL
+    for change in FAMILIES[name][1]:
+        broken = ReferenceModel.from_source(dataclasses.replace(spec, **change), profile, weights, torch.float32)
+        assert _worst(broken.score(_sequences()), theirs) > 100 * SEMANTICS_ATOL, change
 
 
 def _check(checkpoint, tmp_path, layouts, dtype, nproc):
@@ -119,6 +128,10 @@ def test_spec_to_config_json_and_back(checkpoints, name):
     ("mixtral", {"qk_layernorm": True}, "qk_layernorm=True"),
     ("mixtral", {"moe_shared_expert_intermediate_size": 64}, "moe_shared_expert_intermediate_size"),
     ("mixtral", {"num_experts": None}, "has MoE layers"),
+    ("mixtral", {"rotary_percent": 0.5}, "rotary_percent"),
+    ("glm45", {"moe_router_score_function": "softmax"}, "moe_router_score_function='softmax'"),
+    ("glm45", {"moe_router_enable_expert_bias": False}, "moe_router_enable_expert_bias=False"),
+    ("glm45", {"moe_shared_expert_intermediate_size": 96}, "moe_shared_expert_intermediate_size=96"),
 ])
 def test_a_spec_its_family_cannot_state_is_not_exported(checkpoints, name, change, named):
     spec, _ = open_hf_model(checkpoints[name], load_profile())
@@ -137,7 +150,7 @@ def test_bitwise_training_two_layouts(checkpoints, tmp_path, name):
     assert "bitwise" in proc.stdout.lower(), explain(proc)
 
 
-@pytest.mark.parametrize("model", ["tiny-mixtral"])
+@pytest.mark.parametrize("model", ["tiny-mixtral", "tiny-glm45"])
 def test_rl_check_three_iterations_at_ratio_exactly_one(tmp_path, model):
     """GRPO against the reference engine sampling at T=0.8 with top-p 0.95 (processed logprobs),
     bitwise training at tp2-sp-ep2, resharded to tp1-ep2 after iteration 2 (the experts' state saved
@@ -159,6 +172,10 @@ def test_rl_check_three_iterations_at_ratio_exactly_one(tmp_path, model):
 
 
 @pytest.mark.parametrize("name,changes,message", [
+    ("glm45", {"norm_topk_prob": False}, "norm_topk_prob=false"),
+    ("glm45", {"n_group": 4, "topk_group": 2}, "n_group / topk_group=4 / 2"),
+    ("glm45", {"first_k_dense_replace": 3}, "first_k_dense_replace=3"),
+    ("mixtral", {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
     ("mixtral", {"router_jitter_noise": 0.01}, "router_jitter_noise=0.01"),
     ("mixtral", {"attention_bias": True}, "attention_bias=true"),
     ("mixtral", {"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
@@ -169,3 +186,37 @@ def test_what_a_family_does_not_model_is_refused_by_name(checkpoints, tmp_path, 
     with pytest.raises(ConfigError) as err:
         open_hf_model(directory, load_profile())
     assert message in str(err.value)
+
+
+def _with_mtp_layer(checkpoint, tmp_path, mtp_layers):
+    """A copy whose config.json declares ``mtp_layers`` and whose weights carry an extra layer past
+    num_hidden_layers (as GLM-4.5's and DeepSeek-V3's checkpoints ship their MTP layer)."""
+    from safetensors.torch import save_file
+
+    directory = _edited(checkpoint, tmp_path, num_nextn_predict_layers=mtp_layers)
+    layers = json.load(open(f"{directory}/config.json"))["num_hidden_layers"]
+    extra = {f"model.layers.{layers}.eh_proj.weight": torch.ones(128, 256),
+             f"model.layers.{layers}.enorm.weight": torch.ones(128)}
+    save_file(extra, f"{directory}/model-mtp.safetensors", metadata={"format": "pt"})
+    index = json.load(open(f"{directory}/model.safetensors.index.json"))
+    index["weight_map"].update({n: "model-mtp.safetensors" for n in extra})
+    json.dump(index, open(f"{directory}/model.safetensors.index.json", "w"))
+    return directory
+
+
+def test_glms_multi_token_prediction_layer_is_dropped_with_a_note(checkpoints, tmp_path, capfd):
+    """The MTP layer's tensors are not loaded (a note says so) and the model is the one without them."""
+    directory = _with_mtp_layer(checkpoints["glm45"], tmp_path, 1)
+    spec, weights = open_hf_model(directory, load_profile())
+    assert "multi-token-prediction layer(s) [3] (2 tensors) are not loaded" in capfd.readouterr().err
+    plain_spec, plain = open_hf_model(checkpoints["glm45"], load_profile())
+    assert dataclasses.replace(spec, name=plain_spec.name) == plain_spec
+    ours = ReferenceModel.from_source(spec, load_profile(), weights, torch.float32).score(_sequences()[:2])
+    theirs = ReferenceModel.from_source(plain_spec, load_profile(), plain, torch.float32).score(_sequences()[:2])
+    assert all(bits_equal(a, b) for a, b in zip(ours, theirs))
+
+
+def test_an_extra_layer_in_a_family_without_mtp_is_refused(checkpoints, tmp_path):
+    directory = _with_mtp_layer(checkpoints["mixtral"], tmp_path, 1)
+    with pytest.raises(ConfigError, match=r"unexpected tensor\(s\) \['model.layers.2.eh_proj.weight'"):
+        open_hf_model(directory, load_profile())

@@ -261,3 +261,18 @@ def test_the_sampling_params_check_refuses_a_refused_field_and_an_unknown_one_by
         sp.check_sampling_params(Params(min_p=0.1))
     with pytest.raises(ConfigError, match=r"SamplingParams\(newer_field=3\).*does not know"):
         sp.check_sampling_params(Params(newer_field=3))
+
+
+@pytest.mark.parametrize("model,named", [
+    ("tiny-glm45", "partial RoPE (rotary_percent=0.5)"),
+    ("tiny-moe-shared", "moe_router_score_function must be softmax"),
+])
+def test_a_model_the_engine_profiles_do_not_model_exits_2_before_an_engine_starts(model, named):
+    """GLM-4.5's partial RoPE and DeepSeek-style routing (sigmoid, expert bias, shared expert) are
+    not what the vllm-cpu profiles model: refused by name before a worker or the engine starts."""
+    from conftest import explain, run_cli
+
+    proc = run_cli("check", "--engine", "vllm", "--profile", "vllm-cpu-tp1", "--model", model, "--rollout", "2",
+                   timeout=300)
+    assert proc.returncode == 2 and named in proc.stderr, explain(proc)
+    assert "vLLM" not in proc.stdout and "Worker" not in proc.stderr, explain(proc)

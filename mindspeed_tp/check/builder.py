@@ -159,6 +159,8 @@ def _build_gpt(spec: ModelSpec, layout: Layout, dtype: torch.dtype, profile: Pro
         )
     if spec.rope_scaling_factor is not None:  # Llama-3's scaled RoPE
         model_kwargs = dict(model_kwargs, rope_scaling=True, rope_scaling_factor=spec.rope_scaling_factor)
+    if spec.rotary_percent != 1.0:  # partial rotary (GLM-4.5)
+        model_kwargs = dict(model_kwargs, rotary_percent=spec.rotary_percent)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,

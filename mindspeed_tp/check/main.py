@@ -105,6 +105,15 @@ def check_engine_and_device(ns: argparse.Namespace, spec, profile) -> None:
 
         check_head_dim(spec.kv_channels)
         check_activation_widths(activation_widths(spec), profile.rollout_tp, DTYPES[ns.dtype])
+        if spec.rotary_percent != 1.0:
+            raise refuse("vllm_model_shape", what=f"partial RoPE (rotary_percent={spec.rotary_percent})",
+                         engine="full RoPE, plain or Llama-3-scaled", fix="rotary_percent=1.0")
+        if spec.is_moe:
+            from ..numerics.vllm.forward import moe_problems
+
+            problems = moe_problems(spec, profile)
+            if problems:
+                raise refuse("vllm_moe", problems="; ".join(problems))
 
 
 def build_parser(prog: str = "mindspeed-tp check") -> argparse.ArgumentParser:
@@ -112,7 +121,7 @@ def build_parser(prog: str = "mindspeed-tp check") -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML file (or bundled name, e.g. 'demo') whose keys set any flag below")
     p.add_argument("--model", help="bundled model name (default tiny-dense) or a model config YAML path")
     p.add_argument("--hf-checkpoint", metavar="DIR",
-                   help="Hugging Face checkpoint directory (Qwen3, Qwen3-MoE, Qwen2 / Qwen2.5, Llama, Mistral) (config.json + safetensors): the model "
+                   help="Hugging Face checkpoint directory (Qwen3, Qwen3-MoE, Qwen2 / Qwen2.5, Llama, Mistral, Mixtral, GLM-4.5) (config.json + safetensors): the model "
                         "and its weights, instead of --model and seeded weights")
     p.add_argument("--prompts", metavar="FILE",
                    help="JSONL prompts, one per line: [token ids], {\"input_ids\": [...]} or {\"text\": ...} (text "

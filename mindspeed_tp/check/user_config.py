@@ -77,8 +77,8 @@ def config_field_names():
 
 
 # MLATransformerConfig's fields that are GPTModel arguments of a model without MLA: the checkers
-# take them from the model (the model YAML's rotary_base; full, unscaled RoPE otherwise).
-_GPT_ARGUMENTS = {"rotary_base": lambda spec: spec.rotary_base, "rotary_percent": lambda spec: 1.0}
+# take them from the model (the model YAML's rotary_base and rotary_percent).
+_GPT_ARGUMENTS = {"rotary_base": lambda spec: spec.rotary_base, "rotary_percent": lambda spec: spec.rotary_percent}
 
 
 def apply(kwargs: Dict[str, Any], fields: Dict[str, Any], spec: Any) -> Dict[str, Any]:

@@ -128,9 +128,9 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "run the forward inside mindspeed_tp.numerics.vllm.scoring.engine_scoring(prompt_lens, vocab_size)",
             "prefill and q_len=1 decode attention tile differently"),
     Refusal("vllm_model_shape", ENGINE, "add_bias_linear, normalization, hidden_dropout, RoPE, causal attention",
-            "{what} with a vllm-cpu profile: the engine's Qwen3 / Qwen3-MoE / Qwen2 / Llama / Mistral layers have "
-            "{engine}; {fix}", "only the engine's Qwen3 / Qwen3-MoE / Qwen2 / Llama / Mistral architectures are "
-            "modelled"),
+            "{what} with a vllm-cpu profile: the engine's Qwen3 / Qwen3-MoE / Qwen2 / Llama / Mistral / Mixtral layers "
+            "have {engine}; {fix}", "only the engine's Qwen3 / Qwen3-MoE / Qwen2 / Llama / Mistral / Mixtral "
+            "architectures are modelled"),
     Refusal("vllm_moe", ENGINE, "MoE settings (router, shared experts, SwiGLU, sizes)",
             "vllm-cpu profile, MoE layer: {problems}",
             "the engine's Qwen3-MoE block (softmax top-k router, SwiGLU experts, no shared expert) is what is modelled"),
@@ -709,6 +709,11 @@ _ENTRIES: Tuple[Refusal, ...] = (
     Refusal("hf_pretraining_tp", HF, "pretraining_tp",
             "{where}: pretraining_tp={tp} is not supported: transformers then splits the projections into "
             "{tp} slices summed in another order; set pretraining_tp 1", "not modelled"),
+    Refusal("hf_partial_rotary", HF, "partial_rotary_factor",
+            "{where}: partial_rotary_factor={value} is not supported for this architecture: its transformers and "
+            "vLLM models rotate whole heads (GLM-4.5's rotates part of each)", "not mapped"),
+    Refusal("hf_moe_routing", HF, "norm_topk_prob / n_group / topk_group",
+            "{where}: {key}={value} is not supported: {why}", "not implemented by the router"),
     Refusal("hf_router_jitter", HF, "router_jitter_noise",
             "{where}: router_jitter_noise={value} is not supported: transformers multiplies the router's input by "
             "random noise while training, so the routing is not a function of the weights; set it to 0.0",

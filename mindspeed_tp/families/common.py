@@ -4,7 +4,7 @@ scalings)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from ..contract.refusals import refuse
 from ..errors import ConfigError
@@ -35,9 +35,11 @@ def decoder_fields(cfg: Dict[str, Any], name: str, where: str) -> Dict[str, Any]
     )
 
 
-def rope_fields(cfg: Dict[str, Any], where: str, scalings: Tuple[str, ...] = ()) -> Dict[str, Any]:
-    """``rotary_base`` and, for rope_type ``llama3`` when the family allows it, ``rope_scaling_factor``;
-    any other scaling (linear, dynamic, yarn, longrope, ...) changes the angles and is refused by name."""
+def rope_fields(cfg: Dict[str, Any], where: str, scalings: Tuple[str, ...] = (), partial: bool = False) -> Dict[str, Any]:
+    """``rotary_base``, ``rotary_percent`` (``partial_rotary_factor``, where the family rotates part of
+    each head: ``partial``; refused by name elsewhere) and, for rope_type ``llama3`` when the family
+    allows it, ``rope_scaling_factor``; any other scaling (linear, dynamic, yarn, longrope, ...)
+    changes the angles and is refused by name."""
     factor = None
     for key in ("rope_parameters", "rope_scaling"):  # transformers 5 writes the first, older ones the second
         block = cfg.get(key) or {}
@@ -57,7 +59,10 @@ def rope_fields(cfg: Dict[str, Any], where: str, scalings: Tuple[str, ...] = ())
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     if float(theta) != int(theta):
         raise ConfigError(f"{where}: rope_theta={theta} must be an integer (Megatron's rotary_base is an int)")
-    return {"rotary_base": float(theta), "rope_scaling_factor": factor}
+    share = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
+    if share != 1.0 and not partial:
+        raise refuse("hf_partial_rotary", where=where, value=share)
+    return {"rotary_base": float(theta), "rope_scaling_factor": factor, "rotary_percent": share}
 
 
 def refuse_sliding_window(cfg: Dict[str, Any], where: str, every_layer: bool = False) -> None:
@@ -102,6 +107,7 @@ OPTIONAL = {
     "rope_scaling_factor": lambda spec: spec.rope_scaling_factor is not None,
     "sliding_window": lambda spec: spec.sliding_window is not None,
     "experts": lambda spec: spec.is_moe,
+    "rotary_percent": lambda spec: spec.rotary_percent != 1.0,
 }
 
 
@@ -118,14 +124,22 @@ def check_exportable(spec, family: str, fixed: Dict[str, Any], allows: Tuple[str
 @dataclass(frozen=True)
 class ExpertNames:
     """Where a family's checkpoint keeps an MoE layer's tensors, below ``model.layers.{i}.`` (a
-    family with MoE layers sets ``EXPERT_NAMES``); ``expert`` takes the expert index as ``{e}``."""
+    family with MoE layers sets ``EXPERT_NAMES``); ``expert`` takes the expert index as ``{e}``.
+    ``shared``: the shared expert's prefix (its gate_proj / up_proj / down_proj); ``expert_bias``: the
+    router's selection bias (DeepSeek's e_score_correction_bias); None where the family has none."""
     router: str
     expert: str
     gate: str
     up: str
     down: str
+    shared: Optional[str] = None
+    expert_bias: Optional[str] = None
 
 
-# Qwen3-MoE's names (and DeepSeek's, GLM's): mlp.gate, mlp.experts.{e}.{gate,up,down}_proj
+# Qwen3-MoE's names: mlp.gate, mlp.experts.{e}.{gate,up,down}_proj
 QWEN_EXPERT_NAMES = ExpertNames("mlp.gate.weight", "mlp.experts.{e}.", "gate_proj.weight", "up_proj.weight",
                                 "down_proj.weight")
+# DeepSeek-V3's (and GLM-4.5's): Qwen3-MoE's plus the shared experts and the selection bias
+DEEPSEEK_EXPERT_NAMES = ExpertNames("mlp.gate.weight", "mlp.experts.{e}.", "gate_proj.weight", "up_proj.weight",
+                                    "down_proj.weight", shared="mlp.shared_experts.",
+                                    expert_bias="mlp.gate.e_score_correction_bias")

@@ -43,6 +43,10 @@ def _local_shards(model, spec: ModelSpec, layout):
         size, rank = (layout.etp, etp_rank) if is_expert_weight(name) else (layout.tp, tp_rank)
         tensors[name] = param.detach().contiguous()
         info[name] = [shard_rule(name), size, rank]
+    for local_name, buf in model.named_buffers():  # the routers' expert biases (replicated, fp32)
+        if local_name.endswith("router.expert_bias"):
+            name = global_param_name(model, local_name, ep_rank)
+            tensors[name], info[name] = buf.detach().contiguous(), ["replicated", 1, 0]
     return tensors, info
 
 
@@ -58,8 +62,6 @@ def _assemble(parts_dir: str, world: int, spec: ModelSpec, padded_vocab: int) ->
                 rules[name] = [rule, size]
     full = {}
     for name, shape in full_weight_shapes(spec, padded_vocab).items():
-        if name.endswith("router.expert_bias"):
-            continue  # not part of a Qwen3-MoE checkpoint (hf_config_from_spec refuses expert bias)
         if name not in shards:
             raise ConfigError(f"export: no rank holds {name}; was the model built for this spec?")
         rule, size = rules[name]
@@ -74,8 +76,7 @@ def _assemble(parts_dir: str, world: int, spec: ModelSpec, padded_vocab: int) ->
 def megatron_to_hf(full: Dict[str, torch.Tensor], spec: ModelSpec, padded_vocab: int) -> Dict[str, torch.Tensor]:
     """Hugging Face tensors from Megatron TP=1 tensors (vocabulary padding dropped)."""
     shapes = expected_hf_shapes(spec)
-    dtype = next(iter(full.values())).dtype
-    out = {name: torch.empty(shape, dtype=dtype) for name, shape in shapes.items()}
+    out: Dict[str, torch.Tensor] = {}  # each in its Megatron tensor's dtype (the expert bias stays fp32)
     filled = {name: 0 for name in shapes}
     for name, pieces in megatron_pieces(spec, padded_vocab).items():
         if name not in full:
@@ -83,6 +84,8 @@ def megatron_to_hf(full: Dict[str, torch.Tensor], spec: ModelSpec, padded_vocab:
         offset = 0
         for piece in pieces:
             if piece.hf_name is not None:
+                if piece.hf_name not in out:
+                    out[piece.hf_name] = torch.empty(shapes[piece.hf_name], dtype=full[name].dtype)
                 out[piece.hf_name][piece.start:piece.stop] = full[name][offset:offset + piece.rows]
                 filled[piece.hf_name] += piece.rows
             offset += piece.rows

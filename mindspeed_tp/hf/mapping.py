@@ -8,6 +8,7 @@ of zero rows, for vocabulary padding):
   head (GQA);
 - linear_fc1 (dense, shared and expert MLPs): gate_proj rows, then up_proj rows (SwiGLU; Mixtral's
   w1, then w3);
+- the router's expert bias (a buffer megatron keeps in fp32): DeepSeek's / GLM's e_score_correction_bias;
 - word embeddings / output layer: the vocabulary rows, then zero rows up to the padded vocab.
 Everything else maps one to one. The same pieces serve loading (any shard is a set of row or
 column ranges of them) and exporting (writing the pieces back).
@@ -43,7 +44,12 @@ def _expert_names(spec: ModelSpec):
     names = getattr(FAMILIES[spec.family], "EXPERT_NAMES", None)
     if names is None:
         raise ConfigError(f"model {spec.name}: family {spec.family!r} has no MoE layers; set the family of an MoE "
-                          f"architecture (qwen3, mixtral) or unset num_experts")
+                          f"architecture (qwen3, mixtral, glm4_moe) or unset num_experts")
+    for field, present in (("moe_shared_expert_intermediate_size", names.shared),
+                           ("moe_router_enable_expert_bias", names.expert_bias)):
+        if getattr(spec, field) and present is None:
+            raise ConfigError(f"model {spec.name}: {field} has no tensor in a {spec.family} checkpoint; set the family "
+                              f"of an architecture that has it (glm4_moe) or unset it")
     return names
 
 
@@ -71,6 +77,12 @@ def expected_hf_shapes(spec: ModelSpec) -> Dict[str, Tuple[int, ...]]:
             for e in range(spec.num_experts):
                 q = p + n.expert.format(e=e)
                 shapes.update({q + n.gate: (f, h), q + n.up: (f, h), q + n.down: (h, f)})
+            if spec.moe_router_enable_expert_bias:
+                shapes[p + n.expert_bias] = (spec.num_experts,)
+            if spec.moe_shared_expert_intermediate_size:
+                fs, q = spec.moe_shared_expert_intermediate_size, p + n.shared
+                shapes.update({q + "gate_proj.weight": (fs, h), q + "up_proj.weight": (fs, h),
+                               q + "down_proj.weight": (h, fs)})
         else:
             f = spec.ffn_hidden_size
             shapes.update({p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
@@ -121,6 +133,12 @@ def megatron_pieces(spec: ModelSpec, padded_vocab: int) -> Dict[str, List[Piece]
                 m, x = p + f"mlp.experts.local_experts.{e}.", q + n.expert.format(e=e)
                 out[m + "linear_fc1.weight"] = _whole(x + n.gate, f) + _whole(x + n.up, f)
                 out[m + "linear_fc2.weight"] = _whole(x + n.down, h)
+            if spec.moe_router_enable_expert_bias:
+                out[p + "mlp.router.expert_bias"] = _whole(q + n.expert_bias, spec.num_experts)
+            if spec.moe_shared_expert_intermediate_size:
+                out[p + "mlp.shared_experts.linear_fc1.weight"] = gated(q + n.shared,
+                                                                        spec.moe_shared_expert_intermediate_size)
+                out[p + "mlp.shared_experts.linear_fc2.weight"] = _whole(q + n.shared + "down_proj.weight", h)
         else:
             out[p + "mlp.linear_fc1.weight"] = gated(q + "mlp.", spec.ffn_hidden_size)
             out[p + "mlp.linear_fc2.weight"] = _whole(q + "mlp.down_proj.weight", h)

@@ -16,10 +16,28 @@ from .mapping import Piece, expected_hf_shapes, megatron_pieces
 _DERIVED = (".rotary_emb.inv_freq",)
 
 
+def _mtp_layer_tensors(names, spec: ModelSpec) -> List[str]:
+    """The tensors of layers past ``num_layers`` where the family's checkpoints carry multi-token
+    prediction layers there (its MTP_LAYERS_KEY): not part of the next-token model."""
+    from ..families import FAMILIES
+
+    if getattr(FAMILIES[spec.family], "MTP_LAYERS_KEY", None) is None:
+        return []
+    return sorted(n for n in names if n.startswith("model.layers.")
+                  and n.split(".")[2].isdigit() and int(n.split(".")[2]) >= spec.num_layers)
+
+
 def validate_tensors(checkpoint: SafetensorsCheckpoint, spec: ModelSpec) -> None:
-    """Every expected tensor present with its shape, nothing unexpected; names the first problems."""
+    """Every expected tensor present with its shape, nothing unexpected; names the first problems.
+    A family's multi-token-prediction layers are dropped, with a note."""
     want = expected_hf_shapes(spec)
     have = {n for n in checkpoint.names() if not n.endswith(_DERIVED)}
+    mtp = _mtp_layer_tensors(have, spec)
+    if mtp:
+        have -= set(mtp)
+        layers = sorted({int(n.split(".")[2]) for n in mtp})
+        _note(f"{checkpoint.directory}: the multi-token-prediction layer(s) {layers} ({len(mtp)} tensors) are not "
+              f"loaded: the checkers score and train the next-token model (megatron's mtp_num_layers is refused)")
     missing, unexpected = sorted(set(want) - have), sorted(have - set(want))
     where = checkpoint.directory
     if missing:
@@ -32,6 +50,16 @@ def validate_tensors(checkpoint: SafetensorsCheckpoint, spec: ModelSpec) -> None
         found = checkpoint.shape(name)
         if found != shape:
             raise ConfigError(f"{where}: tensor {name} has shape {list(found)}, config.json implies {list(shape)}")
+
+
+def _note(message: str) -> None:
+    """Printed once per job: by rank 0 of a launched world, or by a process without one."""
+    import sys
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"note: {message}", file=sys.stderr)
 
 
 class HFWeights:

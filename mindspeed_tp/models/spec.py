@@ -39,6 +39,9 @@ class ModelSpec:
     # Llama-3's RoPE scaling (rope_type llama3) by this factor, with Megatron's fixed low / high
     # frequency factors 1 / 4 and original context 8192 (GPTModel's rope_scaling / rope_scaling_factor).
     rope_scaling_factor: Optional[float] = None
+    # The share of each head's channels RoPE rotates, the leading ones (GLM-4.5's partial_rotary_factor
+    # 0.5; GPTModel's rotary_percent); the rest pass through.
+    rotary_percent: float = 1.0
     # Sliding-window attention in every layer (Mistral 7B v0.1): each query sees itself and the W - 1
     # keys before it (Hugging Face sliding_window W; Megatron's window_size (W - 1, 0)).
     sliding_window: Optional[int] = None
@@ -85,6 +88,10 @@ class ModelSpec:
         if self.rope_scaling_factor is not None and not self.rope_scaling_factor >= 1.0:
             raise ConfigError(f"model {self.name}: rope_scaling_factor must be >= 1 (Llama-3's factor), "
                               f"got {self.rope_scaling_factor!r}; remove it for unscaled RoPE")
+        rotated = int(self.kv_channels * self.rotary_percent)
+        if not 0.0 < self.rotary_percent <= 1.0 or rotated % 2 or rotated < 2:
+            raise ConfigError(f"model {self.name}: rotary_percent={self.rotary_percent!r} must be in (0, 1] and "
+                              f"rotate an even number of the head's {self.kv_channels} channels (got {rotated})")
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
             raise ConfigError(f"model {self.name}: sliding_window must be a positive integer (keys a query sees, "
                               f"itself included), got {self.sliding_window!r}; remove it for full attention")
@@ -101,6 +108,11 @@ class ModelSpec:
     @property
     def is_moe(self) -> bool:
         return self.num_experts is not None
+
+    @property
+    def rotary_dim(self) -> int:
+        """The channels RoPE rotates (megatron's RotaryEmbedding: int(kv_channels * rotary_percent))."""
+        return int(self.kv_channels * self.rotary_percent)
 
     def padded_vocab(self, profile) -> int:
         if self.padded_vocab_size is None:

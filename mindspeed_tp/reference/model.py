@@ -30,7 +30,7 @@ class ReferenceModel:
     def __init__(self, spec: ModelSpec, profile: Profile, weights: Dict[str, torch.Tensor], dtype: torch.dtype):
         self.spec, self.profile, self.w, self.dtype = spec, profile, weights, dtype
         self.padded_vocab = spec.padded_vocab(profile)
-        self.inv_freq = rope_inv_freq(spec.kv_channels, int(spec.rotary_base), spec.rope_scaling_factor)
+        self.inv_freq = rope_inv_freq(spec.rotary_dim, int(spec.rotary_base), spec.rope_scaling_factor)
         self.activation: Callable = swiglu  # fc1's [gate; up] -> silu(gate) * up, as the patched MLP
         # Optional trace(name, input, output) called with each block's rows under the Megatron
         # module name it mirrors (the checker's --bisect aligns the two runs by these names).

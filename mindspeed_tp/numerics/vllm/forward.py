@@ -157,21 +157,29 @@ def _prepacked_all_experts(layer, prof, w13, w2, weights):
     return entry[2], entry[3]
 
 
+def moe_problems(model, prof) -> list:
+    """What the profiles' MoE (the engine's Qwen3-MoE / Mixtral block) does not model, from a
+    TransformerConfig or a model spec (the same field names): checked before an engine starts and
+    again at each MoE layer."""
+    problems = []
+    if getattr(model, "moe_router_score_function", "softmax") != "softmax":
+        problems.append("moe_router_score_function must be softmax (Qwen3-MoE, Mixtral)")
+    if getattr(model, "moe_shared_expert_intermediate_size", None):
+        problems.append("shared experts are not modelled (Qwen3-MoE and Mixtral have none)")
+    if getattr(model, "moe_router_enable_expert_bias", False) or getattr(model, "moe_router_topk_scaling_factor", None):
+        problems.append("expert bias / top-k scaling are not modelled")
+    inter = model.moe_ffn_hidden_size or model.ffn_hidden_size
+    if (inter // prof.rollout_tp) % kernels.MOE_ALIGNMENT or model.hidden_size % kernels.MOE_ALIGNMENT:
+        problems.append(f"moe_ffn_hidden_size/rollout_tp={inter // prof.rollout_tp} and hidden_size="
+                        f"{model.hidden_size} must be multiples of {kernels.MOE_ALIGNMENT} (else the engine pads)")
+    return problems
+
+
 def check_moe(layer, prof) -> None:
     config = layer.config
-    problems = []
-    if getattr(config, "moe_router_score_function", "softmax") != "softmax":
-        problems.append("moe_router_score_function must be softmax (Qwen3-MoE)")
-    if getattr(layer, "shared_experts", None) is not None:
-        problems.append("shared experts are not modelled (Qwen3-MoE has none)")
-    if getattr(config, "moe_router_enable_expert_bias", False) or getattr(config, "moe_router_topk_scaling_factor", None):
-        problems.append("expert bias / top-k scaling are not modelled")
+    problems = moe_problems(config, prof)
     if not getattr(config, "gated_linear_unit", False):
         problems.append("experts must be SwiGLU (gated_linear_unit=True)")
-    inter = config.moe_ffn_hidden_size or config.ffn_hidden_size
-    if (inter // prof.rollout_tp) % kernels.MOE_ALIGNMENT or config.hidden_size % kernels.MOE_ALIGNMENT:
-        problems.append(f"moe_ffn_hidden_size/rollout_tp={inter // prof.rollout_tp} and hidden_size="
-                        f"{config.hidden_size} must be multiples of {kernels.MOE_ALIGNMENT} (else the engine pads)")
     if problems:
         raise refuse("vllm_moe", problems="; ".join(problems))
 
