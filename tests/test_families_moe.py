@@ -33,6 +33,14 @@ FAMILIES = {
 }
 
 
+T = "tests/test_families_moe.py::"
+
+
+def _in_ci(ci, full, covered_by, why):
+    """Parameters: ``ci`` in both tiers, ``full`` in the full tier only (covered by ``covered_by``)."""
+    return list(ci) + [pytest.param(n, marks=full_tier(covered_by=T + covered_by, why=why)) for n in full]
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe-families")
@@ -71,7 +79,10 @@ def _check(checkpoint, tmp_path, layouts, dtype, nproc):
     return dump
 
 
-@pytest.mark.parametrize("name", sorted(FAMILIES))
+@pytest.mark.parametrize("name", _in_ci(["glm45"], ["mixtral"], "test_the_reference_engine_matches_transformers_fp32",
+                                         "Mixtral's map is proved against transformers by the reference engine (CI "
+                                         "tier) and its layouts by its engine test's EP layouts "
+                                         "(tests/test_vllm_sampling.py); GLM-4.5's launch carries every MoE piece"))
 def test_megatron_matches_transformers_and_ep_layouts_are_bitwise_fp32(checkpoints, tmp_path, name):
     """One checker launch: Megatron's TP=1 forward (the checker's reference) against transformers,
     tp2-sp-ep2 and tp1-ep2 against it bit for bit, logprobs and routing."""
@@ -82,14 +93,19 @@ def test_megatron_matches_transformers_and_ep_layouts_are_bitwise_fp32(checkpoin
         assert (ours - theirs).abs().max() < SEMANTICS_ATOL, (i, (ours - theirs).abs().max())
 
 
-@pytest.mark.parametrize("name", sorted(FAMILIES))
+@pytest.mark.parametrize("name", _in_ci(
+    [], sorted(FAMILIES), "test_megatron_matches_transformers_and_ep_layouts_are_bitwise_fp32",
+                                         "bf16 adds the casts every MoE model shares with Qwen3-MoE "
+                                         "(tests/test_parity_moe.py) to the family's fp32 launch"))
 def test_bf16_ep_etp_layouts_bitwise(checkpoints, tmp_path, name):
     """bf16 (where the routing is fragile: near-tied router logits) on four ranks: EP with TP and SP,
     EP 4 alone, expert-TP (tp1-ep2-dp2, a scoring replica of tp1-ep2, trains below)."""
     _check(checkpoints[name], tmp_path, "tp2-sp-ep2,tp1-ep4,tp2-sp-ep2-etp2", "bf16", 4)
 
 
-@pytest.mark.parametrize("name", sorted(FAMILIES))
+@pytest.mark.parametrize("name", _in_ci([], sorted(FAMILIES), "test_rl_check_three_iterations_at_ratio_exactly_one",
+                                         "the RL loop samples with the same reference engine at T=0.8 top-p 0.95 "
+                                         "and scores the rollouts bitwise in every iteration"))
 def test_rollouts_are_scored_bitwise(checkpoints, tmp_path, name):
     """The reference rollout engine samples at T=0.8 with top-p 0.95 (processed logprobs); tp2-sp-ep2
     scores them bit for bit."""
@@ -102,7 +118,9 @@ def test_rollouts_are_scored_bitwise(checkpoints, tmp_path, name):
     assert "bitwise equal to the rollout engine" in proc.stdout, explain(proc)
 
 
-@pytest.mark.parametrize("name", sorted(FAMILIES))
+@pytest.mark.parametrize("name", _in_ci(["glm45"], ["mixtral"], "test_export_round_trip_bitwise",
+                                         "the export writes every tensor through the map the import reads; "
+                                         "Mixtral's names are read back in its reference-engine test"))
 def test_export_round_trip_bitwise(checkpoints, tmp_path, name):
     """Experts sliced by EP and expert-TP written back under the family's own names, in shards."""
     out = tmp_path / "exported"
@@ -139,7 +157,9 @@ def test_a_spec_its_family_cannot_state_is_not_exported(checkpoints, name, chang
         hf_config_from_spec(dataclasses.replace(spec, **change))
 
 
-@pytest.mark.parametrize("name", sorted(FAMILIES))
+@pytest.mark.parametrize("name", _in_ci(["glm45"], ["mixtral"], "test_bitwise_training_two_layouts",
+                                         "GLM-4.5 trains the routed experts Mixtral has plus the shared expert "
+                                         "and the bias update"))
 def test_bitwise_training_two_layouts(checkpoints, tmp_path, name):
     """Every step's loss, gradients (router and experts among them) and logprobs bitwise across EP
     with TP and SP and EP across DP, with the alltoall dispatcher."""
@@ -150,7 +170,10 @@ def test_bitwise_training_two_layouts(checkpoints, tmp_path, name):
     assert "bitwise" in proc.stdout.lower(), explain(proc)
 
 
-@pytest.mark.parametrize("model", ["tiny-mixtral", "tiny-glm45"])
+@pytest.mark.parametrize("model", _in_ci(["tiny-glm45"], ["tiny-mixtral"],
+                                          "test_rl_check_three_iterations_at_ratio_exactly_one",
+                                          "the RL loop is family-independent code over the family's forward and "
+                                          "step, each launched above"))
 def test_rl_check_three_iterations_at_ratio_exactly_one(tmp_path, model):
     """GRPO against the reference engine sampling at T=0.8 with top-p 0.95 (processed logprobs),
     bitwise training at tp2-sp-ep2, resharded to tp1-ep2 after iteration 2 (the experts' state saved
