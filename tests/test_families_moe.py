@@ -196,7 +196,7 @@ def test_rl_check_three_iterations_at_ratio_exactly_one(tmp_path, model):
 
 @pytest.mark.parametrize("name,changes,message", [
     ("glm45", {"norm_topk_prob": False}, "norm_topk_prob=false"),
-    ("glm45", {"n_group": 4, "topk_group": 2}, "n_group / topk_group=4 / 2"),
+    ("glm45", {"n_group": 4, "topk_group": 2}, "n_group / topk_group=4 / 2"),  # top-2 / 2 groups: not top-2 each
     ("glm45", {"first_k_dense_replace": 3}, "first_k_dense_replace=3"),
     ("mixtral", {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
     ("mixtral", {"router_jitter_noise": 0.01}, "router_jitter_noise=0.01"),
@@ -243,3 +243,22 @@ def test_an_extra_layer_in_a_family_without_mtp_is_refused(checkpoints, tmp_path
     directory = _with_mtp_layer(checkpoints["mixtral"], tmp_path, 1)
     with pytest.raises(ConfigError, match=r"unexpected tensor\(s\) \['model.layers.2.eh_proj.weight'"):
         open_hf_model(directory, load_profile())
+
+
+def test_glms_group_limited_routing_matches_transformers(tmp_path):
+    """n_group 4 / topk_group 2 over 16 experts, top-4 (DeepSeek-V3's top-2-per-group group score):
+    the reference engine matches transformers; without the groups it does not. (transformers masks the
+    dropped groups' scores to 0.0, megatron to -inf: they differ only where fewer than top-k kept
+    candidates score above 0, which the 8 kept candidates here make unlikely -- the match shows it.)"""
+    directory = make_glm4_moe(str(tmp_path / "glm-groups"), n_routed_experts=16, n_group=4, topk_group=2,
+                              num_experts_per_tok=4)
+    profile = load_profile()
+    spec, weights = open_hf_model(directory, profile)
+    assert (spec.moe_router_num_groups, spec.moe_router_group_topk) == (4, 2)
+    theirs = transformers_logprobs(directory, _sequences())
+    ours = ReferenceModel.from_source(spec, profile, weights, torch.float32).score(_sequences())
+    assert _worst(ours, theirs) < SEMANTICS_ATOL
+    ungrouped = dataclasses.replace(spec, moe_router_num_groups=None, moe_router_group_topk=None)
+    broken = ReferenceModel.from_source(ungrouped, profile, weights, torch.float32).score(_sequences())
+    assert _worst(broken, theirs) > 100 * SEMANTICS_ATOL
+    assert spec_from_hf_config(hf_config_from_spec(spec, "float32"), spec.name) == spec

@@ -28,9 +28,10 @@ RUNS = {
                                      "tp2,tp1-pp2"),
     "moe_router_bias_update_rate": ("train-check", "tiny-moe-shared", {}, {"moe_router_bias_update_rate": 0.01},
                                     "tp2-sp-ep2,tp1-ep2"),
-    # refused over several groups; one group (Megatron-Bridge's GLM / Kimi / Moonlight setting) accepted
-    "moe_router_num_groups": ("train-check", "tiny-glm45", {},
-                              {"moe_router_num_groups": 1, "moe_router_group_topk": 1}, "tp2-sp-ep2,tp1-ep2"),
+    # DeepSeek-V3's group-limited routing: 4 groups of 2 experts, each token choosing among its best 2
+    # (one group of all, Megatron-Bridge's GLM / Kimi / Moonlight setting, is plain top-k: kernel test)
+    "moe_router_num_groups": ("train-check", "tiny-glm45", {"moe_router_num_groups": 4, "moe_router_group_topk": 2},
+                              {}, "tp2-sp-ep2,tp1-ep2"),
 }
 CASES = tiered("test_honoured_fields.py: fields launched at a non-default value",
                ["normalization", "recompute_method"], sorted(RUNS),

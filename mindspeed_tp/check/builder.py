@@ -32,6 +32,8 @@ def _moe_kwargs(spec: ModelSpec, layout: Layout, dispatcher: str) -> dict:
         moe_router_pre_softmax=spec.moe_router_pre_softmax,
         moe_router_enable_expert_bias=spec.moe_router_enable_expert_bias,
         moe_router_topk_scaling_factor=spec.moe_router_topk_scaling_factor,
+        moe_router_num_groups=spec.moe_router_num_groups,
+        moe_router_group_topk=spec.moe_router_group_topk,
         moe_shared_expert_intermediate_size=spec.moe_shared_expert_intermediate_size,
         moe_router_load_balancing_type=spec.moe_router_load_balancing_type or (
             "aux_loss" if spec.moe_aux_loss_coeff else "none"),

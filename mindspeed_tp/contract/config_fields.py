@@ -53,6 +53,9 @@ HONOURED: Dict[str, str] = {
     "window_size": "tests/test_families.py::test_bitwise_training_two_layouts[mistral]",
     # Qwen2 / Qwen2.5: scored bitwise across layouts, trained bitwise (its gradient a token sum in fixed order)
     "add_qkv_bias": "tests/test_families.py::test_bitwise_training_two_layouts[qwen2]",
+    # group-limited routing: kernels/moe.group_limited, the same groups on every rank
+    **{name: "tests/test_honoured_fields.py::test_an_honoured_field_at_another_value_is_bitwise_across_layouts"
+       for name in ("moe_router_num_groups", "moe_router_group_topk")},
 }
 
 # field -> refusal key (contract/refusals.py); the refusal names the field and the value to set.
@@ -63,7 +66,7 @@ REFUSED: Dict[str, str] = {
         "gradient_accumulation_fusion cross_entropy_loss_fusion enable_cuda_graph external_cuda_graph cuda_graph_impl "
         "apply_query_key_layer_scaling window_attn_skip_freq softmax_type layernorm_zero_centered_gamma moe_router_dtype "
         "moe_expert_capacity_factor moe_pad_expert_input_to_capacity moe_input_jitter_eps "
-        "moe_router_topk_limited_devices moe_router_num_groups moe_router_group_topk moe_grouped_gemm "
+        "moe_router_topk_limited_devices moe_grouped_gemm "
         "moe_permute_fusion moe_router_fusion moe_shared_expert_overlap moe_apply_probs_on_input "
         "moe_shared_expert_gate moe_enable_deepep moe_latent_size moe_router_force_load_balancing "
         "moe_enable_routing_replay multi_latent_attention gtp_remat_size").split()},
@@ -202,10 +205,6 @@ ACCEPTED: Dict[str, Tuple[Callable[[Any], bool], str]] = {
     "add_bias_linear": (lambda v: not v, "False"),  # megatron's default is True
     "moe_router_dtype": (lambda v: v in (None, "fp32"), "'fp32' (None without MoE)"),
     "bias_dropout_fusion": (lambda v: True, "any value without a vllm-cpu profile (those refuse True)"),
-    # one group selects from every expert: Megatron-Bridge sets 1 / 1 for Kimi, Moonlight and GLM
-    # (launched: tests/test_honoured_fields.py, case moe_router_num_groups)
-    "moe_router_num_groups": (lambda v: v in (None, 1), "None or 1 (one group: plain top-k)"),
-    "moe_router_group_topk": (lambda v: v in (None, 1), "None or 1 (with one group)"),
 }
 
 

@@ -57,12 +57,6 @@ def _nonzero(v) -> bool:
     return v not in (None, 0, 0.0)
 
 
-def _several_groups(v) -> bool:
-    """Group-limited routing over more than one group (one group, Megatron-Bridge's setting for Kimi,
-    Moonlight and GLM, selects from every expert: plain top-k)."""
-    return v not in (None, 1)
-
-
 _T = "with --true-on-policy"
 _ENTRIES: Tuple[Refusal, ...] = (
     # ---- the real engine (vllm-cpu-* profiles, integrations/vllm) ----
@@ -241,14 +235,6 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "moe_router_topk_limited_devices={value!r} is not supported " + _T + ": device-limited routing depends on "
             "the EP size; unset it", "the experts a token may use depend on the EP layout",
             "moe_router_topk_limited_devices", _set),
-    Refusal("moe_router_num_groups", MOE, "moe_router_num_groups",
-            "moe_router_num_groups={value!r} is not supported " + _T + ": group-limited routing over several groups "
-            "is not supported; unset moe_router_num_groups or set 1 (one group: plain top-k)",
-            "not implemented by the fixed-order router", "moe_router_num_groups", _several_groups),
-    Refusal("moe_router_group_topk", MOE, "moe_router_group_topk",
-            "moe_router_group_topk={value!r} is not supported " + _T + ": group-limited routing over several groups "
-            "is not supported; unset moe_router_group_topk or set 1 (with one group)",
-            "not implemented by the fixed-order router", "moe_router_group_topk", _several_groups),
     Refusal("moe_grouped_gemm", MOE, "moe_grouped_gemm",
             "moe_grouped_gemm={value!r} is not supported " + _T + ": grouped GEMM experts are not covered; set "
             "moe_grouped_gemm=False (SequentialMLP)", "a grouped GEMM's reduction order depends on the tokens per "

@@ -34,6 +34,19 @@ def topk_lowest_id_on_ties(scores: torch.Tensor, k: int) -> Tuple[torch.Tensor, 
     return values[..., :k], indices[..., :k]
 
 
+def group_limited(select: torch.Tensor, topk: int, num_groups: int, group_topk: int) -> torch.Tensor:
+    """``select`` (T, E) with the experts outside each token's ``group_topk`` best groups at -inf
+    (Megatron's group_limited_topk): the E experts in ``num_groups`` contiguous groups, a group
+    scored by the sum of its top ``topk // group_topk`` scores (descending, summed in that order),
+    ties between groups and experts broken by the lower id."""
+    tokens, experts = select.shape
+    per_group = experts // num_groups
+    best, _ = topk_lowest_id_on_ties(select.reshape(tokens, num_groups, per_group), topk // group_topk)
+    _, groups = topk_lowest_id_on_ties(_slot_sum(best), group_topk)
+    keep = torch.zeros(tokens, num_groups, dtype=torch.bool, device=select.device).scatter_(1, groups, True)
+    return select.masked_fill(~keep.repeat_interleave(per_group, dim=1), float("-inf"))
+
+
 def route(
     logits: torch.Tensor,
     topk: int,
@@ -41,27 +54,36 @@ def route(
     pre_softmax: bool = False,
     expert_bias: Optional[torch.Tensor] = None,
     scaling_factor: Optional[float] = None,
+    num_groups: Optional[int] = None,
+    group_topk: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Top-k experts and their weights per token.
 
     logits: (T, E), any float dtype (computed in fp32). Returns (indices (T, k) long in slot
     order, probs (T, k) fp32). Semantics follow Megatron's router: softmax with pre_softmax=False
     normalises over the k chosen logits; sigmoid selects on score + expert_bias and normalises the
-    unbiased scores of the chosen experts when k > 1.
+    unbiased scores of the chosen experts when k > 1; with ``group_topk`` (and ``num_groups``) the
+    selection is limited to each token's best groups (``group_limited``), as megatron's.
     """
     logits = logits.float()
+
+    def select_topk(scores):
+        if group_topk:
+            scores = group_limited(scores, topk, num_groups, group_topk)
+        return topk_lowest_id_on_ties(scores, topk)
+
     if score_function == "softmax":
         if pre_softmax:
             scores = _softmax(logits)
-            probs, idx = topk_lowest_id_on_ties(scores, topk)
+            probs, idx = select_topk(scores)
         else:
-            chosen, idx = topk_lowest_id_on_ties(logits, topk)
+            chosen, idx = select_topk(logits)
             e = elementwise.exp(chosen - chosen[..., :1])  # slot 0 holds the max
             probs = e / _slot_sum(e).unsqueeze(-1)
     elif score_function == "sigmoid":
         scores = elementwise.sigmoid(logits)
         select = scores if expert_bias is None else scores + expert_bias.float()
-        _, idx = topk_lowest_id_on_ties(select, topk)
+        _, idx = select_topk(select)
         probs = scores.gather(-1, idx)
         if topk > 1:
             probs = probs / (_slot_sum(probs).unsqueeze(-1) + 1e-20)

@@ -56,6 +56,10 @@ class ModelSpec:
     moe_router_pre_softmax: bool = False         # False: normalised top-k (norm_topk_prob=True)
     moe_router_enable_expert_bias: bool = False
     moe_router_topk_scaling_factor: Optional[float] = None
+    # Group-limited routing (DeepSeek-V3's n_group / topk_group): experts in moe_router_num_groups
+    # contiguous groups, each token choosing among its moe_router_group_topk best groups.
+    moe_router_num_groups: Optional[int] = None
+    moe_router_group_topk: Optional[int] = None
     moe_shared_expert_intermediate_size: Optional[int] = None
     first_k_dense: int = 0                        # leading dense layers (DeepSeek first_k_dense_replace)
     moe_aux_loss_coeff: float = 0.0
@@ -83,6 +87,14 @@ class ModelSpec:
                     f"model {self.name}: moe_router_score_function={self.moe_router_score_function!r} is not "
                     f"supported (router type); use softmax or sigmoid"
                 )
+            groups, chosen = self.moe_router_num_groups, self.moe_router_group_topk
+            if (groups is None) != (chosen is None) or (groups is not None and (
+                    not 1 <= chosen <= groups or self.num_experts % groups or self.moe_router_topk % chosen
+                    or self.moe_router_topk > chosen * (self.num_experts // groups))):
+                raise ConfigError(f"model {self.name}: moe_router_num_groups={groups} / moe_router_group_topk={chosen} "
+                                  f"must both be set or unset, with group_topk <= num_groups, num_groups dividing "
+                                  f"num_experts={self.num_experts}, group_topk dividing moe_router_topk="
+                                  f"{self.moe_router_topk}, and the chosen groups holding at least top-k experts")
             if not 0 <= self.first_k_dense < self.num_layers:
                 raise ConfigError(f"model {self.name}: first_k_dense must be in [0, num_layers)")
         if self.rope_scaling_factor is not None and not self.rope_scaling_factor >= 1.0:

@@ -88,7 +88,8 @@ class ReferenceModel:
         logits = self._linear(x, prefix + "router.weight", out_dtype=torch.float32)
         bias = self.w.get(prefix + "router.expert_bias")
         idx, probs = route(logits, spec.moe_router_topk, spec.moe_router_score_function, spec.moe_router_pre_softmax,
-                           bias, spec.moe_router_topk_scaling_factor)
+                           bias, spec.moe_router_topk_scaling_factor, spec.moe_router_num_groups,
+                           spec.moe_router_group_topk)
         slots = torch.zeros(x.shape[0], idx.shape[1], x.shape[1], dtype=x.dtype, device=x.device)
         for e in torch.unique(idx).tolist():
             rows, slot = torch.nonzero(idx == e, as_tuple=True)

@@ -90,7 +90,8 @@ def canonical_moe(numerics, layer, hidden_states, padding_mask, publish_routing)
     idx, probs = route(
         logits, config.moe_router_topk, getattr(config, "moe_router_score_function", "softmax"),
         bool(getattr(config, "moe_router_pre_softmax", False)), expert_bias,
-        getattr(config, "moe_router_topk_scaling_factor", None),
+        getattr(config, "moe_router_topk_scaling_factor", None), getattr(config, "moe_router_num_groups", None),
+        getattr(config, "moe_router_group_topk", None),
     )
     publish_routing(layer, idx)
     if _router_losses_enabled(router, config):

@@ -168,6 +168,8 @@ def moe_problems(model, prof) -> list:
         problems.append("shared experts are not modelled (Qwen3-MoE and Mixtral have none)")
     if getattr(model, "moe_router_enable_expert_bias", False) or getattr(model, "moe_router_topk_scaling_factor", None):
         problems.append("expert bias / top-k scaling are not modelled")
+    if getattr(model, "moe_router_group_topk", None):
+        problems.append("group-limited routing (moe_router_num_groups / moe_router_group_topk) is not modelled")
     inter = model.moe_ffn_hidden_size or model.ffn_hidden_size
     if (inter // prof.rollout_tp) % kernels.MOE_ALIGNMENT or model.hidden_size % kernels.MOE_ALIGNMENT:
         problems.append(f"moe_ffn_hidden_size/rollout_tp={inter // prof.rollout_tp} and hidden_size="
