@@ -284,6 +284,44 @@ def test_attention_semantics_bf16_and_query_suffix():
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_attention_with_a_value_head_size_of_its_own(block_size, causal):
+    """Multi-latent attention's heads: queries and keys of 24 channels (192 in DeepSeek-V3), values of
+    16 (128). The forward is fp64 attention's (tolerance), a query suffix scores its rows bit for bit
+    as the full prefill, the padded sequence's empty output has the value size, and the recomputed
+    gradient is fp64 attention's."""
+    q = _randn(B, HQ, 150, 24, seed=40)
+    k = _randn(B, HKV, 150, 24, seed=41)
+    v = _randn(B, HKV, 150, 16, seed=42)
+    ex = _padding_mask(150)
+    out = consistent_attention(q, k, v, SCALE, causal=causal, excluded=ex, block_size=block_size)
+    assert out.shape == (B, HQ, 150, 16)
+    torch.testing.assert_close(out, _ref_attention(q, k, v, SCALE, causal=causal, excluded=ex), rtol=1e-5, atol=1e-5)
+    if causal:
+        pos = torch.arange(100, 150)
+        suffix = consistent_attention(q[:, :, 100:], k, v, SCALE, q_positions=pos, excluded=ex[..., 100:, :],
+                                      block_size=block_size)
+        assert bits_equal(suffix, out[:, :, 100:])
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    got = consistent_attention(*leaves, SCALE, causal=causal, excluded=ex, block_size=block_size)
+    assert bits_equal(got.detach(), out)
+    upstream = _randn(*out.shape, seed=43)
+    (got * upstream).sum().backward()
+    refs = [t.double().clone().requires_grad_() for t in (q, k, v)]
+    (_ref_attention(*refs, SCALE, causal=causal, excluded=ex).double() * upstream.double()).sum().backward()
+    for mine, ref in zip(leaves, refs):
+        torch.testing.assert_close(mine.grad.double(), ref.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_packed_attention_with_no_sequence_keeps_the_value_head_size():
+    from mindspeed_tp.kernels.attention import packed_attention
+
+    q, k, v = torch.zeros(0, HQ, 24), torch.zeros(0, HKV, 24), torch.zeros(0, HKV, 16)
+    out = packed_attention(q, k, v, torch.tensor([0, 0]), scale=SCALE, causal=True)
+    assert out.shape == (0, HQ, 16)
+
+
 def test_attention_rejects_bad_gqa():
     q = torch.zeros(1, 3, 4, 8)
     k = torch.zeros(1, 2, 4, 8)
@@ -675,6 +713,20 @@ def test_sliding_window_attention_is_the_window_mask_and_prefill_decode_agree(dt
         step = decode_attention(q[:, :, p:p + 1], k_cache, v_cache, torch.tensor([p + 1]), table, SCALE,
                                 block_size=16, window=window)
         assert bits_equal(step, full[:, :, p:p + 1]), p
+
+
+@pytest.mark.parametrize("backend", ["triton", "npu"])
+def test_a_backend_with_one_head_size_refuses_a_value_head_size_of_its_own_by_name(backend):
+    """Multi-latent attention's values (128 wide against 192 for q / k) run on the torch backend only."""
+    import importlib
+
+    module = importlib.import_module(f"mindspeed_tp.kernels.backends.{backend}")
+    q, v = torch.zeros(1, 2, 4, 24), torch.zeros(1, 2, 4, 16)
+    with pytest.raises(ConfigError, match=f"value head size \\(16\\) other than .* \\(24\\).* the {backend} backend"):
+        module.attention(q, q, v, SCALE, True)
+    k_cache, v_cache = torch.zeros(1, 4, 2, 24), torch.zeros(1, 4, 2, 16)
+    with pytest.raises(ConfigError, match="value head size"):
+        module.decode_attention(q, k_cache, v_cache, torch.tensor([4]), torch.zeros(1, 1, dtype=torch.long), SCALE)
 
 
 @pytest.mark.parametrize("backend", ["triton", "npu"])

@@ -305,6 +305,10 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "window_attn_skip_freq={value!r} is not supported " + _T + ": alternating windowed and full layers "
             "(gpt-oss, Gemma) are not implemented; unset it (every layer windowed) or window_size",
             "alternating windowed layers are not implemented", "window_attn_skip_freq", _not_none),
+    Refusal("attention_value_head_backend", ATTENTION, "v_head_dim != qk head dim (backend)",
+            "a value head size ({dv}) other than the query / key one ({d}) runs on the torch backend only; the "
+            "{backend} backend's kernel does not implement it: set the profile's backend: torch",
+            "the Triton and Ascend kernels take one head size for q, k and v"),
     Refusal("attention_window_backend", ATTENTION, "window_size (backend)",
             "sliding-window attention runs on the torch backend (and the vllm-cpu profiles' engine kernel) only; "
             "the {backend} backend's kernel does not implement it: set the profile's backend: torch, or unset "

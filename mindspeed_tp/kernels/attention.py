@@ -87,4 +87,4 @@ def packed_attention(
         out = consistent_attention(*one, scale=scale, causal=causal, block_size=block_size,
                                    row_multiple=row_multiple, split_size=split_size, window=window)
         outs.append(out.squeeze(0).permute(1, 0, 2))
-    return torch.cat(outs, dim=0) if outs else q.new_zeros(q.shape)
+    return torch.cat(outs, dim=0) if outs else q.new_zeros(*q.shape[:-1], v.shape[-1])

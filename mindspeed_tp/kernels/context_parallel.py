@@ -128,4 +128,4 @@ def packed_cp_attention(q, k_full, v_full, bounds, cp_size, cp_rank, scale, caus
                            split_size, window)
         outs.append(out.squeeze(0).permute(1, 0, 2))
         start += n
-    return torch.cat(outs, dim=0) if outs else q.new_zeros(q.shape)
+    return torch.cat(outs, dim=0) if outs else q.new_zeros(*q.shape[:-1], v_full.shape[-1])

@@ -119,6 +119,8 @@ def attention(
     """
     if window is not None:  # sliding-window attention: the torch backend only
         raise refuse("attention_window_backend", backend="npu")
+    if v.shape[-1] != q.shape[-1]:  # multi-latent attention's values: the torch backend only
+        raise refuse("attention_value_head_backend", dv=v.shape[-1], d=q.shape[-1], backend="npu")
     if excluded is not None:
         raise refuse("npu_explicit_mask")
     if split_size is not None:
@@ -158,6 +160,8 @@ def decode_attention(
     ``kernels.attention.decode_attention`` for the shapes."""
     if window is not None:  # sliding-window attention: the torch backend only
         raise refuse("attention_window_backend", backend="npu")
+    if v_cache.shape[-1] != q.shape[-1]:  # multi-latent attention's values: the torch backend only
+        raise refuse("attention_value_head_backend", dv=v_cache.shape[-1], d=q.shape[-1], backend="npu")
     if split_size is not None:
         raise refuse("npu_split_kv")
     out = npu_runtime.load().flash_attn_with_kvcache(

@@ -284,9 +284,10 @@ def _blocked_attention(
 ) -> torch.Tensor:
     """consistent_attention's forward on the torch backend (see there): key blocks with an online
     softmax; ``window``: keys more than that many positions before a query are hidden (sliding-window
-    attention; a block wholly before the window adds exactly nothing, as a causally hidden one)."""
+    attention; a block wholly before the window adds exactly nothing, as a causally hidden one). The
+    value head size may differ from the query / key one (multi-latent attention: 128 vs 192)."""
     b, hq, sq, d = q.shape
-    hkv, sk = k.shape[1], k.shape[2]
+    hkv, sk, dv = k.shape[1], k.shape[2], v.shape[-1]
     if hq % hkv:
         raise ValueError(f"query heads {hq} not divisible by key/value heads {hkv}")
     g = hq // hkv
@@ -313,7 +314,7 @@ def _blocked_attention(
         nblk = min(nblk, int(q_positions.max()) // block_size + 1)
     span = nblk * block_size
     kp = _pad_keys(k[:, :, :span], span).reshape(b * hkv, span, d)
-    vp = _pad_keys(v[:, :, :span], span).reshape(b * hkv, span, d)
+    vp = _pad_keys(v[:, :, :span], span).reshape(b * hkv, span, dv)
     # Rows are (group member, query): query head h uses key/value head h // g.
     qf = q.reshape(b * hkv, g * sq, d)
     rows = g * sq
@@ -331,7 +332,7 @@ def _blocked_attention(
     def fresh():
         return (torch.full((b * hkv, rows), float("-inf"), device=device),
                 torch.zeros((b * hkv, rows), device=device),
-                torch.zeros((b * hkv, rows, d), device=device))
+                torch.zeros((b * hkv, rows, dv), device=device))
 
     m, l, acc = fresh()
     total = None
@@ -363,7 +364,7 @@ def _blocked_attention(
     if total is not None:
         m, l, acc = _merge(total, (m, l, acc))
     out = torch.where(l.unsqueeze(-1) > 0, acc / l.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1), 0.0)
-    return out.reshape(b, hq, sq, d).to(q.dtype)
+    return out.reshape(b, hq, sq, dv).to(q.dtype)
 
 
 def decode_attention(

@@ -427,8 +427,10 @@ def _attention_launch(q, k_pages, v_pages, page_dims, positions, seqlens, table,
                       split_size):
     """q (b, hq, sq, d); k/v reachable as pages: ``page_dims`` names (page, offset, head, dim) of
     k_pages/v_pages (dim last); positions (b, sq); seqlens (b,) keys per entry; table (b, pages)."""
-    kernels = _kernels()
     b, hq, sq, d = q.shape
+    if v_pages.shape[page_dims[3]] != d:  # multi-latent attention's values: the torch backend only
+        raise refuse("attention_value_head_backend", dv=v_pages.shape[page_dims[3]], d=d, backend="triton")
+    kernels = _kernels()
     hkv = k_pages.shape[page_dims[2]]
     if hq % hkv:
         raise ValueError(f"query heads {hq} not divisible by key/value heads {hkv}")

@@ -132,14 +132,14 @@ class CanonicalTree(Numerics):
             raise refuse("padding_mask_2d", shape=tuple(attention_mask.shape))
         if not dispatch.backend_attribute(query, "EXPLICIT_MASKS", True):
             attention_mask = mask_for_maskless_kernel(mask_name, attention_mask, dispatch.backend_name(query))
-        sq, b, np_, hn = query.shape
+        sq, b, np_ = query.shape[:3]
         context = consistent_attention(
             query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
             scale=compat.attention_scale(module), causal=causal, excluded=attention_mask,
             block_size=prof.attention_block_size, row_multiple=prof.gemm_row_multiple,
             split_size=prof.attention_split_size, window=attention_window(module),
         )
-        return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+        return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * context.shape[-1])
 
     def packed_attention(self, module, query, key, value, bounds, causal):
         prof = self.profile
@@ -154,13 +154,13 @@ class CanonicalTree(Numerics):
         prof = self.profile
         if attention_mask is not None and not dispatch.backend_attribute(query, "EXPLICIT_MASKS", True):
             attention_mask = mask_for_maskless_kernel(mask_name, attention_mask, dispatch.backend_name(query))
-        sq, b, np_, hn = query.shape
+        sq, b, np_ = query.shape[:3]
         context = cp_attention(
             query.permute(1, 2, 0, 3), key_full.permute(1, 2, 0, 3), value_full.permute(1, 2, 0, 3),
             compat.attention_scale(module), causal, q_positions, attention_mask, prof.attention_block_size,
             prof.gemm_row_multiple, prof.attention_split_size, attention_window(module),
         )
-        return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+        return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * context.shape[-1])
 
     def cp_packed_attention(self, module, query, key_full, value_full, bounds, causal, cp_size, cp_rank):
         prof = self.profile
