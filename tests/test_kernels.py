@@ -741,3 +741,50 @@ def test_a_backend_without_a_window_kernel_refuses_the_window_by_name(backend):
     with pytest.raises(ConfigError, match="window_size"):
         module.decode_attention(q, cache, cache, torch.tensor([4]), torch.zeros(1, 1, dtype=torch.long), SCALE,
                                 window=3)
+
+
+@pytest.mark.parametrize("dim,base,factor,original", [(64, 10000, 40.0, 4096), (64, 50000, 32.0, 4096),
+                                                      (32, 10000, 4.0, 2048)])
+def test_yarn_frequencies_are_megatrons_and_transformers_bit_for_bit(monkeypatch, dim, base, factor, original):
+    """DeepSeek-V3's rope_type yarn (factor 40 over 4096 positions, a 64-wide rope head), Kimi-K2's
+    base, a small case: the frequencies megatron-core's YarnRotaryEmbedding rotates position 1 by,
+    and transformers' yarn initialisation, bit for bit; not the plain ones."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+    from transformers import DeepseekV3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from mindspeed_tp.kernels.rope import rope_inv_freq, yarn_inv_freq, yarn_mscale
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")  # megatron moves its tables to the GPU
+    theirs = YarnRotaryEmbedding(dim, rotary_base=base, scaling_factor=factor,
+                                 original_max_position_embeddings=original, use_cpu_initialization=True)
+    emb, concentration = theirs.get_emb(2)
+    ours = yarn_inv_freq(dim, base, factor, original)
+    assert bits_equal(ours, emb[1, 0, 0, : dim // 2])
+    assert concentration == yarn_mscale(factor)
+    rope = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original, "beta_fast": 32,
+            "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": float(base)}
+    config = DeepseekV3Config(qk_rope_head_dim=dim, rope_parameters=rope, max_position_embeddings=original * 4)
+    hf, _ = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    assert bits_equal(ours, hf.float())
+    assert not bits_equal(ours, rope_inv_freq(dim, base))
+
+
+@pytest.mark.parametrize("mscale", [1.0, 1.3])
+def test_mla_rope_deinterleaves_then_rotates_by_halves_as_megatron(mscale):
+    """Megatron's multi-latent attention RoPE (rope channels stored interleaved, rotated as even
+    channels then odd ones; YaRN's mscale on cos / sin): fp32 semantics against megatron's own
+    function, and bit for bit our half-layout rotation of the de-interleaved channels."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    from mindspeed_tp.kernels.rope import apply_rope, rope_angles, rope_inv_freq
+
+    t = _randn(10, 2, 4, 24, seed=50)  # [s, b, heads, 24]: 16 rope channels, 8 passed through
+    angles = rope_angles(torch.arange(10), rope_inv_freq(16, 10000)).reshape(10, 1, 1, 16)
+    ours = apply_rope(t, angles, deinterleave=True, mscale=mscale)
+    theirs = _apply_rotary_pos_emb_bshd(t, angles, multi_latent_attention=True, mscale=mscale)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    halves = torch.cat((t[..., 0:16:2], t[..., 1:16:2], t[..., 16:]), dim=-1)
+    plain = apply_rope(halves, angles, mscale=mscale)
+    assert bits_equal(ours, plain)
+    assert not torch.allclose(ours, apply_rope(t, angles, mscale=mscale))

@@ -32,6 +32,39 @@ def llama3_scaled(freqs: torch.Tensor, factor: float, low_freq_factor: float = 1
     return torch.where(is_medium, smoothed, inv_freq)
 
 
+def yarn_inv_freq(dim: int, base: float, factor: float, original_max_position_embeddings: int,
+                  beta_fast: float = 32.0, beta_slow: float = 1.0) -> torch.Tensor:
+    """YaRN's frequencies (DeepSeek-V3's rope_type yarn) as megatron-core's YarnRotaryEmbedding
+    computes them (the same ops, fp32): the plain frequencies where a dimension turns more than
+    ``beta_fast`` times over the original context, those divided by ``factor`` where it turns fewer
+    than ``beta_slow`` times, a linear ramp between (its ends rounded out to whole dimensions)."""
+    plain = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    scaled = 1.0 / (factor * base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+
+    def dimension_turning(turns: float) -> float:  # the dimension whose wavelength fits ``turns`` times
+        return dim * math.log(original_max_position_embeddings / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(dimension_turning(beta_fast)), 0)
+    high = min(math.ceil(dimension_turning(beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # megatron's guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    keep_plain = 1.0 - ramp
+    return scaled * (1 - keep_plain) + plain * keep_plain
+
+
+def yarn_mscale(factor: float, mscale: Optional[float] = None, mscale_all_dim: Optional[float] = None) -> float:
+    """The factor YaRN multiplies cos and sin by (megatron's concentration factor): 0.1 * m * ln(factor)
+    + 1 for each of ``mscale`` and ``mscale_all_dim``, their ratio (1.0 for DeepSeek-V3, whose two
+    are equal; its softmax scale carries the square of the second instead)."""
+    def get(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if mscale is None or mscale_all_dim is None:
+        return get(1.0)
+    return float(get(mscale) / get(mscale_all_dim))
+
+
 def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """Angles (len(positions), dim) laid out as [freqs, freqs] (non-interleaved)."""
     freqs = torch.outer(positions.to(torch.float32), inv_freq.float())
@@ -46,11 +79,20 @@ def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rope(t: torch.Tensor, angles: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """Rotate the first ``angles.shape[-1]`` channels of ``t``; angles broadcast against ``t``."""
+def apply_rope(t: torch.Tensor, angles: torch.Tensor, interleaved: bool = False, deinterleave: bool = False,
+               mscale: float = 1.0) -> torch.Tensor:
+    """Rotate the first ``angles.shape[-1]`` channels of ``t``; angles broadcast against ``t``.
+    ``deinterleave`` (multi-latent attention, megatron's and DeepSeek's interleaved rope channels):
+    the even channels, then the odd ones, rotated by halves, in that (half) layout. ``mscale``
+    (YaRN): cos and sin multiplied by it in fp32 first."""
     rot = angles.shape[-1]
     t_rot, t_pass = t[..., :rot], t[..., rot:]
     tf = t_rot.float()
+    if deinterleave:
+        tf = torch.cat((tf[..., 0::2], tf[..., 1::2]), dim=-1)
     angles = angles.float()
-    out = tf * cos(angles) + _rotate_half(tf, interleaved) * sin(angles)
+    c, s = cos(angles), sin(angles)
+    if mscale != 1.0:
+        c, s = c * mscale, s * mscale
+    out = tf * c + _rotate_half(tf, interleaved) * s
     return torch.cat((out.to(t.dtype), t_pass), dim=-1)
