@@ -239,6 +239,12 @@ def test_glms_multi_token_prediction_layer_is_dropped_with_a_note(checkpoints, t
     assert all(bits_equal(a, b) for a, b in zip(ours, theirs))
 
 
+def test_an_mtp_layer_config_json_does_not_declare_is_refused(checkpoints, tmp_path):
+    directory = _with_mtp_layer(checkpoints["glm45"], tmp_path, 0)
+    with pytest.raises(ConfigError, match=r"unexpected tensor\(s\) \['model.layers.3.eh_proj.weight'"):
+        open_hf_model(directory, load_profile())
+
+
 def test_an_extra_layer_in_a_family_without_mtp_is_refused(checkpoints, tmp_path):
     directory = _with_mtp_layer(checkpoints["mixtral"], tmp_path, 1)
     with pytest.raises(ConfigError, match=r"unexpected tensor\(s\) \['model.layers.2.eh_proj.weight'"):

@@ -16,15 +16,17 @@ from .mapping import Piece, expected_hf_shapes, megatron_pieces
 _DERIVED = (".rotary_emb.inv_freq",)
 
 
-def _mtp_layer_tensors(names, spec: ModelSpec) -> List[str]:
-    """The tensors of layers past ``num_layers`` where the family's checkpoints carry multi-token
-    prediction layers there (its MTP_LAYERS_KEY): not part of the next-token model."""
+def _mtp_layer_tensors(names, spec: ModelSpec, directory: str) -> List[str]:
+    """The tensors of the multi-token-prediction layers config.json declares (the family's
+    MTP_LAYERS_KEY), which its checkpoints keep right after the ``num_layers`` decoder layers: not part
+    of the next-token model. Any other extra layer stays unexpected."""
     from ..families import FAMILIES
 
-    if getattr(FAMILIES[spec.family], "MTP_LAYERS_KEY", None) is None:
-        return []
+    key = getattr(FAMILIES[spec.family], "MTP_LAYERS_KEY", None)
+    declared = int(read_hf_config(directory).get(key) or 0) if key else 0
+    mtp = range(spec.num_layers, spec.num_layers + declared)
     return sorted(n for n in names if n.startswith("model.layers.")
-                  and n.split(".")[2].isdigit() and int(n.split(".")[2]) >= spec.num_layers)
+                  and n.split(".")[2].isdigit() and int(n.split(".")[2]) in mtp)
 
 
 def validate_tensors(checkpoint: SafetensorsCheckpoint, spec: ModelSpec) -> None:
@@ -32,7 +34,7 @@ def validate_tensors(checkpoint: SafetensorsCheckpoint, spec: ModelSpec) -> None
     A family's multi-token-prediction layers are dropped, with a note."""
     want = expected_hf_shapes(spec)
     have = {n for n in checkpoint.names() if not n.endswith(_DERIVED)}
-    mtp = _mtp_layer_tensors(have, spec)
+    mtp = _mtp_layer_tensors(have, spec, checkpoint.directory)
     if mtp:
         have -= set(mtp)
         layers = sorted({int(n.split(".")[2]) for n in mtp})
