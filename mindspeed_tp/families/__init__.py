@@ -1,13 +1,16 @@
 """Model families, one module each (as vLLM and transformers keep one file per architecture): the
 Hugging Face ``config.json`` it reads and writes, and the ModelSpec fields it sets. What a family's
 layers compute differently is a spec field each (``qk_layernorm``, ``add_qkv_bias``,
-``rope_scaling_factor``, ``sliding_window``, ...) that the shared pieces honour, and for MoE layers
-their tensors' names (``EXPERT_NAMES``): the tensor map (``hf/mapping.py``), the
-Megatron build (``check/builder.py``), the reference engine and the profiles' forwards.
+``rope_scaling_factor``, ``rotary_percent``, ``sliding_window``, the router's fields, ...) that the
+shared pieces honour: the tensor map (``hf/mapping.py``), the Megatron build (``check/builder.py``),
+the reference engine and the profiles' forwards.
 
 A family module defines ``NAME`` (``ModelSpec.family``), ``ARCHITECTURES`` (config.json's
 ``architectures`` entries it reads), ``FIXED`` (the spec fields its architecture fixes: set on import,
-checked on export), ``spec_fields(cfg, architecture, name, where)`` and ``hf_config(spec, dtype)``; adding a family is one module listed here (docs/DEVELOPING.md)."""
+checked on export), ``spec_fields(cfg, architecture, name, where)`` and ``hf_config(spec, dtype)``;
+with MoE layers also ``EXPERT_NAMES`` (where its checkpoints keep them), and ``MTP_LAYERS_KEY`` where
+its checkpoints carry multi-token-prediction layers (dropped at import). Adding a family is one module
+listed here (docs/DEVELOPING.md)."""
 from __future__ import annotations
 
 from types import ModuleType
