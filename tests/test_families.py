@@ -156,15 +156,20 @@ _EXPORT_FULL = full_tier(
                                          pytest.param("mistral", "tp2-sp", marks=_EXPORT_FULL)])
 def test_export_round_trip_bitwise(checkpoints, tmp_path, name, layout):
     """The QKV biases (sliced by TP and regrouped per query group) and the RoPE scaling in config.json."""
-    out = tmp_path / "exported"
-    proc = run_torchrun("hf_export.py", 4 if "pp2" in layout else 2, checkpoints[name], layout, "fp32", str(out))
+    assert_exports_back(checkpoints[name], tmp_path / "exported", layout, 4 if "pp2" in layout else 2)
+
+
+def assert_exports_back(checkpoint, out, layout, nproc):
+    """The checkpoint loaded at ``layout`` and exported to ``out``: every tensor bit for bit, the same
+    names, and transformers' forward of the export bit for bit the original's."""
+    proc = run_torchrun("hf_export.py", nproc, checkpoint, layout, "fp32", str(out))
     assert proc.returncode == 0, explain(proc)
-    original, exported = SafetensorsCheckpoint(checkpoints[name]), SafetensorsCheckpoint(str(out))
+    original, exported = SafetensorsCheckpoint(checkpoint), SafetensorsCheckpoint(str(out))
     assert exported.names() == original.names()
     for tensor in original.names():
         assert bits_equal(original.read(tensor), exported.read(tensor)), tensor
     seq = [_sequences()[2]]
-    assert bits_equal(transformers_logprobs(str(out), seq)[0], transformers_logprobs(checkpoints[name], seq)[0])
+    assert bits_equal(transformers_logprobs(str(out), seq)[0], transformers_logprobs(checkpoint, seq)[0])
 
 
 @pytest.mark.parametrize("name", ["qwen2", "llama32", "mistral"])
@@ -231,14 +236,20 @@ def test_rl_check_three_iterations_at_ratio_exactly_one(tmp_path, model):
                    "--top-p", "0.95", "--logprob-semantics", "processed", "--bitwise-training", "--max-new-tokens", "32",
                    "--json", str(report), timeout=1200)
     assert proc.returncode == 0, explain(proc)
+    assert_ratio_exactly_one(report, iterations=3)
+
+
+def assert_ratio_exactly_one(report, iterations):
+    """An rl-check report: every iteration (1..``iterations``) bitwise the rollout's logprobs, in the
+    forward-only pass and in the training step, and the policy really moving (the groups' rewards
+    differ: advantages not all zero)."""
     (arm,) = json.loads(report.read_text())["arms"]
-    iterations = arm["iterations"]
-    assert len(iterations) == 3
-    for r in iterations:
+    rows = arm["iterations"]
+    assert [r["iteration"] for r in rows] == list(range(1, iterations + 1))
+    for r in rows:
         assert r["bitwise_fraction"] == 1.0 and r["step_bitwise_fraction"] == 1.0, r
         assert r["max_abs_logdiff"] == 0.0 and r["max_abs_ratio_minus_1"] == 0.0, r
-    # the groups' rewards differ (advantages not all zero): the policy really moves between iterations
-    groups = [r["rewards"][i:i + 4] for r in iterations for i in range(0, len(r["rewards"]), 4)]
+    groups = [r["rewards"][i:i + 4] for r in rows for i in range(0, len(r["rewards"]), 4)]
     assert any(len(set(g)) > 1 for g in groups)
 
 

@@ -16,12 +16,13 @@ from safetensors.torch import load_file
 
 from mindspeed_tp.contract.profile import load_profile
 from mindspeed_tp.errors import ConfigError
-from mindspeed_tp.hf import SafetensorsCheckpoint, hf_config_from_spec, open_hf_model, spec_from_hf_config
+from mindspeed_tp.hf import hf_config_from_spec, open_hf_model, spec_from_hf_config
 from mindspeed_tp.reference import ReferenceModel
 
-from conftest import bits_equal, explain, full_tier, run_cli, run_torchrun
+from conftest import bits_equal, explain, full_tier, run_cli
 from hf_models import make_glm4_moe, make_mixtral, save_word_tokenizer, transformers_logprobs
-from test_families import SEMANTICS_ATOL, _edited, _model_yaml, _sequences, _worst
+from test_families import (SEMANTICS_ATOL, _edited, _model_yaml, _sequences, _worst, assert_exports_back,
+                           assert_ratio_exactly_one)
 
 # family -> (checkpoint writer, spec changes that each drop one thing the family computes: each must
 # fail the comparison with transformers by far)
@@ -123,15 +124,7 @@ def test_rollouts_are_scored_bitwise(checkpoints, tmp_path, name):
                                          "Mixtral's names are read back in its reference-engine test"))
 def test_export_round_trip_bitwise(checkpoints, tmp_path, name):
     """Experts sliced by EP and expert-TP written back under the family's own names, in shards."""
-    out = tmp_path / "exported"
-    proc = run_torchrun("hf_export.py", 4, checkpoints[name], "tp2-sp-ep2-etp2", "fp32", str(out))
-    assert proc.returncode == 0, explain(proc)
-    original, exported = SafetensorsCheckpoint(checkpoints[name]), SafetensorsCheckpoint(str(out))
-    assert exported.names() == original.names()
-    for tensor in original.names():
-        assert bits_equal(original.read(tensor), exported.read(tensor)), tensor
-    seq = [_sequences()[2]]
-    assert bits_equal(transformers_logprobs(str(out), seq)[0], transformers_logprobs(checkpoints[name], seq)[0])
+    assert_exports_back(checkpoints[name], tmp_path / "exported", "tp2-sp-ep2-etp2", 4)
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
@@ -183,15 +176,7 @@ def test_rl_check_three_iterations_at_ratio_exactly_one(tmp_path, model):
                    "--iterations", "3", "--temperature", "0.8", "--top-p", "0.95", "--logprob-semantics", "processed",
                    "--bitwise-training", "--max-new-tokens", "32", "--json", str(report), timeout=1200)
     assert proc.returncode == 0, explain(proc)
-    (arm,) = json.loads(report.read_text())["arms"]
-    iterations = arm["iterations"]
-    assert [r["iteration"] for r in iterations] == [1, 2, 3]
-    for r in iterations:
-        assert r["bitwise_fraction"] == 1.0 and r["step_bitwise_fraction"] == 1.0, r
-        assert r["max_abs_logdiff"] == 0.0 and r["max_abs_ratio_minus_1"] == 0.0, r
-    # the groups' rewards differ (advantages not all zero): the policy really moves between iterations
-    groups = [r["rewards"][i:i + 4] for r in iterations for i in range(0, len(r["rewards"]), 4)]
-    assert any(len(set(g)) > 1 for g in groups)
+    assert_ratio_exactly_one(report, iterations=3)
 
 
 @pytest.mark.parametrize("name,changes,message", [
