@@ -7,9 +7,12 @@ TP group); 0.16 threads ``tp_group`` through modules and mappings; 0.19 also pas
 handled by the patches' own signatures).
 """
 import contextlib
+import functools
+import importlib.util
+import inspect
 import os
 import warnings
-from typing import Tuple
+from typing import Optional, Tuple
 
 SUPPORTED_LINES: Tuple[Tuple[int, int], ...] = ((0, 12), (0, 16), (0, 19))
 # Set to 1 to silence the warning for a megatron-core line the test suite does not run.
@@ -79,6 +82,27 @@ def gather_from_sequence_parallel_region(x, group):
     from megatron.core.tensor_parallel import mappings
 
     return mappings.gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=group)
+
+
+def local_mla_query_projection_problem() -> Optional[str]:
+    """Why this line's local spec cannot build MLA's one query projection (q_lora_rank unset), or None:
+    from megatron-core 0.19 (its mla_qk_norm_config) that projection is only Transformer Engine's fused
+    norm + linear. Read from the installed files, without importing megatron-core."""
+    core = importlib.util.find_spec("megatron.core")
+    locations = list(core.submodule_search_locations or []) if core else []
+    if any(os.path.exists(os.path.join(p, "transformer", "mla_qk_norm_config.py")) for p in locations):
+        return (f"megatron-core {megatron_version()}'s local spec builds MLA's query projection without a query "
+                f"latent only as Transformer Engine's fused norm + linear")
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def rope_takes_mla_flag() -> bool:
+    """megatron-core >= 0.19's RoPE takes mla_rotary_interleaved (earlier lines read the config's
+    multi_latent_attention instead)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    return "mla_rotary_interleaved" in inspect.signature(rope_utils._apply_rotary_pos_emb_bshd).parameters
 
 
 def attention_scale(module) -> float:

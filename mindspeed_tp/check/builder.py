@@ -51,18 +51,33 @@ def _moe_kwargs(spec: ModelSpec, layout: Layout, dispatcher: str) -> dict:
     return kw
 
 
+def _mla_kwargs(spec: ModelSpec) -> dict:
+    """MLATransformerConfig's fields (megatron's names and meaning, models/spec.py)."""
+    if not spec.multi_latent_attention:
+        return {}
+    kw = {f: getattr(spec, f) for f in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                                         "v_head_dim", "rope_type", "rotary_scaling_factor", "beta_fast", "beta_slow",
+                                         "mscale", "mscale_all_dim")}
+    kw["rotary_base"] = spec.rotary_base
+    if spec.original_max_position_embeddings:
+        kw["original_max_position_embeddings"] = spec.original_max_position_embeddings
+    return kw
+
+
 def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype, dispatcher: str = "alltoall",
                        user_fields=None, **overrides):
     """The model's TransformerConfig for ``layout``; ``overrides``: training settings (recompute,
     per-token loss, ...) on top, then the user's --transformer-config fields (``user_fields``, default
     the ones ``set_user_fields`` gave)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer import transformer_config as tc
 
     from ..errors import ConfigError
     from . import user_config
 
+    config_class = tc.MLATransformerConfig if spec.multi_latent_attention else tc.TransformerConfig
     kwargs = dict(
         **_moe_kwargs(spec, layout, dispatcher),
+        **_mla_kwargs(spec),
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_attention_heads,
@@ -100,7 +115,7 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype, disp
     fields = _USER_FIELDS if user_fields is None else user_fields
     kwargs = user_config.apply(kwargs, fields, spec)
     try:
-        config = TransformerConfig(**kwargs)
+        config = config_class(**kwargs)
     except (ValueError, AssertionError, TypeError) as exc:
         if not fields:
             raise
@@ -157,8 +172,11 @@ def _build_gpt(spec: ModelSpec, layout: Layout, dtype: torch.dtype, profile: Pro
                                                 **model_kwargs)
     else:
         layer_spec = get_gpt_layer_local_spec(
-            num_experts=spec.num_experts, qk_layernorm=spec.qk_layernorm, normalization="RMSNorm"
+            num_experts=spec.num_experts, qk_layernorm=spec.qk_layernorm, normalization="RMSNorm",
+            multi_latent_attention=spec.multi_latent_attention,
         )
+    if spec.multi_latent_attention and spec.q_lora_rank is None:
+        _without_query_latent_norm(layer_spec)
     if spec.rope_scaling_factor is not None:  # Llama-3's scaled RoPE
         model_kwargs = dict(model_kwargs, rope_scaling=True, rope_scaling_factor=spec.rope_scaling_factor)
     if spec.rotary_percent != 1.0:  # partial rotary (GLM-4.5)
@@ -181,6 +199,15 @@ def _build_gpt(spec: ModelSpec, layout: Layout, dtype: torch.dtype, profile: Pro
     mark_true_vocab(model, spec.vocab_size)
     model.to(dtype)
     return model
+
+
+def _without_query_latent_norm(layer_spec) -> None:
+    """MLA without a query latent has no query norm: megatron's local spec still names one (0.16 builds
+    it unused, 0.19 refuses it), so the spec gets an IdentityOp there, as Megatron-Bridge builds it."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    for layer in getattr(layer_spec, "layer_specs", None) or [layer_spec]:
+        layer.submodules.self_attention.submodules.q_layernorm = IdentityOp
 
 
 def check_before_launch(spec, layouts, profile, dtype, fields: Dict[str, Any], dispatcher: str = "alltoall") -> None:

@@ -56,6 +56,12 @@ HONOURED: Dict[str, str] = {
     # group-limited routing: kernels/moe.group_limited, the same groups on every rank
     **{name: "tests/test_honoured_fields.py::test_an_honoured_field_at_another_value_is_bitwise_across_layouts"
        for name in ("moe_router_num_groups", "moe_router_group_topk")},
+    # multi-latent attention (MLATransformerConfig): DeepSeek-V3's shape (query latent, YaRN) and
+    # Moonlight's (one query projection, plain RoPE), each scored bitwise across TP / SP / PP / EP
+    **_all("multi_latent_attention q_lora_rank kv_lora_rank qk_head_dim qk_pos_emb_head_dim v_head_dim rope_type "
+           "rotary_scaling_factor original_max_position_embeddings beta_fast beta_slow mscale mscale_all_dim",
+           "tests/test_mla.py::test_mla_logprobs_bitwise_across_layouts[tiny-deepseek-v3]"),
+    "rotary_base": "tests/test_mla.py::test_mla_logprobs_bitwise_across_layouts[tiny-mla]",
 }
 
 # field -> refusal key (contract/refusals.py); the refusal names the field and the value to set.
@@ -69,7 +75,7 @@ REFUSED: Dict[str, str] = {
         "moe_router_topk_limited_devices moe_grouped_gemm "
         "moe_permute_fusion moe_router_fusion moe_shared_expert_overlap moe_apply_probs_on_input "
         "moe_shared_expert_gate moe_enable_deepep moe_latent_size moe_router_force_load_balancing "
-        "moe_enable_routing_replay multi_latent_attention gtp_remat_size").split()},
+        "moe_enable_routing_replay gtp_remat_size").split()},
     # > 0 while training (a forward-only pass runs without dropout)
     "attention_dropout": "attention_dropout",
     "hidden_dropout": "hidden_dropout",
@@ -82,10 +88,8 @@ REFUSED: Dict[str, str] = {
            "moe_extended_tp moe_token_dropping moe_router_padding_for_quantization moe_router_padding_for_fp8 "
            "hybrid_context_parallel batch_invariant_mode flash_decode use_inference_optimized_layers "
            "inference_fuse_tp_communication symmetric_ar_type mlp_chunks_for_prefill", "architecture_variant"),
-    # only read by the refused MLA (MLATransformerConfig's own fields), layers or options above
-    **_all("q_lora_rank kv_lora_rank qk_head_dim qk_pos_emb_head_dim v_head_dim rope_type rotary_base rotary_percent "
-           "rotary_scaling_factor original_max_position_embeddings beta_fast beta_slow mscale mscale_all_dim "
-           "cache_mla_latents mla_down_proj_fusion", "multi_latent_attention"),
+    # MLA's inference latent cache and fused down projection, and a partial rotary of its rope channels
+    **_all("rotary_percent cache_mla_latents mla_down_proj_fusion", "multi_latent_attention"),
     **_all("dsa_indexer_n_heads dsa_indexer_head_dim dsa_indexer_topk dsa_indexer_loss_coeff dsa_indexer_use_sparse_loss "
            "linear_conv_kernel_dim linear_key_head_dim linear_value_head_dim linear_num_key_heads "
            "linear_num_value_heads mamba_state_dim mamba_head_dim mamba_num_groups mamba_num_heads "

@@ -85,7 +85,7 @@ def check_model_config(config: Any, profile: Optional[Any] = None, training: boo
                             getattr(config, "gated_linear_unit", None)),
                      what="an MLP other than SwiGLU (activation_func=F.silu, gated_linear_unit=True)")
     if getattr(config, "multi_latent_attention", False):
-        raise refuse("multi_latent_attention")
+        check_mla(config, profile)
     check_cp_comm_type(config)
     check_recompute_modules(config)
     if getattr(config, "num_moe_experts", None):
@@ -94,6 +94,24 @@ def check_model_config(config: Any, profile: Optional[Any] = None, training: boo
     if profile is not None and profile.engine_name == "vllm":
         refusals.check_config(refusals.ENGINE, config)
     check_refused_fields(config)
+
+
+def check_mla(config: Any, profile: Optional[Any]) -> None:
+    """Multi-latent attention where it was run bitwise: bshd batches without CP, the canonical and
+    bitwise-training profiles, its latents recomputed each step."""
+    mla = "multi_latent_attention"
+    if (getattr(config, "context_parallel_size", 1) or 1) > 1:
+        raise refuse(mla, setting="context_parallel_size", value=config.context_parallel_size,
+                     fix="set context_parallel_size=1")
+    for name in ("cache_mla_latents", "mla_down_proj_fusion"):
+        if getattr(config, name, False):
+            raise refuse(mla, setting=name, value=getattr(config, name), fix=f"set {name}=False")
+    if getattr(config, "rope_type", "rope") not in ("rope", "yarn"):
+        raise refuse(mla, setting="rope_type", value=config.rope_type, fix="use rope or yarn")
+    if profile is not None and (profile.engine_name is not None or profile.rollout_layout):
+        raise refuse(mla, setting="profile", value=profile.name,
+                     fix="score with a canonical_tree or bitwise_training profile: no rollout engine's MLA is "
+                         "modelled yet")
 
 
 # Selective recomputation's modules that were run bitwise (tests/test_train_check.py: core_attn;

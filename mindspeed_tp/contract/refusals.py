@@ -370,8 +370,10 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "rollout-tp profile", "the engine's attention needs whole requests"),
     Refusal("attention_bias", ATTENTION, "attention_bias", "attention_bias is not supported " + _T,
             "an additive bias is not part of the consistent attention"),
-    Refusal("multi_latent_attention", ATTENTION, "multi_latent_attention",
-            "multi_latent_attention is not supported " + _T, "MLA is not implemented"),
+    Refusal("multi_latent_attention", ATTENTION, "multi_latent_attention with {setting}",
+            "multi_latent_attention with {setting}={value!r} is not supported " + _T + " ({fix})",
+            "not covered yet: MLA runs with the canonical / bitwise-training profiles on bshd batches without "
+            "CP, on the torch backend, with its latents recomputed (no inference cache or fused down projection)"),
     Refusal("rope_mscale", ATTENTION, "RoPE mscale (YaRN)", "RoPE mscale != 1 (YaRN) is not supported " + _T,
             "not implemented"),
     Refusal("backend_not_invariant", BACKEND, "backend (profile)",
@@ -570,8 +572,6 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "mindspeed_tp.verl entry does)", "MindSpeed's TE stand-ins are not patched"),
     Refusal("grouped_mlp", MODEL, "moe_grouped_gemm", "{name}: grouped-GEMM experts are not covered (moe_grouped_gemm=False)",
             "a grouped GEMM's reduction order depends on the tokens per expert"),
-    Refusal("mla_module", MODEL, "multi_latent_attention",
-            "{name}: multi-latent attention is not supported (multi_latent_attention=False)", "MLA is not implemented"),
     # ---- MindSpeed flags ----
     Refusal("megatron_logprob_semantics", MINDSPEED, "profile logprob_semantics (Megatron-LM training)",
             "the profile's logprob_semantics is {semantics!r}, but Megatron-LM's training loss (GPTModel.forward with "

@@ -33,6 +33,12 @@ GROUPS = {
 _no_te_apex, _gloo, _cuda = GROUPS["no_te_apex"], GROUPS["gloo"], GROUPS["cuda_standins"]
 
 
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
 class _NullStream:
     """Stands in for torch.cuda.Stream / Event: synchronisation is a no-op on one CPU stream."""
 
@@ -127,6 +133,21 @@ def _wrapped_torch_norm_new(original):
         return norm
 
     return __new__
+
+
+@_no_te_apex.register("megatron.core.transformer.dot_product_attention:DotProductAttention.__init__",
+                      "MLA builds its core attention with Transformer Engine's k_channels / v_channels, which the "
+                      "local DotProductAttention lacks (a TypeError on every line): built without them, its "
+                      "output sized by the value head", wraps=True)
+def _local_attention_head_sizes(original):
+    def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+        original(self, *args, **kwargs)
+        if k_channels is not None:
+            self.hidden_size_per_attention_head = k_channels
+        if v_channels is not None:  # the context it returns is [sq, b, np * dv]
+            self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+    return __init__
 
 
 def _pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group=None):
@@ -280,6 +301,13 @@ _no_te_apex.add(Patch(target="megatron.core.transformer.moe.moe_utils:te_general
                       define_if_absent=True, reason="megatron-core 0.16 MoE router gating reads te_general_gemm "
                       "(Transformer Engine) without defining it when TE is absent"))
 
+# megatron-core 0.16's MLA imports megatron's TE extension, which imports without TE and leaves
+# TELinear a mock: MLA's isinstance(linear_proj, TELinear) then fails at construction.
+_no_te_apex.add(Patch(target="megatron.core.transformer.multi_latent_attention:HAVE_TE",
+                      replacement=_importable("transformer_engine"), optional=True, everywhere=False,
+                      reason="megatron-core 0.16's MLA believes Transformer Engine present when it is absent "
+                      "(its TELinear a mock: isinstance fails at construction)"))
+
 
 # Providers of the registries the shims go under: the switch registers the numerics patches'.
 _above: List[Callable[[], PatchRegistry]] = []
@@ -339,12 +367,6 @@ def install_checker_shims() -> List[str]:
     names = needed_groups(dist.get_backend() if dist.is_initialized() else None)
     install_shims(*names)
     return names
-
-
-def _importable(module: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(module) is not None
 
 
 def remove_shims(*names: str) -> None:

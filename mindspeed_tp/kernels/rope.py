@@ -53,16 +53,26 @@ def yarn_inv_freq(dim: int, base: float, factor: float, original_max_position_em
     return scaled * (1 - keep_plain) + plain * keep_plain
 
 
-def yarn_mscale(factor: float, mscale: Optional[float] = None, mscale_all_dim: Optional[float] = None) -> float:
-    """The factor YaRN multiplies cos and sin by (megatron's concentration factor): 0.1 * m * ln(factor)
-    + 1 for each of ``mscale`` and ``mscale_all_dim``, their ratio (1.0 for DeepSeek-V3, whose two
-    are equal; its softmax scale carries the square of the second instead)."""
-    def get(m: float) -> float:
-        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+def yarn_concentration(factor: float, m: float) -> float:
+    """YaRN's concentration factor 0.1 * m * ln(factor) + 1 (1 without scaling), as megatron's
+    _yarn_get_mscale computes it."""
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
 
+
+def yarn_mscale(factor: float, mscale: Optional[float] = None, mscale_all_dim: Optional[float] = None) -> float:
+    """The factor YaRN multiplies cos and sin by: the concentration of ``mscale`` over that of
+    ``mscale_all_dim`` (1.0 for DeepSeek-V3, whose two are equal; its softmax scale carries the
+    square of the second instead: ``mla_softmax_scale``)."""
     if mscale is None or mscale_all_dim is None:
-        return get(1.0)
-    return float(get(mscale) / get(mscale_all_dim))
+        return yarn_concentration(factor, 1.0)
+    return float(yarn_concentration(factor, mscale) / yarn_concentration(factor, mscale_all_dim))
+
+
+def mla_softmax_scale(head_dim: int, factor: float, mscale_all_dim: float) -> float:
+    """Megatron's MLA softmax scale m * m / sqrt(query/key head) with m YaRN's concentration of
+    ``mscale_all_dim`` (computed whatever the rope type: 1 when mscale_all_dim is 0 or factor <= 1)."""
+    m = yarn_concentration(factor, mscale_all_dim)
+    return m * m / math.sqrt(head_dim)
 
 
 def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:

@@ -119,6 +119,35 @@ class Layout:
         return out
 
 
+def _validate_mla(layout: Layout, spec: ModelSpec, profile: Profile) -> None:
+    """MLA's column-parallel latents split by TP (megatron's local spec shards even the down projections)
+    and cut into the canonical leaves; what it does not cover named before any process starts."""
+    from ..compat import local_mla_query_projection_problem
+
+    mla = "multi_latent_attention"
+    if layout.cp > 1:
+        raise refuse(mla, setting="context_parallel_size", value=layout.cp, fix=f"drop cp{layout.cp} from the layout")
+    if profile.engine_name is not None or profile.rollout_layout:
+        raise refuse(mla, setting="profile", value=profile.name,
+                     fix="score with a canonical_tree or bitwise_training profile: no rollout engine's MLA is "
+                         "modelled yet")
+    problem = local_mla_query_projection_problem() if spec.q_lora_rank is None else None
+    if problem:
+        raise refuse(mla, setting="q_lora_rank", value=None,
+                     fix=f"{problem}; run this model on megatron-core 0.12-0.16, or with a query latent")
+    n = spec.num_attention_heads
+    sizes = [("kv_lora_rank+qk_pos_emb_head_dim", spec.kv_lora_rank + spec.qk_pos_emb_head_dim),
+             ("num_attention_heads*(qk_head_dim+v_head_dim)", n * (spec.qk_head_dim + spec.v_head_dim)),
+             ("num_attention_heads*v_head_dim", n * spec.v_head_dim)]
+    if spec.q_lora_rank is not None:
+        sizes.append(("q_lora_rank", spec.q_lora_rank))
+    for what, size in sizes:
+        for divisor, setting in ((layout.tp, "--tp"), (profile.canonical_shards, "canonical_shards")):
+            if size % divisor:
+                raise refuse("layout_size_indivisible", model=spec.name, what=what, size=size, setting=setting,
+                             divisor=divisor)
+
+
 def validate_layout(layout: Layout, spec: ModelSpec, profile: Profile, seq_length: int, training: bool = False) -> None:
     """Reject a layout that cannot be bitwise consistent, naming the setting to change.
 
@@ -154,6 +183,8 @@ def validate_layout(layout: Layout, spec: ModelSpec, profile: Profile, seq_lengt
             raise refuse("layout_size_indivisible", model=spec.name, what=what, size=size, setting=setting,
                          divisor=divisor)
     spec.padded_vocab(profile)
+    if spec.multi_latent_attention:
+        _validate_mla(layout, spec, profile)
     if spec.is_moe:
         refusals.check_config(refusals.MOE, spec)  # the MoE settings MoELayer would refuse, named early
         if spec.num_experts % layout.ep:

@@ -45,6 +45,26 @@ class ModelSpec:
     # Sliding-window attention in every layer (Mistral 7B v0.1): each query sees itself and the W - 1
     # keys before it (Hugging Face sliding_window W; Megatron's window_size (W - 1, 0)).
     sliding_window: Optional[int] = None
+    # Multi-latent attention (DeepSeek-V2/V3, Kimi-K2, Moonlight; megatron's MLATransformerConfig, same
+    # names): queries through a q_lora_rank latent (None: one projection), keys and values through a
+    # kv_lora_rank latent; a head's query and key are qk_head_dim channels without RoPE, then
+    # qk_pos_emb_head_dim with it (one rope key shared by the heads); its value v_head_dim channels.
+    # kv_channels is then the query/key head, qk_head_dim + qk_pos_emb_head_dim.
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: Optional[int] = None
+    qk_head_dim: Optional[int] = None
+    qk_pos_emb_head_dim: Optional[int] = None
+    v_head_dim: Optional[int] = None
+    # MLA's RoPE frequencies: rope (plain) | yarn (megatron's YarnRotaryEmbedding with the fields
+    # below; cos and sin scaled by its mscale ratio, the softmax scale by the square of mscale_all_dim's).
+    rope_type: str = "rope"
+    rotary_scaling_factor: float = 1.0
+    original_max_position_embeddings: Optional[int] = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
     # Explicit padded vocab (Megatron's --make-vocab-size-divisible-by result); default: the
     # profile pads TP-independently to a multiple of vocab_pad_multiple * canonical_shards.
     padded_vocab_size: Optional[int] = None
@@ -107,6 +127,11 @@ class ModelSpec:
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
             raise ConfigError(f"model {self.name}: sliding_window must be a positive integer (keys a query sees, "
                               f"itself included), got {self.sliding_window!r}; remove it for full attention")
+        if self.multi_latent_attention:
+            self._check_mla()
+        elif self.rope_type != "rope":
+            raise ConfigError(f"model {self.name}: rope_type={self.rope_type!r} is read only with multi_latent_attention "
+                              f"(megatron's MLA); remove it")
         from ..families import FAMILIES
 
         if self.family not in FAMILIES:
@@ -117,13 +142,52 @@ class ModelSpec:
                 f"by num_query_groups={self.num_query_groups}"
             )
 
+    def _check_mla(self) -> None:
+        dims = {f: getattr(self, f) for f in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")}
+        if self.q_lora_rank is not None:
+            dims["q_lora_rank"] = self.q_lora_rank
+        bad = {f: v for f, v in dims.items() if not isinstance(v, int) or v < 1}
+        if bad:
+            raise ConfigError(f"model {self.name}: multi_latent_attention needs positive integers for {sorted(bad)} "
+                              f"(q_lora_rank may be unset: one query projection)")
+        if self.qk_pos_emb_head_dim % 2:
+            raise ConfigError(f"model {self.name}: qk_pos_emb_head_dim={self.qk_pos_emb_head_dim} must be even (RoPE "
+                              f"rotates channel pairs)")
+        if self.kv_channels != self.qk_head_dim + self.qk_pos_emb_head_dim:
+            raise ConfigError(f"model {self.name}: with multi_latent_attention kv_channels is the query/key head, "
+                              f"qk_head_dim + qk_pos_emb_head_dim = {self.qk_head_dim + self.qk_pos_emb_head_dim}; "
+                              f"got {self.kv_channels}")
+        if self.num_query_groups != self.num_attention_heads or self.rotary_percent != 1.0 or \
+                self.rope_scaling_factor is not None or self.sliding_window is not None or self.add_qkv_bias:
+            raise ConfigError(f"model {self.name}: multi_latent_attention takes num_query_groups = num_attention_heads "
+                              f"and none of rotary_percent, rope_scaling_factor, sliding_window, add_qkv_bias")
+        if not self.qk_layernorm:
+            raise ConfigError(f"model {self.name}: multi_latent_attention needs qk_layernorm: true (megatron's local "
+                              f"MLA spec builds the latent norms only then)")
+        if self.rope_type not in ("rope", "yarn"):
+            raise ConfigError(f"model {self.name}: rope_type={self.rope_type!r}: use rope or yarn")
+        if self.rope_type == "yarn" and not (self.original_max_position_embeddings or 0) >= 1:
+            raise ConfigError(f"model {self.name}: rope_type yarn needs original_max_position_embeddings")
+
+    @property
+    def attention_heads_kv(self) -> int:
+        """Key/value heads the attention kernel sees (MLA: one per query head, after the up-projection)."""
+        return self.num_attention_heads if self.multi_latent_attention else self.num_query_groups
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.v_head_dim if self.multi_latent_attention else self.kv_channels
+
     @property
     def is_moe(self) -> bool:
         return self.num_experts is not None
 
     @property
     def rotary_dim(self) -> int:
-        """The channels RoPE rotates (megatron's RotaryEmbedding: int(kv_channels * rotary_percent))."""
+        """The channels RoPE rotates (megatron's RotaryEmbedding: int(kv_channels * rotary_percent); MLA:
+        the rope channels)."""
+        if self.multi_latent_attention:
+            return self.qk_pos_emb_head_dim
         return int(self.kv_channels * self.rotary_percent)
 
     def padded_vocab(self, profile) -> int:

@@ -15,7 +15,10 @@ from .spec import ModelSpec
 
 # Parameter name suffix -> how Megatron shards it across TP ranks.
 _COLUMN = ("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias",
-           "linear_fc1.weight", "linear_fc1.bias")
+           "linear_fc1.weight", "linear_fc1.bias",
+           # MLA's projections: megatron's local spec builds even the down projections column-parallel
+           "linear_q_proj.weight", "linear_q_down_proj.weight", "linear_q_up_proj.weight",
+           "linear_kv_down_proj.weight", "linear_kv_up_proj.weight")
 _ROW = ("linear_proj.weight", "linear_fc2.weight")
 _GATED = ("linear_fc1.weight", "linear_fc1.bias")
 
@@ -180,13 +183,16 @@ def full_weight_shapes(spec: ModelSpec, padded_vocab: int) -> Dict[str, Tuple[in
     for i in range(spec.num_layers):
         p = f"decoder.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "self_attention.linear_qkv.weight"] = (qkv, h)
-        if spec.add_qkv_bias:
-            shapes[p + "self_attention.linear_qkv.bias"] = (qkv,)
-        if spec.qk_layernorm:
-            shapes[p + "self_attention.q_layernorm.weight"] = (hd,)
-            shapes[p + "self_attention.k_layernorm.weight"] = (hd,)
-        shapes[p + "self_attention.linear_proj.weight"] = (h, spec.num_attention_heads * hd)
+        if spec.multi_latent_attention:
+            shapes.update(_mla_shapes(spec, p + "self_attention."))
+        else:
+            shapes[p + "self_attention.linear_qkv.weight"] = (qkv, h)
+            if spec.add_qkv_bias:
+                shapes[p + "self_attention.linear_qkv.bias"] = (qkv,)
+            if spec.qk_layernorm:
+                shapes[p + "self_attention.q_layernorm.weight"] = (hd,)
+                shapes[p + "self_attention.k_layernorm.weight"] = (hd,)
+        shapes[p + "self_attention.linear_proj.weight"] = (h, spec.num_attention_heads * spec.value_head_dim)
         shapes[p + "pre_mlp_layernorm.weight"] = (h,)
         if spec.is_moe and i >= spec.first_k_dense:
             f = spec.moe_ffn_hidden_size or spec.ffn_hidden_size
@@ -206,6 +212,22 @@ def full_weight_shapes(spec: ModelSpec, padded_vocab: int) -> Dict[str, Tuple[in
     shapes["decoder.final_layernorm.weight"] = (h,)
     if not spec.tie_word_embeddings:
         shapes["output_layer.weight"] = (padded_vocab, h)
+    return shapes
+
+
+def _mla_shapes(spec: ModelSpec, p: str) -> Dict[str, Tuple[int, ...]]:
+    """MLA's projections and latent norms (megatron's MLASelfAttention names)."""
+    h, n, kv = spec.hidden_size, spec.num_attention_heads, spec.kv_lora_rank
+    shapes = {}
+    if spec.q_lora_rank is None:
+        shapes[p + "linear_q_proj.weight"] = (n * spec.kv_channels, h)
+    else:
+        shapes[p + "linear_q_down_proj.weight"] = (spec.q_lora_rank, h)
+        shapes[p + "q_layernorm.weight"] = (spec.q_lora_rank,)
+        shapes[p + "linear_q_up_proj.weight"] = (n * spec.kv_channels, spec.q_lora_rank)
+    shapes[p + "linear_kv_down_proj.weight"] = (kv + spec.qk_pos_emb_head_dim, h)
+    shapes[p + "kv_layernorm.weight"] = (kv,)
+    shapes[p + "linear_kv_up_proj.weight"] = (n * (spec.qk_head_dim + spec.v_head_dim), kv)
     return shapes
 
 

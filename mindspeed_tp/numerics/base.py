@@ -66,6 +66,14 @@ class Numerics:
         """RoPE on ``t`` with Megatron's angle table ``freqs``; ``config``: the model's."""
         raise NotImplementedError
 
+    def mla_rope(self, t: torch.Tensor, freqs: torch.Tensor, mscale: float) -> torch.Tensor:
+        """Multi-latent attention's RoPE: the rope channels de-interleaved (even, then odd), rotated by
+        halves, cos and sin times YaRN's ``mscale``."""
+        from ..contract.refusals import refuse
+
+        raise refuse("multi_latent_attention", setting="profile", value=self.name,
+                     fix="score with a canonical_tree or bitwise_training profile")
+
     def attention(self, module, query, key, value, attention_mask, mask_name: str, causal: bool) -> torch.Tensor:
         """query [sq, b, np, hn], key/value [sk, b, ng, hn] -> [sq, b, np*hn]."""
         raise NotImplementedError

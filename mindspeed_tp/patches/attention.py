@@ -3,11 +3,12 @@ megatron's arguments checked (what no strategy models refused), then the active 
 attention and RoPE (by default one consistent attention function and fp32 RoPE)."""
 import torch
 
+from .. import compat
 from ..contract import refusals
 from ..contract.refusals import refuse
 from ..numerics import ACTIVE
 from ..patching import PatchRegistry
-from . import context_parallel
+from . import context_parallel, mla
 
 _CAUSAL_TYPES = ("causal", "padding_causal", "causal_bottom_right")
 
@@ -73,6 +74,8 @@ def attention_forward(
     if attention_bias is not None:
         raise refuse("attention_bias")
     _check_attention_config(self)
+    if getattr(self.config, "multi_latent_attention", False):
+        key = mla.shared_rope_key(self, key)
     numerics = ACTIVE.strategy
     mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
     mask_name = getattr(mask_type, "name", str(mask_type))
@@ -94,15 +97,35 @@ def attention_forward(
     return numerics.packed_attention(self, query, key, value, bounds, causal)
 
 
+_UNSET = object()
+
+
+def _mla_channels(config, mla_rotary_interleaved) -> bool:
+    """Whether megatron's RoPE would de-interleave the rotated channels (MLA): megatron-core >= 0.19
+    by its ``mla_rotary_interleaved`` argument (None: the config decides), earlier lines by the
+    config's multi_latent_attention."""
+    if mla_rotary_interleaved is _UNSET:
+        return bool(getattr(config, "multi_latent_attention", False)) and not compat.rope_takes_mla_flag()
+    if mla_rotary_interleaved is None:
+        return bool(getattr(config, "multi_latent_attention", False))
+    return bool(mla_rotary_interleaved)
+
+
 def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None,
-                         mla_rotary_interleaved=False):
+                         mla_rotary_interleaved=_UNSET):
     """RoPE by the active strategy (fp32 from Megatron's angle table, one cast, by default); packed
     (thd, ``cu_seqlens``): each sequence from its own position 0, as Megatron's thd RoPE. Under CP:
     padded, Megatron's RotaryEmbedding already gave this rank's angles; packed, each sequence's
     chunk positions (``context_parallel.packed_rope``)."""
-    if getattr(config, "multi_latent_attention", False) or mla_rotary_interleaved:
-        raise refuse("multi_latent_attention")
-    if mscale != 1.0:
+    if _mla_channels(config, mla_rotary_interleaved):
+        if cp_group is not None and cp_group.size() > 1:
+            raise refuse("multi_latent_attention", setting="context_parallel_size", value=cp_group.size(),
+                         fix="set context_parallel_size=1")
+        if cu_seqlens is not None:
+            raise refuse("multi_latent_attention", setting="packed sequences (thd)", value="cu_seqlens",
+                         fix="pass padded (bshd) batches")
+        return ACTIVE.strategy.mla_rope(t, freqs, mscale)
+    if mscale != 1.0:  # only MLA's YaRN passes one
         raise refuse("rope_mscale")
     interleaved = bool(getattr(config, "rotary_interleaved", False))
     if cp_group is not None and cp_group.size() > 1:

@@ -24,7 +24,7 @@ _UNCOVERED = (
     # MindSpeed puts these under megatron's TE names (TEColumnParallelLinear, TEDotProductAttention, ...)
     ("mindspeed.te.", "mindspeed_te"),
 )
-_UNCOVERED_CLASSES = {"GroupedMLP": "grouped_mlp", "MLASelfAttention": "mla_module"}
+_UNCOVERED_CLASSES = {"GroupedMLP": "grouped_mlp"}
 
 
 def _profile():
@@ -121,7 +121,7 @@ def register(reg: PatchRegistry) -> None:
     reg.register(
         "megatron.core.models.gpt.gpt_model:GPTModel.__init__",
         "marks output_layer so the LM head GEMM returns fp32 logits; rejects modules no patch covers "
-        "(Transformer Engine, apex norms incl. megatron's FusedLayerNorm, grouped-GEMM experts, MLA)",
+        "(Transformer Engine, apex norms incl. megatron's FusedLayerNorm, grouped-GEMM experts)",
         wraps=True,
     )(lambda original: gpt_model_init(original, reg))
     reg.register("megatron.core.models.gpt.gpt_model:GPTModel.forward",

@@ -44,10 +44,11 @@ class PagedKVCache:
     """Per-layer pools of fixed-size pages; each request owns a list of pages."""
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, groups: int, head_dim: int, dtype,
-                 device=None):
+                 device=None, value_head_dim: Optional[int] = None):
         self.page_size = page_size
         self.k = torch.zeros(num_layers, num_pages, page_size, groups, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
+        self.v = torch.zeros(num_layers, num_pages, page_size, groups, value_head_dim or head_dim, dtype=dtype,
+                             device=device)
         self.free = list(range(num_pages))
         self.tables: Dict[int, List[int]] = {}
         self.lengths: Dict[int, int] = {}
@@ -86,8 +87,9 @@ class ReferenceEngine:
         spec = model.spec
         self.model, self.max_running, self.prefill_chunk, self.seed = model, max_running, prefill_chunk, seed
         self.logprob_semantics = logprob_semantics
-        self.cache = PagedKVCache(spec.num_layers, num_pages, page_size, spec.num_query_groups, spec.kv_channels,
-                                  model.dtype, model.device)
+        # MLA caches each head's up-projected key and value (its latent cache is a later optimisation)
+        self.cache = PagedKVCache(spec.num_layers, num_pages, page_size, spec.attention_heads_kv, spec.kv_channels,
+                                  model.dtype, model.device, spec.value_head_dim)
         self.rows = []  # (request_id, position) of each row of the current step (for model.trace)
 
     def _sample(self, logits: torch.Tensor, req: Request, gen: torch.Generator):

@@ -17,6 +17,7 @@ from ..kernels import (
     vocab_parallel_logprob,
 )
 from ..kernels.elementwise import swiglu
+from ..kernels.rope import mla_softmax_scale, yarn_inv_freq, yarn_mscale
 from ..kernels.moe import combine_slots, route
 from ..numerics.rollout_layout.engine_math import full_vocab_logprob, rollout_row_parallel
 from ..models.spec import ModelSpec
@@ -30,7 +31,7 @@ class ReferenceModel:
     def __init__(self, spec: ModelSpec, profile: Profile, weights: Dict[str, torch.Tensor], dtype: torch.dtype):
         self.spec, self.profile, self.w, self.dtype = spec, profile, weights, dtype
         self.padded_vocab = spec.padded_vocab(profile)
-        self.inv_freq = rope_inv_freq(spec.rotary_dim, int(spec.rotary_base), spec.rope_scaling_factor)
+        self.inv_freq, self.rope_mscale, self.scale = rope_of(spec)
         self.activation: Callable = swiglu  # fc1's [gate; up] -> silu(gate) * up, as the patched MLP
         # Optional trace(name, input, output) called with each block's rows under the Megatron
         # module name it mirrors (the checker's --bisect aligns the two runs by these names).
@@ -100,9 +101,9 @@ class ReferenceModel:
             out = out + self._mlp(x, prefix + "shared_experts.")
         return out, idx
 
-    def _attention(self, x, layer: int, positions, kv_writer, kv_reader, segments):
-        spec, prof = self.spec, self.profile
-        p = f"decoder.layers.{layer}.self_attention."
+    def _qkv(self, x, p: str, positions):
+        """q [rows, nq, hd], k and v [rows, ng, hd] after their norms and RoPE."""
+        spec = self.spec
         nq, ng, hd = spec.num_attention_heads, spec.num_query_groups, spec.kv_channels
         g = nq // ng
         qkv = self._linear(x, p + "linear_qkv.weight", bias=p + "linear_qkv.bias")
@@ -117,7 +118,35 @@ class ReferenceModel:
             self._record(p + "q_layernorm", q_in, q)
             self._record(p + "k_layernorm", k_in, k)
         angles = rope_angles(positions, self.inv_freq).unsqueeze(1)
-        q, k = apply_rope(q, angles), apply_rope(k, angles)
+        return apply_rope(q, angles), apply_rope(k, angles), v
+
+    def _mla_qkv(self, x, p: str, positions):
+        """Megatron's MLASelfAttention: queries through their latent (or one projection), keys and
+        values up-projected per head from the normed kv latent, the rope channels of the query and
+        of the one shared rope key de-interleaved and rotated (cos and sin times YaRN's mscale)."""
+        spec = self.spec
+        n, dn, dr, dv = spec.num_attention_heads, spec.qk_head_dim, spec.qk_pos_emb_head_dim, spec.v_head_dim
+        if spec.q_lora_rank is None:
+            q = self._linear(x, p + "linear_q_proj.weight")
+        else:
+            q_latent = self._norm(self._linear(x, p + "linear_q_down_proj.weight"), p + "q_layernorm.weight")
+            q = self._linear(q_latent, p + "linear_q_up_proj.weight")
+        q = q.view(-1, n, dn + dr)
+        kv_latent, k_pe = self._linear(x, p + "linear_kv_down_proj.weight").split([spec.kv_lora_rank, dr], dim=-1)
+        kv = self._linear(self._norm(kv_latent, p + "kv_layernorm.weight"), p + "linear_kv_up_proj.weight")
+        k_nope, v = kv.view(-1, n, dn + dv).split([dn, dv], dim=-1)
+        angles = rope_angles(positions, self.inv_freq).unsqueeze(1)
+        q_pe = apply_rope(q[..., dn:], angles, deinterleave=True, mscale=self.rope_mscale)
+        k_pe = apply_rope(k_pe.unsqueeze(1), angles, deinterleave=True, mscale=self.rope_mscale)
+        q = torch.cat([q[..., :dn], q_pe], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(-1, n, -1)], dim=-1)
+        return q, k, v.contiguous()
+
+    def _attention(self, x, layer: int, positions, kv_writer, kv_reader, segments):
+        spec, prof = self.spec, self.profile
+        p = f"decoder.layers.{layer}.self_attention."
+        nq, dv = spec.num_attention_heads, spec.value_head_dim
+        q, k, v = (self._mla_qkv if spec.multi_latent_attention else self._qkv)(x, p, positions)
         outputs = []
         for seg, (start, stop) in enumerate(segments):
             kv_writer(layer, seg, k[start:stop], v[start:stop])
@@ -130,13 +159,13 @@ class ReferenceModel:
                 v_pages,
                 torch.tensor([length], device=q.device),
                 table.unsqueeze(0),
-                scale=1.0 / math.sqrt(hd),  # as DotProductAttention computes it
+                scale=self.scale,
                 block_size=prof.attention_block_size,
                 row_multiple=prof.gemm_row_multiple,
                 split_size=prof.attention_split_size,
                 window=None if spec.sliding_window is None else spec.sliding_window - 1,
             )
-            outputs.append(ctx[0].permute(1, 0, 2).reshape(stop - start, nq * hd))
+            outputs.append(ctx[0].permute(1, 0, 2).reshape(stop - start, nq * dv))
         ctx = torch.cat(outputs)
         self._record(p + "core_attention", q, ctx)
         out = self._row_parallel(ctx, p + "linear_proj.weight")
@@ -206,6 +235,21 @@ class ReferenceModel:
             logits = self.forward(tokens, torch.arange(len(seq)), [(0, len(seq))], writer, reader)
             out.append(self.logprob(logits[:-1], tokens[1:]))
         return out
+
+
+def rope_of(spec: ModelSpec):
+    """(inv_freq, the mscale RoPE multiplies cos and sin by, the attention's softmax scale) as megatron
+    builds them: GPTModel's RotaryEmbedding and DotProductAttention's 1/sqrt(head), or MLA's own
+    RotaryEmbedding / YarnRotaryEmbedding and its m^2/sqrt(head)."""
+    if not spec.multi_latent_attention:
+        return (rope_inv_freq(spec.rotary_dim, int(spec.rotary_base), spec.rope_scaling_factor), 1.0,
+                1.0 / math.sqrt(spec.kv_channels))
+    scale = mla_softmax_scale(spec.kv_channels, spec.rotary_scaling_factor, spec.mscale_all_dim)
+    if spec.rope_type == "yarn":
+        inv_freq = yarn_inv_freq(spec.rotary_dim, spec.rotary_base, spec.rotary_scaling_factor,
+                                 spec.original_max_position_embeddings, spec.beta_fast, spec.beta_slow)
+        return inv_freq, yarn_mscale(spec.rotary_scaling_factor, spec.mscale, spec.mscale_all_dim), scale
+    return rope_inv_freq(spec.rotary_dim, spec.rotary_base), 1.0, scale
 
 
 def whole_sequence_kv():

@@ -124,6 +124,9 @@ class CanonicalTree(Numerics):
                  for a, b in zip(bounds[:-1], bounds[1:])]
         return torch.cat(parts, dim=0) if parts else t
 
+    def mla_rope(self, t, freqs, mscale):
+        return apply_rope(t, freqs, deinterleave=True, mscale=mscale)
+
     def attention(self, module, query, key, value, attention_mask, mask_name, causal):
         """``kernels.consistent_attention``: GQA inside the kernel (no repeat_interleave), fixed KV
         blocks aligned to absolute positions."""
