@@ -114,6 +114,23 @@ def make_glm4_moe(directory: str, seed: int = 7, **overrides) -> str:
     return directory
 
 
+def make_deepseek_v3(directory: str, seed: int = 8, **overrides) -> str:
+    """DeepSeek-V3 (multi-latent attention: a 64-wide query latent, a 56-wide kv latent, 16 + 8 query /
+    key channels per head with the rope ones interleaved, 12-wide values; YaRN by 4 over 64 original
+    positions with mscale = mscale_all_dim = 1; a leading dense layer, then DeepSeek-V3's router with 4
+    groups of which 2 are kept, top-4 of 8 scaled by 2.5, one shared expert; untied), saved in shards.
+    Moonlight's shape: ``q_lora_rank=None, rope_scaling=None``."""
+    cfg = dict(vocab_size=1000, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=3,
+               num_attention_heads=8, num_key_value_heads=8, q_lora_rank=64, kv_lora_rank=56, qk_nope_head_dim=16,
+               qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=4, n_shared_experts=1,
+               first_k_dense_replace=1, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
+               max_position_embeddings=256, rope_theta=10000.0, tie_word_embeddings=False, rms_norm_eps=1e-6,
+               rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})
+    _write(directory, "DeepseekV3", cfg, overrides, seed, max_shard_size="300KB")
+    return directory
+
+
 def save_word_tokenizer(directory: str, vocab_size: int) -> None:
     """A whitespace word-level tokenizer (words w0..wN map to ids 0..N), built offline."""
     from tokenizers import Tokenizer, models, pre_tokenizers

@@ -8,6 +8,7 @@ logprobs and routing bitwise the one-device result, the checkpoint exports back 
 training holds across layouts and the RL loop runs at ratio exactly 1. What a family does not model
 is refused naming the config.json key."""
 import dataclasses
+import functools
 import json
 
 import pytest
@@ -20,7 +21,7 @@ from mindspeed_tp.hf import hf_config_from_spec, open_hf_model, spec_from_hf_con
 from mindspeed_tp.reference import ReferenceModel
 
 from conftest import bits_equal, explain, full_tier, run_cli
-from hf_models import make_glm4_moe, make_mixtral, save_word_tokenizer, transformers_logprobs
+from hf_models import make_deepseek_v3, make_glm4_moe, make_mixtral, save_word_tokenizer, transformers_logprobs
 from test_families import (SEMANTICS_ATOL, _edited, _model_yaml, _sequences, _worst, assert_exports_back,
                            assert_ratio_exactly_one)
 
@@ -31,6 +32,13 @@ FAMILIES = {
     "glm45": (make_glm4_moe, [{"rotary_percent": 1.0}, {"moe_router_enable_expert_bias": False},
                               {"moe_router_topk_scaling_factor": None},
                               {"moe_shared_expert_intermediate_size": None}]),
+    # MLA with a query latent and YaRN: without YaRN's softmax scale, without YaRN, without the groups
+    "deepseek_v3": (make_deepseek_v3, [{"mscale_all_dim": 0.0}, {"rope_type": "rope"},
+                                       {"moe_router_num_groups": None, "moe_router_group_topk": None},
+                                       {"moe_shared_expert_intermediate_size": None}]),
+    # Moonlight's shape: one query projection, plain RoPE (its base matters)
+    "moonlight": (functools.partial(make_deepseek_v3, q_lora_rank=None, rope_scaling=None),
+                  [{"rotary_base": 1000000.0}, {"moe_router_topk_scaling_factor": None}]),
 }
 
 
@@ -80,10 +88,13 @@ def _check(checkpoint, tmp_path, layouts, dtype, nproc):
     return dump
 
 
-@pytest.mark.parametrize("name", _in_ci(["glm45"], ["mixtral"], "test_the_reference_engine_matches_transformers_fp32",
+@pytest.mark.parametrize("name", _in_ci(["glm45", "deepseek_v3"], ["mixtral", "moonlight"],
+                                         "test_the_reference_engine_matches_transformers_fp32",
                                          "Mixtral's map is proved against transformers by the reference engine (CI "
                                          "tier) and its layouts by its engine test's EP layouts "
-                                         "(tests/test_vllm_sampling.py); GLM-4.5's launch carries every MoE piece"))
+                                         "(tests/test_vllm_sampling.py); GLM-4.5's launch carries every MoE piece, "
+                                         "DeepSeek-V3's MLA with a query latent and YaRN (Moonlight's one query "
+                                         "projection: tests/test_mla.py's tiny-mla layouts)"))
 def test_megatron_matches_transformers_and_ep_layouts_are_bitwise_fp32(checkpoints, tmp_path, name):
     """One checker launch: Megatron's TP=1 forward (the checker's reference) against transformers,
     tp2-sp-ep2 and tp1-ep2 against it bit for bit, logprobs and routing."""
@@ -119,9 +130,11 @@ def test_rollouts_are_scored_bitwise(checkpoints, tmp_path, name):
     assert "bitwise equal to the rollout engine" in proc.stdout, explain(proc)
 
 
-@pytest.mark.parametrize("name", _in_ci(["glm45"], ["mixtral"], "test_export_round_trip_bitwise",
+@pytest.mark.parametrize("name", _in_ci(["glm45", "deepseek_v3"], ["mixtral", "moonlight"],
+                                         "test_export_round_trip_bitwise",
                                          "the export writes every tensor through the map the import reads; "
-                                         "Mixtral's names are read back in its reference-engine test"))
+                                         "Mixtral's and Moonlight's names are read back in their reference-engine "
+                                         "tests"))
 def test_export_round_trip_bitwise(checkpoints, tmp_path, name):
     """Experts sliced by EP and expert-TP written back under the family's own names, in shards."""
     assert_exports_back(checkpoints[name], tmp_path / "exported", "tp2-sp-ep2-etp2", 4)
@@ -150,9 +163,10 @@ def test_a_spec_its_family_cannot_state_is_not_exported(checkpoints, name, chang
         hf_config_from_spec(dataclasses.replace(spec, **change))
 
 
-@pytest.mark.parametrize("name", _in_ci(["glm45"], ["mixtral"], "test_bitwise_training_two_layouts",
+@pytest.mark.parametrize("name", _in_ci(["glm45"], ["mixtral", "deepseek_v3", "moonlight"],
+                                         "test_bitwise_training_two_layouts",
                                          "GLM-4.5 trains the routed experts Mixtral has plus the shared expert "
-                                         "and the bias update"))
+                                         "and the bias update; MLA's backward trains in tests/test_mla.py"))
 def test_bitwise_training_two_layouts(checkpoints, tmp_path, name):
     """Every step's loss, gradients (router and experts among them) and logprobs bitwise across EP
     with TP and SP and EP across DP, with the alltoall dispatcher."""
@@ -163,10 +177,11 @@ def test_bitwise_training_two_layouts(checkpoints, tmp_path, name):
     assert "bitwise" in proc.stdout.lower(), explain(proc)
 
 
-@pytest.mark.parametrize("model", _in_ci(["tiny-glm45"], ["tiny-mixtral"],
+@pytest.mark.parametrize("model", _in_ci(["tiny-deepseek-v3"], ["tiny-glm45", "tiny-mixtral"],
                                           "test_rl_check_three_iterations_at_ratio_exactly_one",
                                           "the RL loop is family-independent code over the family's forward and "
-                                          "step, each launched above"))
+                                          "step, each launched above; DeepSeek-V3's carries GLM-4.5's MoE block "
+                                          "and MLA"))
 def test_rl_check_three_iterations_at_ratio_exactly_one(tmp_path, model):
     """GRPO against the reference engine sampling at T=0.8 with top-p 0.95 (processed logprobs),
     bitwise training at tp2-sp-ep2, resharded to tp1-ep2 after iteration 2 (the experts' state saved
@@ -188,6 +203,15 @@ def test_rl_check_three_iterations_at_ratio_exactly_one(tmp_path, model):
     ("mixtral", {"attention_bias": True}, "attention_bias=true"),
     ("mixtral", {"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
     ("mixtral", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ("deepseek_v3", {"rope_interleave": False}, "rope_interleave=false"),
+    ("deepseek_v3", {"attention_bias": True}, "attention_bias=true"),
+    ("deepseek_v3", {"num_experts_per_tok": 2}, "n_group / topk_group=4 / 2"),
+    ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                         "mscale_all_dim": 1.0, "rope_theta": 10000.0}}, "mscale_all_dim but no mscale"),
+    ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                         "attention_factor": 1.2, "rope_theta": 10000.0}}, "attention_factor"),
+    ("deepseek_v3", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+     "rope_type='linear'"),
 ])
 def test_what_a_family_does_not_model_is_refused_by_name(checkpoints, tmp_path, name, changes, message):
     directory = _edited(checkpoints[name], tmp_path, **changes)

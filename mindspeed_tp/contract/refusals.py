@@ -710,6 +710,10 @@ _ENTRIES: Tuple[Refusal, ...] = (
     Refusal("hf_partial_rotary", HF, "partial_rotary_factor",
             "{where}: partial_rotary_factor={value} is not supported for this architecture: its transformers and "
             "vLLM models rotate whole heads (GLM-4.5's rotates part of each)", "not mapped"),
+    Refusal("hf_rope_interleave", HF, "rope_interleave",
+            "{where}: rope_interleave=false is not supported: megatron's MLA and vLLM's DeepSeek take the rope "
+            "channels interleaved (DeepSeek-V3's, Kimi-K2's and Moonlight's checkpoints); a checkpoint with them in "
+            "halves would need its q_b_proj / kv_a_proj rows permuted", "not mapped"),
     Refusal("hf_moe_routing", HF, "norm_topk_prob / n_group / topk_group",
             "{where}: {key}={value} is not supported: {why}", "not implemented by the router"),
     Refusal("hf_router_jitter", HF, "router_jitter_noise",

@@ -16,9 +16,9 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Dict
 
-from . import glm4_moe, llama, mistral, mixtral, qwen2, qwen3
+from . import deepseek_v3, glm4_moe, llama, mistral, mixtral, qwen2, qwen3
 
-FAMILIES: Dict[str, ModuleType] = {m.NAME: m for m in (qwen3, qwen2, llama, mistral, mixtral, glm4_moe)}
+FAMILIES: Dict[str, ModuleType] = {m.NAME: m for m in (qwen3, qwen2, llama, mistral, mixtral, glm4_moe, deepseek_v3)}
 BY_ARCHITECTURE: Dict[str, ModuleType] = {arch: m for m in FAMILIES.values() for arch in m.ARCHITECTURES}
 
 

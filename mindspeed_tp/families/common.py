@@ -143,3 +143,55 @@ QWEN_EXPERT_NAMES = ExpertNames("mlp.gate.weight", "mlp.experts.{e}.", "gate_pro
 DEEPSEEK_EXPERT_NAMES = ExpertNames("mlp.gate.weight", "mlp.experts.{e}.", "gate_proj.weight", "up_proj.weight",
                                     "down_proj.weight", shared="mlp.shared_experts.",
                                     expert_bias="mlp.gate.e_score_correction_bias")
+
+
+def deepseek_moe_fields(cfg: Dict[str, Any], num_layers: int, family: str, where: str) -> Dict[str, Any]:
+    """DeepSeek-V3's MoE block (also GLM-4.5's) from config.json: sigmoid scores, experts selected on
+    score + ``e_score_correction_bias``, the chosen unbiased scores renormalised (``norm_topk_prob``)
+    and scaled by ``routed_scaling_factor``, ``n_shared_experts`` shared experts as one, leading dense
+    layers (``first_k_dense_replace``), group-limited routing where megatron's group score is
+    transformers' (the top 2 experts of a group: top-k / topk_group = 2)."""
+    if not cfg.get("norm_topk_prob", True):
+        # megatron's sigmoid router always renormalises the chosen scores (k > 1)
+        raise refuse("hf_moe_routing", where=where, key="norm_topk_prob", value="false",
+                     why="megatron's sigmoid router renormalises the top-k scores")
+    groups, top_groups = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
+    topk = int(cfg["num_experts_per_tok"])
+    limited = top_groups < groups
+    if limited and (topk % top_groups or topk // top_groups != 2):
+        # transformers scores a group by its top 2 experts; megatron by its top (top-k / group_topk)
+        raise refuse("hf_moe_routing", where=where, key="n_group / topk_group", value=f"{groups} / {top_groups}",
+                     why=f"megatron scores a group by its top num_experts_per_tok / topk_group = {topk} / {top_groups} "
+                         f"experts, transformers by its top 2: they agree only where that quotient is 2")
+    moe = int(cfg["moe_intermediate_size"])
+    scaling = float(cfg.get("routed_scaling_factor", 1.0))
+    dense = int(cfg.get("first_k_dense_replace", 0))
+    if dense >= num_layers:
+        raise ConfigError(f"{where}: first_k_dense_replace={dense} must be below num_hidden_layers={num_layers} "
+                          f"(a {family} model has MoE layers)")
+    return dict(num_experts=int(cfg["n_routed_experts"]), moe_ffn_hidden_size=moe, moe_router_topk=topk,
+                moe_router_num_groups=groups if limited else None,
+                moe_router_group_topk=top_groups if limited else None,
+                moe_router_topk_scaling_factor=None if scaling == 1.0 else scaling,
+                moe_shared_expert_intermediate_size=int(cfg.get("n_shared_experts") or 0) * moe or None,
+                first_k_dense=dense)
+
+
+def deepseek_moe_config(spec, family: str) -> Dict[str, Any]:
+    """The config.json keys of ``deepseek_moe_fields`` (its inverse)."""
+    if not spec.is_moe:
+        raise ConfigError(f"model {spec.name}: a {family} checkpoint has MoE layers; set num_experts or another family")
+    shared, moe = spec.moe_shared_expert_intermediate_size or 0, spec.moe_ffn_hidden_size or spec.ffn_hidden_size
+    if shared % moe:
+        raise ConfigError(f"model {spec.name}: moe_shared_expert_intermediate_size={shared} cannot be written as a "
+                          f"{family} checkpoint (n_shared_experts * moe_intermediate_size={moe})")
+    return dict(moe_intermediate_size=moe, n_routed_experts=spec.num_experts, num_experts_per_tok=spec.moe_router_topk,
+                n_shared_experts=shared // moe, first_k_dense_replace=spec.first_k_dense, norm_topk_prob=True,
+                routed_scaling_factor=spec.moe_router_topk_scaling_factor or 1.0,
+                n_group=spec.moe_router_num_groups or 1, topk_group=spec.moe_router_group_topk or 1,
+                num_nextn_predict_layers=0)
+
+
+# The sigmoid router with its selection bias, as DeepSeek-V3's MoE block fixes it (import sets, export checks)
+DEEPSEEK_ROUTER = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                       moe_router_pre_softmax=False)

@@ -10,7 +10,7 @@ of zero rows, for vocabulary padding):
   w1, then w3);
 - the router's expert bias (a buffer megatron keeps in fp32): DeepSeek's / GLM's e_score_correction_bias;
 - word embeddings / output layer: the vocabulary rows, then zero rows up to the padded vocab.
-Everything else maps one to one. The same pieces serve loading (any shard is a set of row or
+Everything else maps one to one (MLA's projections and latent norms included). The same pieces serve loading (any shard is a set of row or
 column ranges of them) and exporting (writing the pieces back).
 """
 from __future__ import annotations
@@ -61,12 +61,15 @@ def expected_hf_shapes(spec: ModelSpec) -> Dict[str, Tuple[int, ...]]:
         shapes["lm_head.weight"] = (spec.vocab_size, h)
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (nq * hd, h), p + "self_attn.k_proj.weight": (ng * hd, h),
-            p + "self_attn.v_proj.weight": (ng * hd, h), p + "self_attn.o_proj.weight": (h, nq * hd),
-        })
-        if spec.qk_layernorm:
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+        if spec.multi_latent_attention:
+            shapes.update({hf: shape for _, (hf, shape) in _mla_tensors(spec, "", p).items()})
+        else:
+            shapes.update({
+                p + "self_attn.q_proj.weight": (nq * hd, h), p + "self_attn.k_proj.weight": (ng * hd, h),
+                p + "self_attn.v_proj.weight": (ng * hd, h), p + "self_attn.o_proj.weight": (h, nq * hd),
+            })
+        if spec.qk_layernorm and not spec.multi_latent_attention:
             shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
         if spec.add_qkv_bias:
             shapes.update({p + "self_attn.q_proj.bias": (nq * hd,), p + "self_attn.k_proj.bias": (ng * hd,),
@@ -88,6 +91,26 @@ def expected_hf_shapes(spec: ModelSpec) -> Dict[str, Tuple[int, ...]]:
             shapes.update({p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
                            p + "mlp.down_proj.weight": (h, f)})
     return shapes
+
+
+def _mla_tensors(spec: ModelSpec, p: str, q: str) -> Dict[str, Tuple[str, Tuple[int, ...]]]:
+    """MLA's tensors, one to one: Megatron name (below ``p``) -> (Hugging Face name (below ``q``), shape).
+    Both keep a head's [no-rope; rope] query rows, the kv latent's [latent; rope key] rows and a head's
+    [key; value] rows of kv_b_proj in the same order (the rope channels interleaved on both sides)."""
+    h, n, kv, dr = spec.hidden_size, spec.num_attention_heads, spec.kv_lora_rank, spec.qk_pos_emb_head_dim
+    a, b = p + "self_attention.", q + "self_attn."
+    out = {}
+    if spec.q_lora_rank is None:
+        out[a + "linear_q_proj.weight"] = (b + "q_proj.weight", (n * spec.kv_channels, h))
+    else:
+        out[a + "linear_q_down_proj.weight"] = (b + "q_a_proj.weight", (spec.q_lora_rank, h))
+        out[a + "q_layernorm.weight"] = (b + "q_a_layernorm.weight", (spec.q_lora_rank,))
+        out[a + "linear_q_up_proj.weight"] = (b + "q_b_proj.weight", (n * spec.kv_channels, spec.q_lora_rank))
+    out[a + "linear_kv_down_proj.weight"] = (b + "kv_a_proj_with_mqa.weight", (kv + dr, h))
+    out[a + "kv_layernorm.weight"] = (b + "kv_a_layernorm.weight", (kv,))
+    out[a + "linear_kv_up_proj.weight"] = (b + "kv_b_proj.weight", (n * (spec.qk_head_dim + spec.v_head_dim), kv))
+    out[a + "linear_proj.weight"] = (b + "o_proj.weight", (h, n * spec.v_head_dim))
+    return out
 
 
 def megatron_pieces(spec: ModelSpec, padded_vocab: int) -> Dict[str, List[Piece]]:
@@ -118,10 +141,13 @@ def megatron_pieces(spec: ModelSpec, padded_vocab: int) -> Dict[str, List[Piece]
         out.update({
             p + "input_layernorm.weight": _whole(q + "input_layernorm.weight", h),
             p + "pre_mlp_layernorm.weight": _whole(q + "post_attention_layernorm.weight", h),
-            p + "self_attention.linear_qkv.weight": grouped_qkv(q, "weight"),
-            p + "self_attention.linear_proj.weight": _whole(q + "self_attn.o_proj.weight", h),
         })
-        if spec.qk_layernorm:
+        if spec.multi_latent_attention:
+            out.update({name: _whole(hf, shape[0]) for name, (hf, shape) in _mla_tensors(spec, p, q).items()})
+        else:
+            out[p + "self_attention.linear_qkv.weight"] = grouped_qkv(q, "weight")
+            out[p + "self_attention.linear_proj.weight"] = _whole(q + "self_attn.o_proj.weight", h)
+        if spec.qk_layernorm and not spec.multi_latent_attention:
             out[p + "self_attention.q_layernorm.weight"] = _whole(q + "self_attn.q_norm.weight", hd)
             out[p + "self_attention.k_layernorm.weight"] = _whole(q + "self_attn.k_norm.weight", hd)
         if spec.add_qkv_bias:
