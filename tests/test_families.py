@@ -221,13 +221,13 @@ def test_bitwise_training_two_layouts(checkpoints, tmp_path, name):
 
 
 _RL_FULL = full_tier(
-    covered_by="tests/test_families.py::test_rl_check_three_iterations_at_ratio_exactly_one",
+    covered_by="tests/test_rl_check.py::test_every_iteration_bitwise_equal_to_the_engine",
     why="the RL loop is family-independent code over the family's forward and training step, each tested per "
-        "family above; the CI tier runs it for Mistral, whose 32-token responses pass its window")
+        "family above (Mistral's window in its rollouts: test_rollouts_are_scored_bitwise, in its training: "
+        "test_bitwise_training_two_layouts); the CI tier runs the loop for Qwen3 and DeepSeek-V3")
 
 
-@pytest.mark.parametrize("model", ["tiny-mistral", pytest.param("tiny-qwen2", marks=_RL_FULL),
-                                   pytest.param("tiny-llama", marks=_RL_FULL)])
+@pytest.mark.parametrize("model", [pytest.param(m, marks=_RL_FULL) for m in ("tiny-mistral", "tiny-qwen2", "tiny-llama")])
 def test_rl_check_three_iterations_at_ratio_exactly_one(tmp_path, model):
     """GRPO against the reference engine sampling at T=0.8 with top-p 0.95 (processed logprobs),
     bitwise training at tp2-sp: every iteration's training logprobs equal the rollout's."""

@@ -2,7 +2,9 @@
 Mixtral: softmax over 8 experts, top-2 renormalised, an MoE block in every layer, no QK-norm, the
 checkpoint's own expert names (block_sparse_moe, w1 / w3 / w2). GLM-4.5: a leading dense layer, then
 sigmoid scores selected on score + a nonzero e_score_correction_bias, top-2 renormalised and scaled
-by 2.5, a shared expert; QKV bias and RoPE on half of each head. For each: the reference engine and
+by 2.5, a shared expert; QKV bias and RoPE on half of each head. DeepSeek-V3: GLM-4.5's MoE block with
+4 groups of which 2 are kept, multi-latent attention with a query latent and YaRN; Moonlight's shape:
+one query projection and plain RoPE (the MLA launches: tests/test_mla.py). For each: the reference engine and
 Megatron's forward match transformers' own fp32 forward, every EP / expert-TP / TP layout gives
 logprobs and routing bitwise the one-device result, the checkpoint exports back bit for bit, bitwise
 training holds across layouts and the RL loop runs at ratio exactly 1. What a family does not model

@@ -66,7 +66,7 @@ def test_a_vanilla_arm_that_cannot_run_is_a_row_and_the_check_goes_on(tmp_path):
 def test_a_vanilla_arm_failing_on_one_rank_only_fails_the_check_within_a_bound():
     """The same failure on rank 1 alone cannot be agreed on: the check fails (exit 3) as a crash does,
     not a hang (the subprocess timeout is the bound)."""
-    proc = run_cli("check", "--layouts", "tp2-sp", "--seq-length", "32", "--compare-vanilla", "--timeout", "30",
+    proc = run_cli("check", "--layouts", "tp2-sp", "--seq-length", "32", "--compare-vanilla", "--timeout", "15",
                    env={FAULT: "raise-vanilla:tp2-sp:1"}, timeout=400)
     assert proc.returncode == 3, explain(proc)
     assert "injected: vanilla cannot run tp2-sp" in proc.stderr + proc.stdout, explain(proc)
