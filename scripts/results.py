@@ -299,7 +299,8 @@ _FAMILY_LAYOUTS = {
 
 
 def _family_reports(family: str, model: str, title: str, new_tokens: Optional[int] = None,
-                    seq_length: int = 32, moe: bool = False, vllm: bool = True) -> List[Report]:
+                    seq_length: int = 32, moe: bool = False, vllm: bool = True,
+                    test_file: Optional[str] = None) -> List[Report]:
     """A model family's table (issues #56, #57): its layouts against one device, the real vLLM at TP 2,
     bitwise training and the RL loop, each with vanilla alongside. ``new_tokens``: response length where
     the default (16) would not reach what the family computes differently (a window); ``moe``: the
@@ -309,7 +310,7 @@ def _family_reports(family: str, model: str, title: str, new_tokens: Optional[in
     sampling = ["--temperature", "0.8", "--top-p", "0.95", "--logprob-semantics", "processed"]
     responses = [] if new_tokens is None else ["--max-new-tokens", str(new_tokens)]
     longer = "" if new_tokens is None else f", responses of {new_tokens} tokens (past the window)"
-    test_file = "test_families_moe.py" if moe else "test_families.py"
+    test_file = test_file or ("test_families_moe.py" if moe else "test_families.py")
     reports = [
         Report(f"family-{family}-layouts", f"{title}: layouts against one device, bf16",
                f"{model}, bf16: {scored.replace(',', ', ')} scored against the single-device run, vanilla "
@@ -525,7 +526,7 @@ REPORTS = [
     *_family_reports("deepseek-v3", "tiny-deepseek-v3", "DeepSeek-V3 (MLA with a query latent and YaRN, group-limited "
                      "sigmoid routing, shared expert)", moe=True, vllm=False),
     *_family_reports("moonlight", "tiny-mla", "Moonlight-style MLA (one query projection, plain RoPE), dense",
-                     vllm=False),
+                     vllm=False, test_file="test_families_moe.py"),
     Report("rl-check", "The RL loop: GRPO against the reference engine, trained at tp2-sp-pp2",
            "mindspeed-tp rl-check: ten GRPO iterations (verl's advantage and clipped loss, megatron-core's DDP, "
            "distributed optimizer and schedules), the reference engine at one device sampling, weights synced in "

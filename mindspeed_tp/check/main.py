@@ -34,7 +34,7 @@ from .harness import layout_logprobs
 from .library_warnings import add_verbose_flag
 from .metrics import compare_logprobs, require_scored
 from .builder import DTYPES
-from ..models.layout import Layout, validate_layout
+from ..models.layout import Layout, check_mla_profile, validate_layout
 from ..models.spec import ModelSpec, load_model_spec
 from ..models.weights import SeededWeights
 from .outputs import write_reports
@@ -100,6 +100,8 @@ def check_engine_and_device(ns: argparse.Namespace, spec, profile) -> None:
         raise ConfigError(f"--engine vllm needs a profile matching the real engine (--profile vllm-cpu-tp1 or "
                           f"vllm-cpu-tp2); {profile.name!r} describes {profile.reduction}")
     check_device(ns)
+    if spec.multi_latent_attention:  # before the engine's own checks: its MLA is another attention
+        check_mla_profile(profile)
     if ns.engine == "vllm":
         from ..numerics.vllm.refusals import activation_widths, check_activation_widths, check_head_dim
 
@@ -121,7 +123,8 @@ def build_parser(prog: str = "mindspeed-tp check") -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML file (or bundled name, e.g. 'demo') whose keys set any flag below")
     p.add_argument("--model", help="bundled model name (default tiny-dense) or a model config YAML path")
     p.add_argument("--hf-checkpoint", metavar="DIR",
-                   help="Hugging Face checkpoint directory (Qwen3, Qwen3-MoE, Qwen2 / Qwen2.5, Llama, Mistral, Mixtral, GLM-4.5) (config.json + safetensors): the model "
+                   help="Hugging Face checkpoint directory (Qwen3, Qwen3-MoE, Qwen2 / Qwen2.5, Llama, Mistral, Mixtral, GLM-4.5, "
+                        "DeepSeek-V3 / Kimi-K2 / Moonlight) (config.json + safetensors): the model "
                         "and its weights, instead of --model and seeded weights")
     p.add_argument("--prompts", metavar="FILE",
                    help="JSONL prompts, one per line: [token ids], {\"input_ids\": [...]} or {\"text\": ...} (text "

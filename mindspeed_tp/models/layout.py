@@ -119,6 +119,15 @@ class Layout:
         return out
 
 
+def check_mla_profile(profile: Profile) -> None:
+    """MLA under the profiles that model it: not a rollout engine's layout or kernels (none's MLA is
+    modelled yet)."""
+    if profile.engine_name is not None or profile.rollout_layout:
+        raise refuse("multi_latent_attention", setting="profile", value=profile.name,
+                     fix="score with a canonical_tree or bitwise_training profile: no rollout engine's MLA is "
+                         "modelled yet")
+
+
 def _validate_mla(layout: Layout, spec: ModelSpec, profile: Profile) -> None:
     """MLA's column-parallel latents split by TP (megatron's local spec shards even the down projections)
     and cut into the canonical leaves; what it does not cover named before any process starts."""
@@ -127,10 +136,7 @@ def _validate_mla(layout: Layout, spec: ModelSpec, profile: Profile) -> None:
     mla = "multi_latent_attention"
     if layout.cp > 1:
         raise refuse(mla, setting="context_parallel_size", value=layout.cp, fix=f"drop cp{layout.cp} from the layout")
-    if profile.engine_name is not None or profile.rollout_layout:
-        raise refuse(mla, setting="profile", value=profile.name,
-                     fix="score with a canonical_tree or bitwise_training profile: no rollout engine's MLA is "
-                         "modelled yet")
+    check_mla_profile(profile)
     problem = local_mla_query_projection_problem() if spec.q_lora_rank is None else None
     if problem:
         raise refuse(mla, setting="q_lora_rank", value=None,
