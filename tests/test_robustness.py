@@ -2,10 +2,11 @@
 within a bound, never a silent hang. Faults come from MINDSPEED_TP_TEST_FAULT (test-only, see
 tests/support/fault_injection.py); the subprocess timeout is the bound: a hang fails the test."""
 import json
+import time
 
 import pytest
 
-from conftest import explain, explain_nodes, run_cli, run_python, run_two_nodes
+from conftest import explain, explain_nodes, full_tier, run_cli, run_python, run_two_nodes
 
 FAULT = "MINDSPEED_TP_TEST_FAULT"
 
@@ -47,6 +48,21 @@ def test_a_checker_process_ends_without_the_interpreters_teardown(module):
     proc = run_python(code, timeout=120)
     assert proc.returncode == 2, explain(proc)
     assert "no-such-model" in proc.stderr and "TEARDOWN RAN" not in proc.stdout, explain(proc)
+
+
+@full_tier(covered_by="tests/test_robustness.py::test_a_rank_that_hangs_fails_the_others_after_the_timeout",
+           why="the same bounded wait for peers that are elsewhere, met by a hang instead of a refusal")
+def test_a_refusal_only_one_rank_meets_exits_2_long_before_the_timeout():
+    """Rank 1 meets a ConfigError at its forward while rank 0 runs on into the forward's collectives:
+    rank 1 waits REFUSAL_BARRIER_S for the others to meet it too, then reports and leaves (it used to
+    wait in a barrier for --timeout); the check exits 2 naming the refusal."""
+    from mindspeed_tp.check.main import REFUSAL_BARRIER_S
+
+    start = time.monotonic()
+    proc = run_cli("check", "--tp", "2", "--seq-length", "32", "--timeout", "600", timeout=400,
+                   env={FAULT: "refuse@forward:1"})
+    assert proc.returncode == 2 and "injected: a refusal only rank 1 meets" in proc.stderr, explain(proc)
+    assert time.monotonic() - start < REFUSAL_BARRIER_S + 120, explain(proc)
 
 
 def test_a_vanilla_arm_that_cannot_run_is_a_row_and_the_check_goes_on(tmp_path):

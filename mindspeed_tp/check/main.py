@@ -14,6 +14,7 @@ import json
 import math
 import os
 import sys
+import time
 from functools import reduce
 from typing import Dict, List, NamedTuple, Optional
 
@@ -633,16 +634,47 @@ def run(ns: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _shutdown_distributed() -> None:
-    """Leave the process group cleanly on an error path: every rank raises the same ConfigError
-    at the same point, and a process exiting with a live gloo group can abort its peers."""
+# How long a rank that met a ConfigError waits for the others to meet it too (they raise the same
+# refusal at the same point, within seconds) before it leaves alone.
+REFUSAL_BARRIER_S = 20.0
+
+
+def _shutdown_distributed() -> bool:
+    """Leave the process group cleanly on an error path: every rank raises the same ConfigError at
+    the same point, and a process exiting with a live gloo group can abort its peers. False when the
+    other ranks did not arrive within REFUSAL_BARRIER_S (a refusal only this rank met, while they wait
+    in another collective): the caller then exits at once, never waiting for --timeout."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        try:
-            dist.barrier()
-        finally:
-            dist.destroy_process_group()
+    if not (dist.is_available() and dist.is_initialized()):
+        return True
+    if not _every_rank_refused(dist, REFUSAL_BARRIER_S):
+        return False
+    try:
+        dist.barrier()  # every rank is here: the barrier cannot meet another collective
+    except RuntimeError:  # a peer already left; nothing more to agree on
+        return False
+    dist.destroy_process_group()
+    return True
+
+
+def _every_rank_refused(dist, wait_s: float) -> bool:
+    """Whether every rank of the world reached its refusal within ``wait_s``: counted in the launch's
+    rendezvous store, not by a collective, which could meet a peer's collective elsewhere and wait
+    for it (gloo's monitored_barrier did, past its own timeout)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):  # no store to count in: agree by the barrier
+        return True
+    world, key = dist.get_world_size(), "mindspeed_tp/refused"
+    arrived = store.add(key, 1)
+    deadline = time.monotonic() + wait_s
+    while arrived < world:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+        arrived = store.add(key, 0)
+    return True
 
 
 def _crash_message(exc: BaseException, timeout: float) -> str:
@@ -708,10 +740,11 @@ def run_main(argv: Optional[List[str]], resolve, run_fn, prog: str) -> int:
     except ConfigError as exc:
         code, message = 2, str(exc)
         print(f"{prog}: error: {exc}", file=sys.stderr)
-        try:
-            _shutdown_distributed()
-        except RuntimeError:  # a peer already left; nothing more to agree on
-            pass
+        if not _shutdown_distributed():  # the others are elsewhere: report and leave (torchrun stops them)
+            _write_status(status_file, code, message)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
     except Exception as exc:  # noqa: BLE001 - a dead or hung peer, or a bug: fail loudly, never hang
         message = _crash_message(exc, timeout)
         if not isinstance(exc, RuntimeError):  # not a peer's failure: show where it broke

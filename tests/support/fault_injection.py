@@ -8,6 +8,7 @@ checker's diagnostics work on real runs:
   exit@POINT:RANK         rank RANK exits abruptly (``os._exit(17)``) on reaching POINT
   kill@POINT:RANK         rank RANK is killed (SIGKILL: no handler, no report) on reaching POINT
   hang@POINT:RANK         rank RANK sleeps (for an hour) on reaching POINT: a hung rank
+  refuse@POINT:RANK       rank RANK raises a ConfigError on reaching POINT: a refusal only one rank meets
   perturb:PARAM           in every layout except the single-device reference, scale element 0 of the
                           full parameter PARAM (global name, e.g. decoder.layers.2.mlp.linear_fc2.weight)
                           by 1.5: a kernel that computes a different output from the same inputs
@@ -47,8 +48,12 @@ def at_point(point: str, rank: int) -> None:
     """exit@POINT / kill@POINT / hang@POINT for this rank."""
     for kind, arg in _directives():
         action, _, where = kind.partition("@")
-        if where != point or action not in ("exit", "kill", "hang") or int(arg) != rank:
+        if where != point or action not in ("exit", "kill", "hang", "refuse") or int(arg) != rank:
             continue
+        if action == "refuse":
+            from mindspeed_tp.errors import ConfigError
+
+            raise ConfigError(f"injected: a refusal only rank {rank} meets")
         if action == "exit":
             os._exit(17)
         if action == "kill":
