@@ -1,6 +1,7 @@
 """Build a megatron-core GPTModel (local spec) for the current parallel state from a ModelSpec."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Dict
 
 import torch
@@ -60,7 +61,13 @@ def _mla_kwargs(spec: ModelSpec) -> dict:
                                          "mscale", "mscale_all_dim")}
     kw["rotary_base"] = spec.rotary_base
     if spec.original_max_position_embeddings:
-        kw["original_max_position_embeddings"] = spec.original_max_position_embeddings
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        # YaRN's original context; megatron-core 0.12 names it max_position_embeddings
+        fields = {f.name for f in dataclasses.fields(MLATransformerConfig)}
+        name = "original_max_position_embeddings" if "original_max_position_embeddings" in fields else \
+            "max_position_embeddings"
+        kw[name] = spec.original_max_position_embeddings
     return kw
 
 
