@@ -117,9 +117,10 @@ def test_bf16_ep_etp_layouts_bitwise(checkpoints, tmp_path, name):
     _check(checkpoints[name], tmp_path, "tp2-sp-ep2,tp1-ep4,tp2-sp-ep2-etp2", "bf16", 4)
 
 
-@pytest.mark.parametrize("name", _in_ci([], sorted(FAMILIES), "test_rl_check_three_iterations_at_ratio_exactly_one",
-                                         "the RL loop samples with the same reference engine at T=0.8 top-p 0.95 "
-                                         "and scores the rollouts bitwise in every iteration"))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=full_tier(
+    covered_by="tests/test_mla.py::test_mla_rollouts_are_scored_bitwise",
+    why="the same reference engine's rollouts at T=0.8 top-p 0.95 scored bitwise, for DeepSeek-V3's MoE block "
+        "and MLA; the families' forwards are launched against one device in the CI tier")) for n in sorted(FAMILIES)])
 def test_rollouts_are_scored_bitwise(checkpoints, tmp_path, name):
     """The reference rollout engine samples at T=0.8 with top-p 0.95 (processed logprobs); tp2-sp-ep2
     scores them bit for bit."""
@@ -179,11 +180,11 @@ def test_bitwise_training_two_layouts(checkpoints, tmp_path, name):
     assert "bitwise" in proc.stdout.lower(), explain(proc)
 
 
-@pytest.mark.parametrize("model", _in_ci(["tiny-deepseek-v3"], ["tiny-glm45", "tiny-mixtral"],
-                                          "test_rl_check_three_iterations_at_ratio_exactly_one",
-                                          "the RL loop is family-independent code over the family's forward and "
-                                          "step, each launched above; DeepSeek-V3's carries GLM-4.5's MoE block "
-                                          "and MLA"))
+@pytest.mark.parametrize("model", [pytest.param(m, marks=full_tier(
+    covered_by="tests/test_mla.py::test_mla_rollouts_are_scored_bitwise",
+    why="the RL loop is family-independent code (tests/test_rl_check.py) over the family's rollouts scored bitwise "
+        "(DeepSeek-V3's in tests/test_mla.py) and its bitwise training step, each launched in the CI tier"))
+    for m in ("tiny-deepseek-v3", "tiny-glm45", "tiny-mixtral")])
 def test_rl_check_three_iterations_at_ratio_exactly_one(tmp_path, model):
     """GRPO against the reference engine sampling at T=0.8 with top-p 0.95 (processed logprobs),
     bitwise training at tp2-sp-ep2, resharded to tp1-ep2 after iteration 2 (the experts' state saved
