@@ -35,7 +35,7 @@ from .harness import layout_logprobs
 from .library_warnings import add_verbose_flag
 from .metrics import compare_logprobs, require_scored
 from .builder import DTYPES
-from ..models.layout import Layout, check_mla_profile, validate_layout
+from ..models.layout import Layout, validate_layout
 from ..models.spec import ModelSpec, load_model_spec
 from ..models.weights import SeededWeights
 from .outputs import write_reports
@@ -102,6 +102,8 @@ def check_engine_and_device(ns: argparse.Namespace, spec, profile) -> None:
                           f"vllm-cpu-tp2); {profile.name!r} describes {profile.reduction}")
     check_device(ns)
     if spec.multi_latent_attention:  # before the engine's own checks: its MLA is another attention
+        from ..contract.model_config import check_mla_profile
+
         check_mla_profile(profile)
     if ns.engine == "vllm":
         from ..numerics.vllm.refusals import activation_widths, check_activation_widths, check_head_dim

@@ -108,8 +108,15 @@ def check_mla(config: Any, profile: Optional[Any]) -> None:
             raise refuse(mla, setting=name, value=getattr(config, name), fix=f"set {name}=False")
     if getattr(config, "rope_type", "rope") not in ("rope", "yarn"):
         raise refuse(mla, setting="rope_type", value=config.rope_type, fix="use rope or yarn")
-    if profile is not None and (profile.engine_name is not None or profile.rollout_layout):
-        raise refuse(mla, setting="profile", value=profile.name,
+    if profile is not None:
+        check_mla_profile(profile)
+
+
+def check_mla_profile(profile: Any) -> None:
+    """MLA under the profiles that model it: not a rollout engine's layout or kernels (none's MLA is
+    modelled yet). Also before the checkers launch (models/layout.py, check/main.py)."""
+    if profile.engine_name is not None or profile.rollout_layout:
+        raise refuse("multi_latent_attention", setting="profile", value=profile.name,
                      fix="score with a canonical_tree or bitwise_training profile: no rollout engine's MLA is "
                          "modelled yet")
 

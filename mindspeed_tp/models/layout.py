@@ -119,19 +119,11 @@ class Layout:
         return out
 
 
-def check_mla_profile(profile: Profile) -> None:
-    """MLA under the profiles that model it: not a rollout engine's layout or kernels (none's MLA is
-    modelled yet)."""
-    if profile.engine_name is not None or profile.rollout_layout:
-        raise refuse("multi_latent_attention", setting="profile", value=profile.name,
-                     fix="score with a canonical_tree or bitwise_training profile: no rollout engine's MLA is "
-                         "modelled yet")
-
-
 def _validate_mla(layout: Layout, spec: ModelSpec, profile: Profile) -> None:
     """MLA's column-parallel latents split by TP (megatron's local spec shards even the down projections)
     and cut into the canonical leaves; what it does not cover named before any process starts."""
     from ..compat import local_mla_query_projection_problem
+    from ..contract.model_config import check_mla_profile
 
     mla = "multi_latent_attention"
     if layout.cp > 1:
