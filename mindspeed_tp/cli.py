@@ -28,6 +28,7 @@ from .check import library_warnings
 from .check.main import build_parser, plan, required_world_size, resolve_args
 from .contract.refusals import refusals_page
 from .errors import ConfigError
+from .torchrun_process import start_torchrun
 
 _LAUNCH_FLAGS = ("--nproc", "--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint")
 _LAUNCH_HELP = """
@@ -64,7 +65,7 @@ def _positive_int(flag: str, value: str) -> int:
 
 
 def _launch_command(launch: Dict[str, str], world: int, timeout: float):
-    """(torchrun command, processes on this node)."""
+    """(torchrun's arguments, processes on this node)."""
     nnodes = _positive_int("--nnodes", launch.get("--nnodes", "1"))
     if "--nproc" in launch:
         nproc = _positive_int("--nproc", launch["--nproc"])
@@ -76,7 +77,7 @@ def _launch_command(launch: Dict[str, str], world: int, timeout: float):
                           "set --nproc-per-node")
     else:
         nproc = world // nnodes
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    cmd = [f"--nproc-per-node={nproc}"]
     if nnodes == 1 and "--rdzv-endpoint" not in launch:
         return cmd + ["--standalone"], nproc
     endpoint = launch.get("--rdzv-endpoint")
@@ -126,7 +127,7 @@ def _check(argv: List[str], warnings_dir: str) -> int:
         status = os.path.join(tmp, "status")
         cmd += ["-m", "mindspeed_tp.check", *rest, "--status-file", status]
         status_files = [os.path.join(tmp, f"status.{local}") for local in range(nproc)]
-        returncode = _run_torchrun(cmd, _worker_env(), status_files, float(ns.timeout))
+        returncode = _run_torchrun(start_torchrun(cmd, _worker_env()), status_files, float(ns.timeout))
         code = _check_outcome(tmp, nproc, returncode)
         library_warnings.report(warnings_dir, ns, "mindspeed-tp check", finished=code in (0, 1))
         return code
@@ -155,12 +156,11 @@ def _worker_env() -> Dict[str, str]:
     return env
 
 
-def _run_torchrun(cmd: List[str], env: Dict[str, str], status_files: List[str], grace_s: float) -> int:
-    """torchrun's exit code, waited for until it exits or until ``grace_s`` (the run's --timeout) after
-    every local rank wrote its status: this node's outcome is decided then, and torchrun's agent waits
-    in its exit barrier for every other node's agent (300 s), however long one that already left
-    (its worker killed, or crashed on exit) leaves it waiting. Then torchrun is stopped."""
-    proc = subprocess.Popen(cmd, env=env)
+def _run_torchrun(proc, status_files: List[str], grace_s: float) -> int:
+    """The started torchrun's exit code, waited for until it exits or until ``grace_s`` (the run's
+    --timeout) after every local rank wrote its status: this node's outcome is decided then, and
+    torchrun's agent waits in its exit barrier for every other node's agent (300 s), however long one
+    that already left (its worker killed, or crashed on exit) leaves it waiting. Then torchrun is stopped."""
     reported_at = None
     while True:
         try:
@@ -184,9 +184,9 @@ def _run_torchrun(cmd: List[str], env: Dict[str, str], status_files: List[str], 
 def _launch_world(module: str, nproc: int, args: List[str], tmp: str, name: str):
     """torchrun ``module`` with ``nproc`` processes on this node; (exit code or None, error lines)."""
     status = os.path.join(tmp, f"status-{name}")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone",
-           "-m", module, *args, "--status-file", status]
-    proc = subprocess.run(cmd, env=_worker_env())
+    proc = start_torchrun([f"--nproc-per-node={nproc}", "--standalone", "-m", module, *args, "--status-file", status],
+                          _worker_env())
+    proc.wait()
     codes, messages, missing = _read_statuses(tmp, nproc, prefix=f"status-{name}")
     if 2 in codes:
         return 2, []

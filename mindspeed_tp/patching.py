@@ -20,9 +20,11 @@ patch never records a replacement of ours as "the original". Two more kinds of e
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 import threading
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Tuple
 
@@ -126,6 +128,14 @@ def _swap_in_modules(swaps: Dict[int, Tuple[Any, Any, "Patch"]]) -> None:
                 namespace[name] = swap[1]
 
 
+
+def _present_as(replacement, original) -> None:
+    """A wrapping replacement shows its original's name, docstring and signature (``__wrapped__``):
+    code that inspects a patched function (which arguments ``GPTModel.__init__`` takes, say) sees
+    the original's, as before the patch."""
+    if isinstance(replacement, types.FunctionType) and callable(original) and not hasattr(replacement, "__wrapped__"):
+        functools.update_wrapper(replacement, original)
+
 class PatchRegistry:
     def __init__(self, name: str):
         self.name = name
@@ -223,6 +233,8 @@ class PatchRegistry:
                 if current is not None and id(current) in ours or id(original) in ours:
                     raise PatchTargetError(f"{self.name}: {p.target} already holds a mindspeed-tp replacement")
                 new = p.replacement(current) if p.wraps else p.replacement
+                if p.wraps:
+                    _present_as(new, current)
                 if isinstance(original, staticmethod) and not isinstance(new, staticmethod):
                     new = staticmethod(new)
                 p._owner, p._attr, p._original, p._new = owner, attr, original, new

@@ -34,10 +34,26 @@ def _env(extra=None):
 
 
 def run_torchrun(worker: str, nproc: int, *args: str, timeout: float = 600, env=None):
-    """Run tests/workers/<worker> under torchrun on this node; returns CompletedProcess."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           os.path.join(WORKERS, worker), *args]
-    return subprocess.run(cmd, env=_env(env), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    """Run tests/workers/<worker> under torchrun on this node, started as the launchers start it
+    (mindspeed_tp/torchrun_process.py); returns CompletedProcess with its output as text."""
+    import tempfile
+
+    from mindspeed_tp.torchrun_process import start_torchrun
+
+    cmd = ["--standalone", f"--nproc-per-node={nproc}", os.path.join(WORKERS, worker), *args]
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = start_torchrun(cmd, _env(env), cwd=ROOT, stdout=out, stderr=err)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+        texts = []
+        for f in (out, err):
+            f.seek(0)
+            texts.append(f.read().decode("utf-8", errors="replace"))
+    return subprocess.CompletedProcess(["torchrun", *cmd], proc.returncode, *texts)
 
 
 def run_cli(*args: str, timeout: float = 900, env=None):

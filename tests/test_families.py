@@ -206,10 +206,13 @@ def _model_yaml(tmp_path, checkpoint):
     return str(path)
 
 
-@pytest.mark.parametrize("name", ["qwen2", "mistral", pytest.param("llama31", marks=full_tier(
-    covered_by="tests/test_families.py::test_bitwise_training_two_layouts",
-    why="Llama's difference is the RoPE table, which training reads as the scoring forward does (the fp32 launch); "
-        "the CI tier trains Qwen2's bias gradient and Mistral's windowed attention backward"))])
+@pytest.mark.parametrize("name", ["mistral", pytest.param("qwen2", marks=full_tier(
+    covered_by="tests/test_families_moe.py::test_bitwise_training_two_layouts",
+    why="the QKV bias gradient is GLM-4.5's too, trained bitwise in the CI tier (tests/test_families_moe.py)")),
+    pytest.param("llama31", marks=full_tier(
+        covered_by="tests/test_families.py::test_bitwise_training_two_layouts",
+        why="Llama's difference is the RoPE table, which training reads as the scoring forward does (the fp32 "
+            "launch); the CI tier trains Mistral's windowed attention backward"))])
 @on_every_line_in_the_full_tier  # the window on 0.12, the RoPE-scaling arguments, the bias
 def test_bitwise_training_two_layouts(checkpoints, tmp_path, name):
     """Every step's loss, gradients (the QKV bias's among them) and logprobs bitwise across layouts."""

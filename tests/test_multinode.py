@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 
 import pytest
@@ -54,7 +55,7 @@ def test_the_launcher_stops_torchrun_left_waiting_after_its_ranks_reported(tmp_p
 
     status = tmp_path / "status.0"
     waits = [sys.executable, "-c", f"open({str(status)!r}, 'w').write('{{}}'); import time; time.sleep(600)"]
-    assert _run_torchrun(waits, dict(os.environ), [str(status)], grace_s=1.0) == -signal.SIGTERM
+    assert _run_torchrun(subprocess.Popen(waits), [str(status)], grace_s=1.0) == -signal.SIGTERM
     assert "stopping it" in capsys.readouterr().err
     exits = [sys.executable, "-c", "import sys; sys.exit(7)"]
-    assert _run_torchrun(exits, dict(os.environ), [str(tmp_path / "never")], grace_s=1.0) == 7
+    assert _run_torchrun(subprocess.Popen(exits), [str(tmp_path / "never")], grace_s=1.0) == 7

@@ -312,3 +312,40 @@ def test_revert_of_an_inherited_attribute_uncovers_the_base(mods):
     reg.revert()
     assert "method" not in vars(Sub)
     assert Sub.method is mods.C.method
+
+
+def test_a_wrapping_replacement_shows_the_originals_name_and_signature(mods):
+    """Code inspecting a patched function (mbridge or verl asking which arguments GPTModel.__init__
+    takes) sees the original's signature, not the wrapper's ``*args, **kwargs``."""
+    import inspect
+
+    a = mods.a
+
+    def g(x, y=2, *, scale=1.0):
+        """g's own docstring."""
+        return x
+
+    a.g = g
+    reg = PatchRegistry("t")
+    reg.register(f"{a.__name__}:g", "wrap", wraps=True)(lambda original: lambda *args, **kwargs: original(*args, **kwargs))
+    reg.apply()
+    assert a.g is not g and a.g(5) == 5
+    assert inspect.signature(a.g) == inspect.signature(g) and a.g.__name__ == "g" and a.g.__doc__ == g.__doc__
+    assert a.g.__wrapped__ is g
+    reg.revert()
+    assert a.g is g
+
+
+def test_gpt_models_signature_is_megatrons_while_enabled():
+    import inspect
+
+    import mindspeed_tp
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    before = inspect.signature(GPTModel.__init__)
+    mindspeed_tp.enable()
+    try:
+        assert GPTModel.__init__.__wrapped__ is not None
+        assert inspect.signature(GPTModel.__init__) == before
+    finally:
+        mindspeed_tp.disable()

@@ -7,9 +7,14 @@ step) bitwise equal to the logprobs vLLM returned, vanilla megatron-core's not. 
 only (scripts/test.sh's engine phase; conftest.py leaves it out elsewhere)."""
 import json
 
-from conftest import explain, run_cli
+from conftest import explain, full_tier, run_cli
 
 
+@full_tier(covered_by="tests/test_vllm_engine.py::test_weight_sync_in_memory_keeps_the_next_rollout_bitwise",
+           why="the loop's parts against the real engine run in the CI tier: the in-memory weight sync and the "
+               "rollout after it (test_vllm_engine.py), the temperature semantics "
+               "(test_vllm_sampling.py's moe-bf16-e2, T = 0.7); the loop itself runs with the reference engine "
+               "(tests/test_rl_check.py::test_every_iteration_bitwise_equal_to_the_engine)")
 def test_rl_loop_with_vllm_at_temperature_bitwise_every_iteration(tmp_path):
     path = str(tmp_path / "rl.json")
     proc = run_cli("rl-check", "--engine", "vllm", "--profile", "vllm-cpu-tp2", "--model", "tiny-moe",

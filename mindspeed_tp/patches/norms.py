@@ -39,7 +39,11 @@ class ConsistentNorm(torch.nn.Module):
         return f"{self.normalization}, {self.normalized_shape[0]}, eps={self.eps}, fp32"
 
 
-def wrapped_torch_norm_new(cls, config, hidden_size, eps=1e-5, *args, **kwargs):
+def wrapped_torch_norm_new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False,
+                           normalization="LayerNorm"):
+    # The last three are megatron-core's own unused arguments (the config decides, as there; its
+    # fields are checked here): taken by name so that no new one is swallowed.
+    del persist_layer_norm, zero_centered_gamma, normalization
     refusals.check_config(refusals.NORM, config)
     return ConsistentNorm(
         hidden_size, eps, config.normalization, bool(getattr(config, "sequence_parallel", False))
