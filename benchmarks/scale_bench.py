@@ -106,7 +106,11 @@ def _matrix() -> List[Case]:
            for lay in ("tp2-sp-ep2", "tp1-ep2-dp2") for s in (1024, 4096)]
     # the Llama family at Llama-3.1-8B's dimensions (issue #56): llama3-scaled RoPE, vocab 128256
     llama = [Case("llama3-8b-2layer", "tp2-sp", s, "fp32", optimizer="sgd") for s in (1024, 4096)]
-    return cases + moe + llama
+    # DeepSeek-V3's multi-latent attention and grouped sigmoid router at its dimensions, experts narrowed
+    # to fit (issue #57, deepseek-v3-2layer.yaml); vanilla's attention holds every head's full score
+    # matrix, so 1024 tokens per sequence
+    deepseek = [Case("deepseek-v3-2layer", lay, 1024, "fp32", optimizer="sgd") for lay in ("tp2-sp-ep2", "tp1-ep2-dp2")]
+    return cases + moe + llama + deepseek
 
 
 CASES: Dict[str, Case] = {c.name: c for c in _matrix()}
