@@ -44,7 +44,8 @@ def test_the_moe_kernel_runs_with_the_experts_class_the_engine_selects_for_the_d
     assert got == isa
     h = _randn(5, 64, seed=6, dtype=dtype)
     topk_w, topk_ids = kernels.route(_randn(5, 4, seed=7, dtype=dtype), 2, True)
-    out = kernels.fused_moe(h, topk_w, topk_ids, w13, w2, packed, isa, torch.float32)
+    out = kernels.add_engine_partials(kernels.fused_moe(h, topk_w, topk_ids, w13, w2, packed, isa), torch.float32,
+                                        h.dtype)
     ref = kernels._moe_reference(h, topk_w, topk_ids, w13, w2)
     # A semantics check, not a bitwise claim: the engine's kernel (bf16 rounding inside) against the
     # plain fp32 math; what this test proves is that the kernel runs with the ISA the oracle chose.
@@ -97,7 +98,8 @@ def test_plain_backward_of_gemm_rope_attention_and_moe_match_fp32_autograd():
     for r in (1, 2):
         topk_w, topk_ids = kernels.route(logits, 2, True)
         packed, isa = kernels.prepack_experts(w13.detach(), w2.detach(), r, 2)
-        out = kernels.fused_moe(h, topk_w, topk_ids, w13, w2, packed, isa, torch.float32)
+        out = kernels.add_engine_partials(kernels.fused_moe(h, topk_w, topk_ids, w13, w2, packed, isa), torch.float32,
+                                        h.dtype)
         ref = kernels._moe_reference(h, topk_w, topk_ids, w13, w2)
         assert torch.allclose(out, ref, atol=1e-4)
         go = torch.randn_like(out)
@@ -340,3 +342,56 @@ def test_the_reference_engines_top_k_top_p_is_vllms(top_k, top_p):
         assert (kept == top_k).all()
     for i in (0, 4, 8):  # row-local: one row alone gets the bits it gets in the batch
         assert bits_equal(kernels.top_k_top_p(rows[i:i + 1], top_k, top_p), engine[i:i + 1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+def test_partial_rope_rotates_the_leading_channels_as_a_narrower_head_and_passes_the_rest(dtype):
+    """GLM-4.5's half-head RoPE by the engine's op: the first rotary_dim channels get the bits a head
+    of rotary_dim channels gets, the others are returned untouched; backward is the rotation's
+    transpose on those channels and the identity on the rest."""
+    x = _randn(9, 2, 64, seed=11, dtype=dtype).requires_grad_()
+    pos = torch.arange(3, 12)
+    out = kernels.rotary(x, pos, 1e6, 64, rotary_dim=32)
+    narrow = kernels.rotary(x.detach()[..., :32].contiguous(), pos, 1e6, 64)
+    assert bits_equal(out[..., :32], narrow) and bits_equal(out[..., 32:], x.detach()[..., 32:])
+    assert not bits_equal(out[..., :32], x.detach()[..., :32])
+    go = _randn(9, 2, 64, seed=12, dtype=dtype)
+    out.backward(go)
+    xr = x.detach()[..., :32].clone().requires_grad_()
+    kernels.rotary(xr, pos, 1e6, 64).backward(go[..., :32])
+    assert bits_equal(x.grad[..., :32], xr.grad) and bits_equal(x.grad[..., 32:], go[..., 32:])
+
+
+def test_glm_moe_output_is_each_engine_ranks_scaled_routed_plus_shared_then_the_all_reduce():
+    """Glm4MoE on the engine: per engine rank ``shared_r + routed_r * 2.5``, each op rounded to bf16,
+    then one all-reduce (fp32 adds, rank order) -- not the routed sum scaled plus the shared sum,
+    which rounds elsewhere (the first engine TP this shows at: 2)."""
+    routed = [_randn(64, 128, seed=s, dtype=torch.bfloat16) for s in (21, 22)]
+    shared = [_randn(64, 128, seed=s, dtype=torch.bfloat16) for s in (23, 24)]
+    got = kernels.add_engine_partials(routed, torch.float32, torch.bfloat16, 2.5, shared)
+    per_rank = [(s.float() + (p.float() * 2.5).to(torch.bfloat16).float()).to(torch.bfloat16) for p, s in
+                zip(routed, shared)]
+    assert bits_equal(got, (per_rank[0].float() + per_rank[1].float()).to(torch.bfloat16))
+    summed_first = ((routed[0].float() + routed[1].float()).to(torch.bfloat16).float() * 2.5).to(torch.bfloat16)
+    other_order = (summed_first.float() + (shared[0].float() + shared[1].float()).to(torch.bfloat16).float())
+    assert not bits_equal(got, other_order.to(torch.bfloat16))
+    plain = kernels.add_engine_partials(routed, torch.float32, torch.bfloat16)  # Qwen3-MoE: no scale, no shared
+    assert bits_equal(plain, (routed[0].float() + routed[1].float()).to(torch.bfloat16))
+
+
+def test_the_grouped_router_is_the_engines_sigmoid_top_k_on_score_plus_bias():
+    """Selection on sigmoid + bias within the best groups, the weights the unbiased sigmoid
+    renormalised; the slots in the engine's own order (its function, the same bits)."""
+    logits = _randn(16, 8, seed=31)
+    bias = _randn(8, seed=32, scale=0.1)
+    w, ids = kernels.grouped_route(logits, 2, True, 4, 2, bias)
+    assert w.dtype == torch.float32 and ids.dtype == torch.int32 and ids.shape == (16, 2)
+    scores = logits.sigmoid()
+    biased = scores + bias
+    group_best = biased.view(16, 4, 2).topk(2, dim=-1)[0].sum(-1)
+    keep = torch.zeros(16, 4).scatter_(1, group_best.topk(2, dim=-1)[1], 1).repeat_interleave(2, dim=1).bool()
+    want = biased.masked_fill(~keep, float("-inf")).topk(2, dim=-1)[1]
+    assert [sorted(r) for r in ids.long().tolist()] == [sorted(r) for r in want.tolist()]
+    chosen = scores.gather(1, ids.long())
+    assert bits_equal(w, chosen / chosen.sum(-1, keepdim=True))
+    assert not torch.equal(ids.long().sort(-1).values, scores.topk(2, dim=-1)[1].sort(-1).values)  # the bias mattered

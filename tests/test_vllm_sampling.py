@@ -34,22 +34,32 @@ CONFIGS = [
     # the MoE families (issue #57): vLLM's MixtralForCausalLM (its gate, FusedMoE over w1 / w3 / w2)
     ("mixtral-bf16-e2", "tiny-mixtral", "bf16", 2, "tp2-sp-ep2,tp1-ep2", 2, "processed"),
     ("mixtral-fp32-e1", "tiny-mixtral", "fp32", 1, "tp2-sp-ep2,tp1-ep2", 2, "processed"),
+    # GLM-4.5 (issue #57): vLLM's Glm4MoeForCausalLM -- the QKV bias, RoPE on half of each head, the
+    # fp32 gate and grouped sigmoid router with the expert bias, the routed scaling and the shared
+    # expert added per engine rank before the all-reduce, a leading dense layer
+    ("glm45-bf16-e2", "tiny-glm45", "bf16", 2, "tp2-sp-ep2,tp1-ep2", 2, "processed"),
+    ("glm45-fp32-e1", "tiny-glm45", "fp32", 1, "tp2-sp-ep2,tp1-ep2", 2, "processed"),
 ]
 _BY_NAME = {c[0]: c for c in CONFIGS}
 FAMILY_FULL = full_tier(
     covered_by="tests/test_vllm_sampling.py::test_every_semantics_is_bitwise_in_two_layouts_and_vanilla_is_not",
-    why="each family at the other engine TP and dtype: the CI tier runs Qwen2 at engine TP 2 in bf16 (the bias "
-        "through the engine's GEMM, the processed semantics over the same sampler code every family shares)")
+    why="each family at the other engine TP and dtype: the CI tier runs GLM-4.5 at engine TP 2 in bf16 (the QKV "
+        "bias through the engine's GEMM, the processed semantics over the same sampler code every family shares)")
+QWEN2_FULL = full_tier(
+    covered_by="tests/test_vllm_sampling.py::test_every_semantics_is_bitwise_in_two_layouts_and_vanilla_is_not",
+    why="Qwen2's difference from Qwen3 in the engine is the QKV bias in its GEMM call, which GLM-4.5's attention "
+        "runs too (glm45-bf16-e2, the CI tier's)")
 ENGINE_FAMILY_FULL = full_tier(
     covered_by="tests/test_vllm_sampling.py::test_every_semantics_is_bitwise_in_two_layouts_and_vanilla_is_not",
     why="Llama's scaled RoPE cache and Mistral's sliding window through the engine's own kernels: the CI tier "
         "scores both families bitwise against the reference engine (tests/test_families.py) and runs vLLM's "
-        "decoder layer, attention and sampler with Qwen2 (qwen2-bf16-e2); the full tier runs each family here")
+        "decoder layer, attention and sampler with GLM-4.5 (glm45-bf16-e2); the full tier runs each family here")
 MIXTRAL_FULL = full_tier(
     covered_by="tests/test_vllm_sampling.py::test_every_semantics_is_bitwise_in_two_layouts_and_vanilla_is_not",
     why="the engine's Mixtral block runs the GateLinear and FusedMoE (renormalised top-k) the CI tier's Qwen3-MoE "
-        "run (moe-bf16-e2) exercises at engine TP 2; Mixtral's attention is vLLM's standard attention (qwen2-bf16-e2)")
-FAMILY_CONFIGS = ["qwen2-bf16-e2", pytest.param("llama-fp32-e1", marks=ENGINE_FAMILY_FULL),
+        "run (moe-bf16-e2) exercises at engine TP 2; Mixtral's attention is vLLM's standard attention (glm45-bf16-e2)")
+FAMILY_CONFIGS = ["glm45-bf16-e2", pytest.param("glm45-fp32-e1", marks=FAMILY_FULL),
+                  pytest.param("qwen2-bf16-e2", marks=QWEN2_FULL), pytest.param("llama-fp32-e1", marks=ENGINE_FAMILY_FULL),
                   pytest.param("mistral-bf16-e2", marks=ENGINE_FAMILY_FULL),
                   pytest.param("mixtral-bf16-e2", marks=MIXTRAL_FULL), pytest.param("qwen2-fp32-e1", marks=FAMILY_FULL),
                   pytest.param("llama-bf16-e2", marks=FAMILY_FULL), pytest.param("mistral-fp32-e1", marks=FAMILY_FULL),

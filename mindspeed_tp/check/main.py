@@ -110,9 +110,6 @@ def check_engine_and_device(ns: argparse.Namespace, spec, profile) -> None:
 
         check_head_dim(spec.kv_channels)
         check_activation_widths(activation_widths(spec), profile.rollout_tp, DTYPES[ns.dtype])
-        if spec.rotary_percent != 1.0:
-            raise refuse("vllm_model_shape", what=f"partial RoPE (rotary_percent={spec.rotary_percent})",
-                         engine="full RoPE, plain or Llama-3-scaled", fix="rotary_percent=1.0")
         if spec.is_moe:
             from ..numerics.vllm.forward import moe_problems
 

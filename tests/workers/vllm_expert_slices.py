@@ -52,7 +52,8 @@ for ep, etp, order in grids(world):
             h = randn(world * T, H, seed=3, dtype=dtype)
             topk_w, topk_ids = kernels.route(randn(world * T, E, seed=4, dtype=dtype), K, True)
             packed, isa = kernels.prepack_experts(w13, w2, tp, K)
-            want = kernels.fused_moe(h, topk_w, topk_ids, w13, w2, packed, isa, torch.float32)
+            want = kernels.add_engine_partials(kernels.fused_moe(h, topk_w, topk_ids, w13, w2, packed, isa), torch.float32,
+                                        h.dtype)
             mine = slice(rank * T, (rank + 1) * T)
             own = slice(ep_rank * n_local, (ep_rank + 1) * n_local)
             cols = slice(etp_rank * shard, (etp_rank + 1) * shard)
@@ -61,8 +62,9 @@ for ep, etp, order in grids(world):
             w2_l = w2[own, :, cols].clone().requires_grad_()
             h_l = h[mine].clone().requires_grad_()
             del recorded[:]
-            got = expert_slices.moe_across_ranks(h_l, topk_w[mine], topk_ids[mine], w13_l, w2_l, tp, K,
-                                                 torch.float32, group, ep_rank, etp_rank)
+            got = kernels.add_engine_partials(
+                expert_slices.moe_across_ranks(h_l, topk_w[mine], topk_ids[mine], w13_l, w2_l, tp, K, group,
+                                               ep_rank, etp_rank), torch.float32, dtype)
             go = randn(world * T, H, seed=5, dtype=torch.float32)
             got.float().backward(go[mine])
             ref_in = [t.detach().float().requires_grad_() for t in (h, w13, w2)]

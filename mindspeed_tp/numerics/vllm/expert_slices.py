@@ -8,7 +8,8 @@ work is cut by slice, not by expert: rank p of the expert group (W ranks) comput
 ``assignment(W, R)[p]`` names, for its chunk of every rank's tokens. Each rank sends the parts of its
 expert shards those slices contain (its EP block of experts, its expert-TP part of their
 intermediate) to the ranks computing them, and its tokens' rows (with their routing); it gets back
-the partials of its own tokens and adds them in engine-rank order. Every value is the kernel's on
+the partials of its own tokens, in engine-rank order (the caller adds them as the engine does:
+``kernels.add_engine_partials``). Every value is the kernel's on
 the same rows (its rows do not depend on the other rows of the call), so the logprobs are the same
 bits as on one rank.
 
@@ -157,9 +158,10 @@ def _assemble(out13, out2, plan, recv13, recv2, n_local, width, hidden, per_bloc
 
 
 def moe_across_ranks(h: torch.Tensor, topk_w: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
-                     w2: torch.Tensor, rollout_tp: int, top_k: int, add_dtype: torch.dtype, group,
-                     ep_rank: int, etp_rank: int = 0) -> torch.Tensor:
-    """The engine's MoE output for this rank's tokens ``h`` (T, H), routed (``topk_w`` fp32,
+                     w2: torch.Tensor, rollout_tp: int, top_k: int, group,
+                     ep_rank: int, etp_rank: int = 0) -> List[torch.Tensor]:
+    """The engine ranks' MoE partials (``kernels.add_engine_partials`` adds them) for this rank's
+    tokens ``h`` (T, H), routed (``topk_w`` fp32,
     ``topk_ids`` int32 global expert ids, (T, k)), with this rank's expert shards ``w13``
     (E/EP, 2I/ETP, H) gate|up and ``w2`` (E/EP, H, I/ETP): the experts of EP block ``ep_rank``,
     intermediate part ``etp_rank``. ``group``: the expert tensor-and-model-parallel group."""
@@ -184,7 +186,7 @@ def moe_across_ranks(h: torch.Tensor, topk_w: torch.Tensor, topk_ids: torch.Tens
     partials = {}
     for r in work[me].slices:
         (packed, isa) = kernels.prepack_slice(*slices[r], top_k)
-        partials[r] = kernels.fused_moe(x, w, ids, slices[r][0], slices[r][1], [packed], isa, add_dtype)
+        (partials[r],) = kernels.fused_moe(x, w, ids, slices[r][0], slices[r][1], [packed], isa)
     back = [[partials[r][sum(recv[:q]):sum(recv[:q + 1])] for r in work[me].slices] for q in range(world)]
     mine_rows = [_chunk_len(h.shape[0], work[d]) for d in range(world)]
     got = _exchange(back, [n * len(work[d].slices) for d, n in enumerate(mine_rows)], group)
@@ -194,5 +196,4 @@ def moe_across_ranks(h: torch.Tensor, topk_w: torch.Tensor, topk_ids: torch.Tens
     for d in range(world):
         for i, r in enumerate(work[d].slices):
             per_slice[r].append((work[d].chunk, got[d][i * mine_rows[d]:(i + 1) * mine_rows[d]]))
-    parts = [torch.cat([rows for _, rows in sorted(per_slice[r], key=lambda c: c[0])]) for r in range(rollout_tp)]
-    return kernels.add_engine_partials(parts, add_dtype, h.dtype)
+    return [torch.cat([rows for _, rows in sorted(per_slice[r], key=lambda c: c[0])]) for r in range(rollout_tp)]

@@ -1,7 +1,8 @@
 """The patched Megatron forward under a ``vllm-cpu-*`` profile: each patched megatron-core piece
 computes what the engine's Qwen3 / Qwen3-MoE / Qwen2 / Llama model computes at TP=R (vllm/model_executor/
-models/qwen3.py, qwen3_moe.py, qwen2.py, llama.py, mistral.py: one decoder, the QK-norm, the QKV bias,
-Llama-3's RoPE cache and Mistral's sliding window per family), through the engine's own ops (``kernels``).
+models/qwen3.py, qwen3_moe.py, qwen2.py, llama.py, mistral.py, mixtral.py, glm4_moe.py: one decoder, the
+QK-norm, the QKV bias, Llama-3's RoPE cache, Mistral's sliding window, GLM-4.5's half-head RoPE and its
+grouped sigmoid router with shared experts per family), through the engine's own ops (``kernels``).
 
 Operator order the engine uses and Megatron does not, and how it is reproduced:
 - residual stream: the engine's fused-add RMSNorm adds a layer's output to the residual in fp32
@@ -48,14 +49,17 @@ def check_ready(prof) -> None:
     _ready[key] = (require_vllm(prof.engine.version), check_profile_isa(prof.engine.cpu_isa))
 
 
-def set_rope(config, base: float, max_positions: int, llama3_factor: Optional[float] = None) -> None:
+def set_rope(config, base: float, max_positions: int, llama3_factor: Optional[float] = None,
+             rotary_percent: float = 1.0) -> None:
     """Recorded at GPTModel construction, for that model's config: the engine's RoPE cache is built
-    from these (``llama3_factor``: GPTModel's rope_scaling_factor under rope_scaling)."""
-    _rope[config] = (float(base), int(max_positions), None if llama3_factor is None else float(llama3_factor))
+    from these (``llama3_factor``: GPTModel's rope_scaling_factor under rope_scaling;
+    ``rotary_percent``: the share of each head's channels rotated, GLM-4.5's 0.5)."""
+    _rope[config] = (float(base), int(max_positions), None if llama3_factor is None else float(llama3_factor),
+                     float(rotary_percent))
 
 
 def rope_of(config):
-    """(base, max positions, Llama-3 factor or None) of the model built with ``config``."""
+    """(base, max positions, Llama-3 factor or None, rotary percent) of the model built with ``config``."""
     found = _rope.get(config)
     if found is None:
         raise ConfigError("vllm-cpu profile: this model was built before the patches were enabled (its RoPE base "
@@ -92,7 +96,7 @@ def residual_add(x_with_bias, residual: torch.Tensor, prob: float, training: boo
 def rope(t: torch.Tensor, config, interleaved: bool, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
     """RoPE on [s, b, heads, dim] at absolute positions 0..s-1 (the scored sequences start at 0), or at
     ``positions`` (s,) (a context-parallel rank's chunks)."""
-    base, max_positions, llama3_factor = rope_of(config)
+    base, max_positions, llama3_factor, rotary_percent = rope_of(config)
     s, b, h, d = t.shape
     x = t.reshape(s * b, h, d)
     if positions is None:
@@ -100,7 +104,7 @@ def rope(t: torch.Tensor, config, interleaved: bool, positions: Optional[torch.T
     longest = int(positions.max()) + 1 if positions.numel() else s
     positions = positions.to(t.device).repeat_interleave(b)
     out = kernels.rotary(x, positions, base, max(max_positions, longest), neox=not interleaved,
-                         llama3_factor=llama3_factor)
+                         llama3_factor=llama3_factor, rotary_dim=int(d * rotary_percent))
     return out.reshape(s, b, h, d)
 
 
@@ -157,19 +161,46 @@ def _prepacked_all_experts(layer, prof, w13, w2, weights):
     return entry[2], entry[3]
 
 
+def grouped_router(model) -> bool:
+    """The engine runs this model's MoE as GLM-4.5's block (sigmoid scores, grouped top-k on score +
+    expert bias, routed scaling, shared experts), else as Qwen3-MoE's / Mixtral's (softmax top-k)."""
+    return getattr(model, "moe_router_score_function", "softmax") == "sigmoid"
+
+
 def moe_problems(model, prof) -> list:
-    """What the profiles' MoE (the engine's Qwen3-MoE / Mixtral block) does not model, from a
-    TransformerConfig or a model spec (the same field names): checked before an engine starts and
-    again at each MoE layer."""
+    """What the profiles' MoE (the engine's Qwen3-MoE / Mixtral block, or GLM-4.5's) does not model,
+    from a TransformerConfig or a model spec (the same field names): checked before an engine starts
+    and again at each MoE layer."""
     problems = []
-    if getattr(model, "moe_router_score_function", "softmax") != "softmax":
-        problems.append("moe_router_score_function must be softmax (Qwen3-MoE, Mixtral)")
-    if getattr(model, "moe_shared_expert_intermediate_size", None):
-        problems.append("shared experts are not modelled (Qwen3-MoE and Mixtral have none)")
-    if getattr(model, "moe_router_enable_expert_bias", False) or getattr(model, "moe_router_topk_scaling_factor", None):
-        problems.append("expert bias / top-k scaling are not modelled")
-    if getattr(model, "moe_router_group_topk", None):
-        problems.append("group-limited routing (moe_router_num_groups / moe_router_group_topk) is not modelled")
+    shared = getattr(model, "moe_shared_expert_intermediate_size", None)
+    scaling = getattr(model, "moe_router_topk_scaling_factor", None)
+    if grouped_router(model):
+        family = getattr(model, "family", None)  # a model spec's: the architecture its checkpoint exports as
+        if family is not None and family != "glm4_moe":
+            problems.append(f"a sigmoid router is GLM-4.5's MoE block in the engine: family glm4_moe (family "
+                            f"{family!r} exports an architecture without it)")
+        if not getattr(model, "moe_router_enable_expert_bias", False):
+            problems.append("a sigmoid router needs the expert bias (moe_router_enable_expert_bias: the engine's "
+                            "GLM-4.5 block always adds its e_score_correction_bias)")
+        if model.moe_router_topk < 2:
+            problems.append("moe_router_topk 1 with a sigmoid router: the engine renormalises the one weight to 1 "
+                            "(norm_topk_prob), megatron keeps the score")
+        groups, group_topk = getattr(model, "moe_router_num_groups", None), getattr(model, "moe_router_group_topk", None)
+        if groups and groups > 1 and model.moe_router_topk // (group_topk or 1) != 2:
+            problems.append(f"moe_router_topk / moe_router_group_topk = {model.moe_router_topk} / {group_topk}: the "
+                            "engine scores a group by its top 2 experts")
+        if getattr(model, "moe_shared_expert_gate", False):
+            problems.append("a gated shared expert (moe_shared_expert_gate) is not modelled")
+    else:
+        if getattr(model, "moe_router_score_function", "softmax") != "softmax":
+            problems.append("moe_router_score_function must be softmax (Qwen3-MoE, Mixtral) or sigmoid (GLM-4.5)")
+        if shared:
+            problems.append("shared experts with a softmax router are not modelled (Qwen3-MoE and Mixtral have "
+                            "none; GLM-4.5's sigmoid router has them)")
+        if getattr(model, "moe_router_enable_expert_bias", False) or scaling:
+            problems.append("expert bias / top-k scaling with a softmax router are not modelled")
+        if getattr(model, "moe_router_group_topk", None):
+            problems.append("group-limited routing with a softmax router is not modelled")
     inter = model.moe_ffn_hidden_size or model.ffn_hidden_size
     if (inter // prof.rollout_tp) % kernels.MOE_ALIGNMENT or model.hidden_size % kernels.MOE_ALIGNMENT:
         problems.append(f"moe_ffn_hidden_size/rollout_tp={inter // prof.rollout_tp} and hidden_size="
@@ -186,18 +217,30 @@ def check_moe(layer, prof) -> None:
         raise refuse("vllm_moe", problems="; ".join(problems))
 
 
+def _route(layer, h):
+    """The engine's router logits and routing for tokens ``h``: Qwen3-MoE's / Mixtral's gate in the
+    model dtype and softmax top-k, or GLM-4.5's fp32 gate (its GateLinear holds an fp32 copy of the
+    weight; the input cast exactly) and grouped sigmoid top-k."""
+    config = layer.config
+    weight = layer.router.weight
+    if not grouped_router(config):
+        logits = kernels.engine_linear(h, weight.to(h.dtype))
+        return kernels.route(logits, config.moe_router_topk, not bool(getattr(config, "moe_router_pre_softmax", False)))
+    logits = kernels.engine_linear(h.float(), weight.float(), source=weight)
+    return kernels.grouped_route(logits, config.moe_router_topk, True, config.moe_router_num_groups or 1,
+                                 config.moe_router_group_topk or 1, layer.router.expert_bias)
+
+
 def moe(layer, hidden_states, prof, publish_routing) -> torch.Tensor:
-    """MoELayer as the engine's Qwen3MoeSparseMoeBlock: router logits by the engine's GEMM (model
-    dtype), its top-k router, its fused MoE kernel per engine rank's intermediate slice of every
-    expert, the slices' outputs added as its all-reduce does. Under expert (tensor) parallelism the
-    expert group's ranks split that work by slice (``expert_slices``); without it this rank runs every
-    slice on its tokens."""
+    """MoELayer as the engine's Qwen3MoeSparseMoeBlock / MixtralMoE / Glm4MoE: its router (``_route``),
+    its fused MoE kernel per engine rank's intermediate slice of every expert, each engine rank's
+    output (with GLM-4.5's routed scaling and its shared experts' partial: ``shared_expert_partials``)
+    added as its all-reduce does. Under expert (tensor) parallelism the expert group's ranks split
+    that work by slice (``expert_slices``); without it this rank runs every slice on its tokens."""
     check_moe(layer, prof)
     shape, dtype = hidden_states.shape, hidden_states.dtype
     h = hidden_states.reshape(-1, shape[-1])
-    logits = kernels.engine_linear(h, layer.router.weight.to(dtype))
-    topk_w, topk_ids = kernels.route(logits, layer.config.moe_router_topk,
-                                     not bool(getattr(layer.config, "moe_router_pre_softmax", False)))
+    topk_w, topk_ids = _route(layer, h)
     publish_routing(layer, topk_ids.long())
     from megatron.core import parallel_state as ps
 
@@ -205,10 +248,61 @@ def moe(layer, hidden_states, prof, publish_routing) -> torch.Tensor:
     add_dtype = torch.float32 if prof.rollout_allreduce_dtype == "float32" else dtype
     group = ps.get_expert_tensor_and_model_parallel_group()
     if group_size(group) > 1:  # the work cut by engine slice; no rank gathers every expert
-        out = moe_across_ranks(h, topk_w, topk_ids, w13, w2, prof.rollout_tp, layer.config.moe_router_topk,
-                               add_dtype, group, ps.get_expert_model_parallel_rank(),
-                               ps.get_expert_tensor_parallel_rank())
+        partials = moe_across_ranks(h, topk_w, topk_ids, w13, w2, prof.rollout_tp, layer.config.moe_router_topk,
+                                    group, ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank())
     else:
         packed, isa = _prepacked_all_experts(layer, prof, w13, w2, weights)
-        out = kernels.fused_moe(h, topk_w, topk_ids, w13, w2, packed, isa, add_dtype)
-    return out.reshape(shape)
+        partials = kernels.fused_moe(h, topk_w, topk_ids, w13, w2, packed, isa)
+    shared, scale = None, None
+    if grouped_router(layer.config):
+        scale = layer.config.moe_router_topk_scaling_factor or 1.0
+        if getattr(layer, "shared_experts", None) is not None and getattr(layer, "use_shared_expert", True):
+            shared = shared_expert_partials(layer.shared_experts, h, prof)
+    return kernels.add_engine_partials(partials, add_dtype, dtype, scale, shared).reshape(shape)
+
+
+def shared_expert_partials(module, h, prof) -> list:
+    """Each engine rank's partial of the shared experts (GLM-4.5's ``Glm4MoeMLP``, reduce_results
+    False: the MoE runner adds it to the routed output before the one all-reduce): its slice of the
+    gate and up columns by the engine's GEMM, the SiLU-and-mul the dense MLPs use, its K slice of the
+    down projection by the engine's GEMM. The weights are gathered whole over training TP; this
+    rank's tokens ``h`` (under SP its sequence shard: each rank's gradient then sums over the TP
+    group, else every rank's is the same)."""
+    from ...numerics import ACTIVE
+
+    fc1, fc2 = module.linear_fc1, module.linear_fc2
+    group = getattr(fc1, "tp_group", None)
+    if group is None:
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_tensor_model_parallel_group()
+    replicated = not bool(getattr(module.config, "sequence_parallel", False))
+    w1 = gather_rows(fc1.weight, group, replicated)  # [g_0; u_0; g_1; u_1; ...] over training TP ranks
+    w2 = gather_last_dim_weight(fc2.weight, group, replicated)  # (H, I)
+    world = group_size(group)
+    inter = w2.shape[-1]
+    gate = torch.cat([half[: half.shape[0] // 2] for half in w1.chunk(world)])
+    up = torch.cat([half[half.shape[0] // 2:] for half in w1.chunk(world)])
+    r_total, part = prof.rollout_tp, inter // prof.rollout_tp
+    engine_w1 = torch.cat([t for r in range(r_total) for t in (gate[r * part:(r + 1) * part],
+                                                                up[r * part:(r + 1) * part])])
+    numerics = ACTIVE.current()
+    partials = []
+    for r in range(r_total):
+        a = kernels.engine_linear(h, engine_w1[2 * r * part:2 * (r + 1) * part], source=fc1.weight)
+        act = numerics.mlp_activation(a)
+        partials.append(kernels.engine_partial_linear(act, w2[:, r * part:(r + 1) * part], fc2.weight))
+    return partials
+
+
+def gather_rows(weight, group, replicated: bool):
+    """A column-parallel weight (N/T, K) gathered to (N, K) in rank order (differentiable)."""
+    return gather_last_dim_weight(weight.t(), group, replicated).t()
+
+
+def gather_last_dim_weight(weight, group, replicated: bool):
+    """(N, K/T) gathered to (N, K) in rank order; backward: this rank's slice of its gradient, or the
+    sum over ranks of theirs when the ranks used it on different tokens (``replicated`` False)."""
+    from ...kernels.collectives import gather_last_dim
+
+    return gather_last_dim(weight, group, replicated_downstream=replicated)

@@ -19,7 +19,7 @@ so training still gets ordinary gradients; only the forward is bitwise the engin
 from __future__ import annotations
 
 import functools
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -197,26 +197,29 @@ class _Rope(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad):  # the rotation's transpose, in fp32
+    def backward(ctx, grad):  # the rotation's transpose, in fp32; channels past the cache's width pass through
         positions, cache = ctx.saved_tensors
         cos, sin = cache[positions].float().chunk(2, dim=-1)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        g = grad.float()
+        rotated = cache.shape[-1]
+        g, rest = grad[..., :rotated].float(), grad[..., rotated:]
         if ctx.neox:
             g1, g2 = g.chunk(2, dim=-1)
             dx = torch.cat([g1 * cos + g2 * sin, g2 * cos - g1 * sin], dim=-1)
         else:
             g1, g2 = g[..., 0::2], g[..., 1::2]
             dx = torch.stack([g1 * cos + g2 * sin, g2 * cos - g1 * sin], dim=-1).flatten(-2)
-        return dx.to(grad.dtype), None, None, None
+        return torch.cat([dx.to(grad.dtype), rest], dim=-1), None, None, None
 
 
 def rotary(x: torch.Tensor, positions: torch.Tensor, base: float, max_positions: int, neox: bool = True,
-           llama3_factor: Optional[float] = None) -> torch.Tensor:
+           llama3_factor: Optional[float] = None, rotary_dim: Optional[int] = None) -> torch.Tensor:
     """RoPE on x (tokens, heads, head_dim) at ``positions`` (tokens,) by ``_C.rotary_embedding``;
-    ``llama3_factor``: Llama-3's scaled frequencies."""
+    ``llama3_factor``: Llama-3's scaled frequencies; ``rotary_dim``: the leading channels rotated
+    (GLM-4.5: half of each head; the op reads it from the cache's width), the rest pass through."""
     dim = x.shape[-1]
-    cache = _cos_sin_cache(dim, dim, float(base), int(max_positions), x.dtype,
+    rotated = dim if rotary_dim is None else int(rotary_dim)
+    cache = _cos_sin_cache(dim, rotated, float(base), int(max_positions), x.dtype,
                            None if llama3_factor is None else float(llama3_factor))
     return _Rope.apply(x, positions.to(torch.int64).contiguous(), cache, bool(neox))
 
@@ -351,6 +354,20 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
     return _softmax_topk(router_logits, top_k, renormalize)
 
 
+def grouped_route(router_logits: torch.Tensor, top_k: int, renormalize: bool, num_groups: int, group_topk: int,
+                  bias: Optional[torch.Tensor]):
+    """The engine's CPU grouped router (GLM-4.5, DeepSeek-V3: ``use_grouped_topk``) on fp32 logits:
+    sigmoid scores, selection on score + ``bias`` within the ``group_topk`` best of ``num_groups``
+    groups (a group scored by its top-2 sum), the chosen unbiased scores renormalised; the engine's
+    routed scaling multiplies the MoE output instead (``add_engine_partials``). Its
+    ``topk(sorted=False)`` slot order is the kernel's summation order: the same call on the same
+    bits. Weights fp32, ids int32."""
+    from vllm.model_executor.layers.fused_moe.router.cpu_router import _grouped_topk
+
+    return _grouped_topk(router_logits, top_k, renormalize, num_groups, group_topk, "sigmoid", 1.0,
+                         None if bias is None else bias.detach().float())
+
+
 def expert_slice(w13: torch.Tensor, w2: torch.Tensor, r: int, rollout_tp: int):
     """Engine rank r's slice of experts (E, 2I, H) gate|up and (E, H, I): its (E, 2I/R, H) gate|up
     rows (the gate's and the up's r-th part) and (E, H, I/R) down columns (differentiable)."""
@@ -387,18 +404,29 @@ def _moe_reference(h, topk_w, topk_ids, w13, w2):
     return out
 
 
-def add_engine_partials(partials, add_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+def add_engine_partials(partials, add_dtype: torch.dtype, dtype: torch.dtype, scale: Optional[float] = None,
+                        shared=None) -> torch.Tensor:
     """The engine ranks' MoE partials (model dtype, engine-rank order) added as its all-reduce does:
-    rank-sequential ((p0 + p1) + p2) + ... in ``add_dtype``, cast to ``dtype``."""
+    rank-sequential ((p0 + p1) + p2) + ... in ``add_dtype``, cast to ``dtype``. With ``scale`` and
+    ``shared`` (the shared experts' partials, one per engine rank) each rank first forms its MoE
+    runner's output, ``shared_r + partial_r * scale`` with each op rounded to the model dtype (its
+    in-place scaling of the routed output, then its add), and the all-reduce adds those."""
     total = None
-    for part in partials:
+    for r, part in enumerate(partials):
+        if scale is not None and scale != 1.0:
+            part = part * scale
+        if shared is not None:
+            part = shared[r] + part
         total = part if total is None else total.to(add_dtype) + part.to(add_dtype)
     return total.to(dtype)
 
 
 class _FusedMoE(torch.autograd.Function):
+    """Each engine rank's ``_C.cpu_fused_moe`` partial, stacked (R, n, H); backward: the plain fp32
+    MoE of each rank's expert slice."""
+
     @staticmethod
-    def forward(ctx, h, topk_w, topk_ids, w13, w2, packed, isa, add_dtype):
+    def forward(ctx, h, topk_w, topk_ids, w13, w2, packed, isa):
         ops = _vllm()["ops"]
         x = h.detach().contiguous()
         partials = []
@@ -408,25 +436,27 @@ class _FusedMoE(torch.autograd.Function):
                               topk_ids.contiguous(), "silu", isa, False)
             partials.append(out)
         ctx.save_for_backward(h, topk_w, topk_ids, w13, w2)
-        return add_engine_partials(partials, add_dtype, h.dtype)
+        ctx.rollout_tp = len(packed)
+        return torch.stack(partials)
 
     @staticmethod
     def backward(ctx, grad):
         h, topk_w, topk_ids, w13, w2 = ctx.saved_tensors
         with torch.enable_grad():
             leaves = [t.detach().requires_grad_() for t in (h, topk_w, w13, w2)]
-            out = _moe_reference(leaves[0], leaves[1], topk_ids, leaves[2], leaves[3])
-            grads = torch.autograd.grad(out, leaves, grad.float(), allow_unused=True)
+            outs = [_moe_reference(leaves[0], leaves[1], topk_ids, *expert_slice(leaves[2], leaves[3], r, ctx.rollout_tp))
+                    for r in range(ctx.rollout_tp)]
+            grads = torch.autograd.grad(outs, leaves, [g.float() for g in grad], allow_unused=True)
         needs = [ctx.needs_input_grad[i] for i in (0, 1, 3, 4)]
         dh, dw, d13, d2 = (g.to(t.dtype) if need and g is not None else None
                            for g, t, need in zip(grads, (h, topk_w, w13, w2), needs))
-        return dh, dw, None, d13, d2, None, None, None
+        return dh, dw, None, d13, d2, None, None
 
 
-def fused_moe(h, topk_w, topk_ids, w13, w2, packed, isa, add_dtype) -> torch.Tensor:
-    """The engine's MoE output for tokens ``h`` (n, H): ``_C.cpu_fused_moe`` per engine rank's
-    expert slice (each returns the model dtype), added in rank order in ``add_dtype``."""
-    return _FusedMoE.apply(h, topk_w, topk_ids, w13, w2, packed, isa, add_dtype)
+def fused_moe(h, topk_w, topk_ids, w13, w2, packed, isa) -> List[torch.Tensor]:
+    """The engine ranks' MoE partials for tokens ``h`` (n, H), in engine-rank order: ``_C.cpu_fused_moe``
+    per engine rank's expert slice (each in the model dtype; ``add_engine_partials`` adds them)."""
+    return list(_FusedMoE.apply(h, topk_w, topk_ids, w13, w2, packed, isa).unbind(0))
 
 
 # ---------------------------------------------------------------- logprobs

@@ -8,7 +8,7 @@ import inspect
 
 from ... import compat
 from ...contract.refusals import refuse
-from ..base import attention_window
+from ..base import attention_sinks, attention_window
 from ..rollout_layout.strategy import RolloutLayout
 from . import forward, kernels
 from .refusals import activation_widths, check_activation_widths, check_head_dim
@@ -31,18 +31,18 @@ class VllmEngine(RolloutLayout):
         bound = inspect.signature(original).bind(model, *args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments
-        if a.get("position_embedding_type", "rope") != "rope" or float(a.get("rotary_percent", 1.0)) != 1.0 \
-                or a.get("seq_len_interpolation_factor") is not None:
-            raise refuse("vllm_model_shape", what="RoPE other than full rope (plain or Llama-3-scaled)",
-                         engine="full RoPE, plain or Llama-3-scaled",
-                         fix="position_embedding_type='rope', rotary_percent=1.0, seq_len_interpolation_factor=None")
+        if a.get("position_embedding_type", "rope") != "rope" or a.get("seq_len_interpolation_factor") is not None:
+            raise refuse("vllm_model_shape", what="RoPE other than rope (plain or Llama-3-scaled, on a head's "
+                         "leading channels)", engine="RoPE, plain or Llama-3-scaled, full or partial",
+                         fix="position_embedding_type='rope', seq_len_interpolation_factor=None")
         head_dim = getattr(a["config"], "kv_channels", None)
         if head_dim:
             check_head_dim(head_dim)
         config = a["config"]
         check_activation_widths(activation_widths(config), self.profile.rollout_tp, config.params_dtype)
         forward.set_rope(a["config"], a.get("rotary_base", 10000), a["max_sequence_length"],
-                         a.get("rope_scaling_factor", 8.0) if a.get("rope_scaling", False) else None)
+                         a.get("rope_scaling_factor", 8.0) if a.get("rope_scaling", False) else None,
+                         float(a.get("rotary_percent", 1.0)))
 
     def column_gemm(self, x, weight, bias):
         """The engine's GEMM; its logits stay in the model dtype."""
@@ -60,6 +60,9 @@ class VllmEngine(RolloutLayout):
 
     def attention(self, module, query, key, value, attention_mask, mask_name, causal):
         """The engine's paged attention: prompt prefill, then decode steps."""
+        if attention_sinks(module) is not None:
+            raise refuse("vllm_model_shape", what=f"attention sinks (softmax_type={module.config.softmax_type!r})",
+                         engine="no sinks modelled", fix="softmax_type='vanilla'")
         return forward.attention(query, key, value, compat.attention_scale(module), causal, attention_window(module))
 
     def packed_attention(self, module, query, key, value, bounds, causal):
