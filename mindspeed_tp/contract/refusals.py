@@ -314,9 +314,14 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "the {backend} backend's kernel does not implement it: set the profile's backend: torch, or unset "
             "window_size",
             "the Triton and Ascend kernels have no window yet"),
-    Refusal("softmax_type", ATTENTION, "softmax_type", "softmax_type={value!r} is not supported; use 'vanilla'",
-            "off-by-one / learnable softmax are not implemented", "softmax_type",
-            lambda v: v not in (None, "vanilla")),
+    Refusal("attention_sinks_backend", ATTENTION, "softmax_type (backend)",
+            "attention sinks (softmax_type learnable / off-by-one) run on the torch backend only; the {backend} "
+            "backend's kernel does not implement them: set the profile's backend: torch",
+            "the Triton and Ascend kernels have no sink term yet"),
+    Refusal("attention_sinks_cp", ATTENTION, "softmax_type with context_parallel_size",
+            "attention sinks (softmax_type={value!r}) are not supported with context parallelism " + _T + ": set "
+            "context_parallel_size=1 (a sink's gradient would be summed over the CP ranks' query chunks)",
+            "the sinks' gradient across CP ranks is not folded in a fixed order yet"),
     Refusal("attention_dropout", ATTENTION, "attention_dropout",
             "attention_dropout must be 0 " + _T + " (dropout makes the forward random)", "random"),
     Refusal("packed_sequences_engine", ATTENTION, "packed_seq_params with a vllm-cpu profile",

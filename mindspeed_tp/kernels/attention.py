@@ -23,6 +23,7 @@ def consistent_attention(
     row_multiple: int = 16,
     split_size: Optional[int] = None,
     window: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention for q (b, hq, sq, d) over k, v (b, hkv, sk, d); returns (b, hq, sq, d).
 
@@ -33,9 +34,12 @@ def consistent_attention(
     decode kernels do); every mode must then use the same split size.
     window: sliding-window attention, a query sees the keys at most ``window`` positions before it
     (megatron-core's window_size (window, 0); a Hugging Face sliding_window of window + 1).
+    sinks: attention sinks (hq,), a logit per head in every query's softmax denominator with no value
+    (megatron-core's softmax_type learnable / off-by-one, gpt-oss' ``sinks``): joined to the softmax
+    state once, after the last key block, so every mode gets the same bits.
     """
     attend = dispatch.kernel("attention", q)
-    return attend(q, k, v, scale, causal, q_positions, excluded, block_size, row_multiple, split_size, window)
+    return attend(q, k, v, scale, causal, q_positions, excluded, block_size, row_multiple, split_size, window, sinks)
 
 
 def decode_attention(
@@ -49,6 +53,7 @@ def decode_attention(
     row_multiple: int = 16,
     split_size: Optional[int] = None,
     window: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal attention of the newest queries over a paged KV cache (the rollout decode step).
 
@@ -60,7 +65,7 @@ def decode_attention(
     """
     decode = dispatch.kernel("decode_attention", q)
     return decode(q, k_cache, v_cache, cache_seqlens, page_table, scale, block_size, row_multiple, split_size,
-                  window)
+                  window, sinks)
 
 
 def packed_attention(
@@ -74,6 +79,7 @@ def packed_attention(
     row_multiple: int = 16,
     split_size: Optional[int] = None,
     window: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention over packed (thd) sequences: q (t, hq, d), k, v (t, hkv, d), sequence i in rows
     cu_seqlens[i]:cu_seqlens[i+1] (a list of ints). Each sequence attends over its own keys only,
@@ -85,6 +91,6 @@ def packed_attention(
             continue
         one = [x[start:stop].permute(1, 0, 2).unsqueeze(0) for x in (q, k, v)]  # (1, h, len, d)
         out = consistent_attention(*one, scale=scale, causal=causal, block_size=block_size,
-                                   row_multiple=row_multiple, split_size=split_size, window=window)
+                                   row_multiple=row_multiple, split_size=split_size, window=window, sinks=sinks)
         outs.append(out.squeeze(0).permute(1, 0, 2))
     return torch.cat(outs, dim=0) if outs else q.new_zeros(*q.shape[:-1], v.shape[-1])

@@ -18,7 +18,9 @@ _COLUMN = ("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight",
            "linear_fc1.weight", "linear_fc1.bias",
            # MLA's projections: megatron's local spec builds even the down projections column-parallel
            "linear_q_proj.weight", "linear_q_down_proj.weight", "linear_q_up_proj.weight",
-           "linear_kv_down_proj.weight", "linear_kv_up_proj.weight")
+           "linear_kv_down_proj.weight", "linear_kv_up_proj.weight",
+           # attention sinks (softmax_type learnable): one per head, split with the heads
+           "core_attention.softmax_offset")
 _ROW = ("linear_proj.weight", "linear_fc2.weight")
 _GATED = ("linear_fc1.weight", "linear_fc1.bias")
 
@@ -72,6 +74,8 @@ def seeded_full_tensor(seed: int, name: str, shape: Tuple[int, ...], spec: Model
     if name.endswith("word_embeddings.weight") or name.endswith("output_layer.weight"):
         t = t if name.endswith("word_embeddings.weight") else t / shape[1] ** 0.5
         t[spec.vocab_size:] = 0.0  # TP-independent vocab padding rows
+        return t
+    if name.endswith("softmax_offset"):  # sink logits of the size real ones have (gpt-oss: about -3 .. 5)
         return t
     if name.endswith("router.weight"):
         t = t / shape[1] ** 0.5

@@ -20,6 +20,15 @@ def attention_window(module) -> Optional[int]:
     return None if window is None else int(window[0])
 
 
+def attention_sinks(module):
+    """The layer's attention sinks (hq_local,), or None: megatron-core's ``softmax_type`` 'learnable'
+    (the ``softmax_offset`` parameter, gpt-oss' sinks) or 'off-by-one' (its zeros); 'vanilla' has none."""
+    kind = getattr(getattr(module, "config", None), "softmax_type", "vanilla")
+    if kind in (None, "vanilla"):
+        return None
+    return module.softmax_offset
+
+
 class Numerics:
     """A numerics strategy under one profile (``self.profile``)."""
 

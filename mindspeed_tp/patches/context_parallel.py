@@ -62,8 +62,20 @@ def attention_init(original):
             local.window_size = None
         original(self, local, *args, **kwargs)
         self.config = config
+        _mark_sinks_tensor_parallel(self)
 
     return __init__
+
+
+def _mark_sinks_tensor_parallel(module) -> None:
+    """megatron-core builds the learnable sinks (``softmax_offset``, one per local head) without the
+    tensor-parallel attributes its other head-split parameters carry, so the gradient norm and the
+    clipping count TP rank 0's sinks only (every rank's are distinct): marked as split along dim 0."""
+    sinks = getattr(module, "softmax_offset", None)
+    if isinstance(sinks, torch.nn.Parameter) and not getattr(sinks, "tensor_model_parallel", False):
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        set_tensor_model_parallel_attributes(sinks, True, 0, 1)
 
 
 def _local_mask(attention_mask, sq: int, sk: int):
@@ -75,9 +87,16 @@ def _local_mask(attention_mask, sq: int, sk: int):
     return attention_mask
 
 
+def _refuse_sinks(module) -> None:
+    kind = getattr(module.config, "softmax_type", "vanilla")
+    if kind not in (None, "vanilla"):
+        raise refuse("attention_sinks_cp", value=kind)
+
+
 def attention(module, query, key, value, attention_mask, mask_name: str, causal: bool, group):
     """query [sq_local, b, np, hn] (this rank's two chunks), key/value likewise -> [sq_local, b, np*hn]."""
     check_modes()
+    _refuse_sinks(module)
     size, rank = group.size(), group.rank()
     sq_local = query.shape[0]
     total = sq_local * size
@@ -102,6 +121,7 @@ def packed_attention(module, query, key, value, bounds, causal: bool, group):
     """Packed (thd): query/key/value [t_local, heads, hn] -> [t_local, np*hn]; bounds: the whole
     packed row's cu_seqlens (Megatron's convention under CP)."""
     check_modes(packed=True)
+    _refuse_sinks(module)
     key_full = cp.gather_sequence(key, bounds, group)
     value_full = cp.gather_sequence(value, bounds, group)
     return ACTIVE.strategy.cp_packed_attention(module, query, key_full, value_full, bounds, causal,
@@ -134,6 +154,6 @@ def register(reg: PatchRegistry) -> None:
     reg.register(
         "megatron.core.transformer.dot_product_attention:DotProductAttention.__init__",
         "accepts context_parallel_size > 1 (megatron-core's local attention asserts CP = 1; the patched "
-        "forward exchanges keys/values over the CP group)",
+        "forward exchanges keys/values over the CP group); marks learnable sinks as split over TP",
         wraps=True,
     )(attention_init)

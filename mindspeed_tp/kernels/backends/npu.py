@@ -110,6 +110,7 @@ def attention(
     row_multiple: int = 16,
     split_size: Optional[int] = None,
     window: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Training / prefill attention through ``flash_attn_npu.flash_attn_func``.
 
@@ -119,6 +120,8 @@ def attention(
     """
     if window is not None:  # sliding-window attention: the torch backend only
         raise refuse("attention_window_backend", backend="npu")
+    if sinks is not None:  # attention sinks: the torch backend only
+        raise refuse("attention_sinks_backend", backend="npu")
     if v.shape[-1] != q.shape[-1]:  # multi-latent attention's values: the torch backend only
         raise refuse("attention_value_head_backend", dv=v.shape[-1], d=q.shape[-1], backend="npu")
     if excluded is not None:
@@ -155,11 +158,14 @@ def decode_attention(
     row_multiple: int = 16,
     split_size: Optional[int] = None,
     window: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Decode over a paged KV cache through the v3 ``flash_attn_with_kvcache`` (num_splits=1); see
     ``kernels.attention.decode_attention`` for the shapes."""
     if window is not None:  # sliding-window attention: the torch backend only
         raise refuse("attention_window_backend", backend="npu")
+    if sinks is not None:  # attention sinks: the torch backend only
+        raise refuse("attention_sinks_backend", backend="npu")
     if v_cache.shape[-1] != q.shape[-1]:  # multi-latent attention's values: the torch backend only
         raise refuse("attention_value_head_backend", dv=v_cache.shape[-1], d=q.shape[-1], backend="npu")
     if split_size is not None:

@@ -183,14 +183,16 @@ def attention(
     row_multiple: int = 16,
     split_size: Optional[int] = None,
     window: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The blocked attention (arguments: ``kernels.attention.consistent_attention``); under grad, the
     gradient is recomputed per query tile (``_RecomputeBackward``)."""
-    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+    grads = [t is not None and t.requires_grad for t in (q, k, v, sinks)]
+    if not (torch.is_grad_enabled() and any(grads)):
         return _blocked_attention(q, k, v, scale, causal, q_positions, excluded, block_size, row_multiple, split_size,
-                                  window)
-    return _RecomputeBackward.apply(q, k, v, (scale, causal, q_positions, excluded, block_size, row_multiple,
-                                              split_size, window))
+                                  window, sinks)
+    return _RecomputeBackward.apply(q, k, v, sinks, (scale, causal, q_positions, excluded, block_size, row_multiple,
+                                                     split_size, window))
 
 
 class _RecomputeBackward(torch.autograd.Function):
@@ -200,14 +202,14 @@ class _RecomputeBackward(torch.autograd.Function):
     Only the forward must be layout-invariant; the gradient is exact attention's up to rounding."""
 
     @staticmethod
-    def forward(ctx, q, k, v, args):
-        ctx.save_for_backward(q, k, v)
+    def forward(ctx, q, k, v, sinks, args):
+        ctx.save_for_backward(q, k, v, sinks)
         ctx.args = args
-        return _blocked_attention(q, k, v, *args)
+        return _blocked_attention(q, k, v, *args, sinks)
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v = ctx.saved_tensors
+        q, k, v, sinks = ctx.saved_tensors
         scale, causal, q_positions, excluded, block_size = ctx.args[:5]
         window = ctx.args[7]
         sq, sk = q.shape[2], k.shape[2]
@@ -224,6 +226,9 @@ class _RecomputeBackward(torch.autograd.Function):
             extents = [sk] * len(starts)
         need = ctx.needs_input_grad[:3]
         totals = [torch.zeros_like(t, dtype=torch.float32) if n else None for t, n in zip((q, k, v), need)]
+        need_sinks = sinks is not None and ctx.needs_input_grad[3]
+        # a sink's gradient per (batch, head, query), summed per head in one fixed order at the end
+        sink_terms = q.new_zeros(q.shape[0], q.shape[1], sq, dtype=torch.float32) if need_sinks else None
         # Query tiles of block_size rows, each over the keys up to its last position (causal):
         # half the work of one full pass, and only a tile's scores alive at a time.
         for start, keys in zip(starts, extents):
@@ -234,18 +239,29 @@ class _RecomputeBackward(torch.autograd.Function):
                 ex = ex[..., start:stop, :keys] if ex.shape[-2] == sq else ex[..., :keys]
             parts = [q[:, :, start:stop], k[:, :, :keys], v[:, :, :keys]]
             parts = [t.detach().requires_grad_(n) for t, n in zip(parts, need)]
+            tile_sinks = None
+            if sinks is not None:  # one leaf per (batch, head, query): the per-query terms kept apart
+                tile_sinks = sinks.detach().float().view(1, -1, 1, 1).expand(q.shape[0], -1, stop - start, 1)
+                tile_sinks = tile_sinks.contiguous().requires_grad_(need_sinks)
             with torch.enable_grad():
-                out = _math_attention(*parts, scale, causal, pos, ex, window)
-                grads = iter(torch.autograd.grad(out, [t for t in parts if t.requires_grad], grad[:, :, start:stop]))
+                out = _math_attention(*parts, scale, causal, pos, ex, window, tile_sinks)
+                leaves = [t for t in parts if t.requires_grad] + ([tile_sinks] if need_sinks else [])
+                grads = iter(torch.autograd.grad(out, leaves, grad[:, :, start:stop]))
             for total, n, rows in zip(totals, need, (slice(start, stop), slice(0, keys), slice(0, keys))):
                 if n:
                     total[:, :, rows] += next(grads)
-        return tuple(t.to(x.dtype) if t is not None else None for t, x in zip(totals, (q, k, v))) + (None,)
+            if need_sinks:
+                sink_terms[:, :, start:stop] = next(grads).squeeze(-1)
+        dsinks = None
+        if need_sinks:  # per head over (batch, query) in that order: the same terms in any head split
+            dsinks = row_sum(sink_terms.transpose(0, 1).reshape(sink_terms.shape[1], -1)).to(sinks.dtype)
+        return tuple(t.to(x.dtype) if t is not None else None for t, x in zip(totals, (q, k, v))) + (dsinks, None)
 
 
-def _math_attention(q, k, v, scale, causal, q_positions, excluded, window=None):
+def _math_attention(q, k, v, scale, causal, q_positions, excluded, window=None, sinks=None):
     """softmax(q k^T * scale, hidden keys masked) v in fp32 over all keys at once; queries that see
-    no key give 0 (as the blocked kernel does)."""
+    no key give 0 (as the blocked kernel does). ``sinks``: a logit per head (hq,) or per (b, hq, sq, 1)
+    in the softmax's denominator with no value (gpt-oss' attention sinks)."""
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     g = hq // hkv
@@ -262,8 +278,12 @@ def _math_attention(q, k, v, scale, causal, q_positions, excluded, window=None):
     if excluded is not None:
         visible = visible & ~excluded.to(torch.bool)[..., :sk]
     visible = visible.expand(b, hq, sq, sk)
-    any_visible = visible.any(-1, keepdim=True)
     scores = torch.where(visible, scores, float("-inf"))
+    if sinks is not None:  # the sink column keeps every row finite; a row that sees no key gives 0
+        sink_column = sinks.float().reshape(-1, hq, 1, 1) if sinks.dim() == 1 else sinks.float()
+        probs = torch.softmax(torch.cat([scores, sink_column.expand(b, hq, sq, 1)], dim=-1), dim=-1)[..., :sk]
+        return torch.matmul(probs, vf).to(q.dtype)
+    any_visible = visible.any(-1, keepdim=True)
     scores = torch.where(any_visible, scores, 0.0)
     probs = torch.softmax(scores, dim=-1) * any_visible
     return torch.matmul(probs, vf).to(q.dtype)
@@ -281,11 +301,13 @@ def _blocked_attention(
     row_multiple: int = 16,
     split_size: Optional[int] = None,
     window: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """consistent_attention's forward on the torch backend (see there): key blocks with an online
     softmax; ``window``: keys more than that many positions before a query are hidden (sliding-window
     attention; a block wholly before the window adds exactly nothing, as a causally hidden one). The
-    value head size may differ from the query / key one (multi-latent attention: 128 vs 192)."""
+    value head size may differ from the query / key one (multi-latent attention: 128 vs 192).
+    ``sinks`` (hq,): each head's sink logit joins the softmax state once, after every key block."""
     b, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[-1]
     if hq % hkv:
@@ -306,7 +328,7 @@ def _blocked_attention(
             if ex is not None and ex.shape[-2] == sq:  # per-query masks follow their rows
                 ex = ex[..., start:stop, :]
             outs.append(_blocked_attention(q[:, :, start:stop], k, v, scale, causal, q_positions[start:stop], ex,
-                                             block_size, row_multiple, split_size, window))
+                                             block_size, row_multiple, split_size, window, sinks))
             start = stop
         return torch.cat(outs, dim=2)
     nblk = -(-sk // block_size)
@@ -363,6 +385,13 @@ def _blocked_attention(
         m = m_new
     if total is not None:
         m, l, acc = _merge(total, (m, l, acc))
+    if sinks is not None:  # the sink as one more key with no value, after every block (rows: kv head, member, query)
+        sink = sinks.float().reshape(hkv, g, 1).expand(hkv, g, sq).reshape(1, hkv, rows).expand(b, hkv, rows)
+        sink = sink.reshape(b * hkv, rows)
+        m_new = torch.maximum(m, sink)
+        alpha = exp(m - m_new)
+        l = l * alpha + exp(sink - m_new)
+        acc = acc * alpha.unsqueeze(-1)
     out = torch.where(l.unsqueeze(-1) > 0, acc / l.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1), 0.0)
     return out.reshape(b, hq, sq, dv).to(q.dtype)
 
@@ -378,6 +407,7 @@ def decode_attention(
     row_multiple: int = 16,
     split_size: Optional[int] = None,
     window: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal attention of the newest queries over a paged KV cache (the rollout decode step).
 
@@ -394,5 +424,5 @@ def decode_attention(
         keys = k_cache[pages].reshape(-1, *k_cache.shape[2:])[:n].permute(1, 0, 2).unsqueeze(0)
         values = v_cache[pages].reshape(-1, *v_cache.shape[2:])[:n].permute(1, 0, 2).unsqueeze(0)
         outs.append(attention(q[i : i + 1], keys, values, scale, causal=True, block_size=block_size,
-                              row_multiple=row_multiple, split_size=split_size, window=window))
+                              row_multiple=row_multiple, split_size=split_size, window=window, sinks=sinks))
     return torch.cat(outs, dim=0)

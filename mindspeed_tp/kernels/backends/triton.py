@@ -477,6 +477,7 @@ def attention(
     row_multiple: int = 16,
     split_size: Optional[int] = None,
     window: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Consistent attention for q (b, hq, sq, d) over k, v (b, hkv, sk, d) -> (b, hq, sq, d).
 
@@ -489,9 +490,11 @@ def attention(
     """
     if window is not None:  # sliding-window attention: the torch backend only
         raise refuse("attention_window_backend", backend="triton")
+    if sinks is not None:  # attention sinks: the torch backend only
+        raise refuse("attention_sinks_backend", backend="triton")
     args = (scale, causal, q_positions, excluded, block_size, row_multiple, split_size, window)
     if _needs_grad(q, k, v):
-        return _TritonRecompute.apply(q, k, v, args)
+        return _TritonRecompute.apply(q, k, v, None, args)
     return _attention_forward(q, k, v, *args)
 
 
@@ -499,8 +502,8 @@ class _TritonRecompute(torch_backend._RecomputeBackward):
     """This backend's forward with the torch reference's recomputing backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, args):
-        ctx.save_for_backward(q, k, v)
+    def forward(ctx, q, k, v, sinks, args):  # sinks: None (refused on entry), the torch recompute's slot
+        ctx.save_for_backward(q, k, v, sinks)
         ctx.args = args
         return _attention_forward(q, k, v, *args)
 
@@ -536,6 +539,7 @@ def decode_attention(
     row_multiple: int = 16,
     split_size: Optional[int] = None,
     window: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal attention of each request's last sq tokens over a paged KV cache (the rollout step).
 
@@ -545,6 +549,8 @@ def decode_attention(
     """
     if window is not None:  # sliding-window attention: the torch backend only
         raise refuse("attention_window_backend", backend="triton")
+    if sinks is not None:  # attention sinks: the torch backend only
+        raise refuse("attention_sinks_backend", backend="triton")
     b, _, sq, _ = q.shape
     device = q.device
     seqlens = cache_seqlens.to(device=device, dtype=torch.int32)

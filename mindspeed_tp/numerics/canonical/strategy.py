@@ -15,7 +15,7 @@ from ...kernels.collectives import fold_across_ranks, group_size
 from ...kernels.context_parallel import cp_attention, packed_cp_attention
 from ...kernels.norm import affine_norm
 from ...kernels.sampling import mask_dropped_vocab, reference_mask
-from ..base import Numerics, attention_window
+from ..base import Numerics, attention_sinks, attention_window
 from .moe_layer import canonical_moe
 
 
@@ -140,7 +140,7 @@ class CanonicalTree(Numerics):
             query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
             scale=compat.attention_scale(module), causal=causal, excluded=attention_mask,
             block_size=prof.attention_block_size, row_multiple=prof.gemm_row_multiple,
-            split_size=prof.attention_split_size, window=attention_window(module),
+            split_size=prof.attention_split_size, window=attention_window(module), sinks=attention_sinks(module),
         )
         return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * context.shape[-1])
 
@@ -148,7 +148,8 @@ class CanonicalTree(Numerics):
         prof = self.profile
         context = packed_attention(query, key, value, bounds, scale=compat.attention_scale(module), causal=causal,
                                    block_size=prof.attention_block_size, row_multiple=prof.gemm_row_multiple,
-                                   split_size=prof.attention_split_size, window=attention_window(module))
+                                   split_size=prof.attention_split_size, window=attention_window(module),
+                                   sinks=attention_sinks(module))
         return context.reshape(context.shape[0], -1)
 
     def cp_attention(self, module, query, key_full, value_full, attention_mask, mask_name, causal, q_positions):
