@@ -112,3 +112,21 @@ def test_sinks_under_context_parallelism_exit_2_naming_the_setting(tmp_path):
     assert proc.returncode == 2, explain(proc)
     assert "attention sinks (softmax_type='learnable')" in proc.stderr and "context_parallel_size=1" in proc.stderr, \
         explain(proc)
+
+
+def test_alternating_windows_follow_megatrons_rule_per_layer():
+    """gpt-oss' layers alternate a sliding window and full attention (``window_attn_skip_freq``): the
+    window a layer's attention gets is megatron-core's choice for its global layer number."""
+    from types import SimpleNamespace
+
+    from mindspeed_tp.numerics.base import attention_window
+
+    def windows(skip):
+        config = SimpleNamespace(window_size=(7, 0), window_attn_skip_freq=skip)
+        return [attention_window(SimpleNamespace(config=config, layer_number=n)) for n in range(1, 5)]
+
+    assert windows(None) == [7, 7, 7, 7]
+    assert windows(2) == [7, None, 7, None]  # every 2nd layer full (gpt-oss: sliding first)
+    assert windows([1, 0, 0, 1]) == [7, None, None, 7]
+    assert attention_window(SimpleNamespace(config=SimpleNamespace(window_size=None, window_attn_skip_freq=2),
+                                            layer_number=1)) is None

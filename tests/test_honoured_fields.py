@@ -30,6 +30,9 @@ RUNS = {
                                     "tp2-sp-ep2,tp1-ep2"),
     # attention sinks (gpt-oss): a learned logit per head in the softmax denominator, its gradient too
     "softmax_type": ("train-check", "tiny-dense", {}, {"softmax_type": "learnable"}, "tp2-sp,tp1-pp2,tp1-dp2"),
+    # gpt-oss' alternation: windowed odd layers, full even ones (a window of 8 keys on 128-token prompts)
+    "window_attn_skip_freq": ("check", "tiny-dense", {"sliding_window": 8}, {"window_attn_skip_freq": 2},
+                              "tp2-sp,tp1-pp2"),
     # DeepSeek-V3's group-limited routing: 4 groups of 2 experts, each token choosing among its best 2
     # (one group of all, Megatron-Bridge's GLM / Kimi / Moonlight setting, is plain top-k: kernel test)
     "moe_router_num_groups": ("train-check", "tiny-glm45", {"moe_router_num_groups": 4, "moe_router_group_topk": 2},

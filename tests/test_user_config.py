@@ -76,7 +76,7 @@ def test_an_irrelevant_field_of_the_users_file_reaches_the_models_config(tmp_pat
     ("hidden_dropout: 0.1\n", "hidden_dropout=0.1"),
     ("attention_dropout: 0.1\n", "attention_dropout"),
     ("use_kitchen_attention: true\n", "use_kitchen_attention=True"),
-    ("window_attn_skip_freq: 2\n", "window_attn_skip_freq=2"),
+    ("activation_func_clamp_value: 7.0\n", "activation_func_clamp_value=7.0"),
     ("cp_comm_type: a2a\n", "cp_comm_type='a2a'"),
     ("overlap_moe_expert_parallel_comm: true\n", "overlap_moe_expert_parallel_comm=True.*combined 1F1B"),
 ])

@@ -40,7 +40,8 @@ HONOURED: Dict[str, str] = {
     **_all("num_layers hidden_size num_attention_heads num_query_groups ffn_hidden_size kv_channels layernorm_epsilon "
            "gated_linear_unit activation_func bf16 params_dtype pipeline_dtype", _ROLLOUT),
     **_at("qk_layernorm", "normalization", "moe_router_pre_softmax", "cp_comm_type", "recompute_method",
-          "recompute_modules", "distribute_saved_activations", "moe_router_bias_update_rate", "softmax_type"),
+          "recompute_modules", "distribute_saved_activations", "moe_router_bias_update_rate", "softmax_type",
+          "window_attn_skip_freq"),
     "max_position_embeddings": _ENGINE,  # megatron-core 0.12: the RoPE table's length
     **_all("num_moe_experts moe_ffn_hidden_size moe_router_topk moe_router_score_function "
            "moe_shared_expert_intermediate_size moe_layer_freq moe_router_topk_scaling_factor "
@@ -71,7 +72,7 @@ REFUSED: Dict[str, str] = {
         "bias_activation_fusion fused_single_qkv_rope activation_func_clamp_value glu_linear_offset softmax_scale "
         "rotary_interleaved fp32_residual_connection apply_residual_connection_post_layernorm fp16 enable_autocast "
         "gradient_accumulation_fusion cross_entropy_loss_fusion enable_cuda_graph external_cuda_graph cuda_graph_impl "
-        "apply_query_key_layer_scaling window_attn_skip_freq layernorm_zero_centered_gamma moe_router_dtype "
+        "apply_query_key_layer_scaling layernorm_zero_centered_gamma moe_router_dtype "
         "moe_expert_capacity_factor moe_pad_expert_input_to_capacity moe_input_jitter_eps "
         "moe_router_topk_limited_devices moe_grouped_gemm "
         "moe_permute_fusion moe_router_fusion moe_shared_expert_overlap moe_apply_probs_on_input "

@@ -301,10 +301,6 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "(Hugging Face sliding_window W: (W - 1, 0))", "only causal sliding windows are implemented",
             "window_size", lambda v: v is not None and not (
                 isinstance(v, (tuple, list)) and len(v) == 2 and int(v[0]) >= 0 and int(v[1]) == 0)),
-    Refusal("window_attn_skip_freq", ATTENTION, "window_attn_skip_freq",
-            "window_attn_skip_freq={value!r} is not supported " + _T + ": alternating windowed and full layers "
-            "(gpt-oss, Gemma) are not implemented; unset it (every layer windowed) or window_size",
-            "alternating windowed layers are not implemented", "window_attn_skip_freq", _not_none),
     Refusal("attention_value_head_backend", ATTENTION, "v_head_dim != qk head dim (backend)",
             "a value head size ({dv}) other than the query / key one ({d}) runs on the torch backend only; the "
             "{backend} backend's kernel does not implement it: set the profile's backend: torch",

@@ -14,10 +14,20 @@ from ..contract.profile import Profile
 
 def attention_window(module) -> Optional[int]:
     """The left extent of a sliding-window attention layer: megatron-core's ``config.window_size``
-    (left, 0) (a query sees itself and the ``left`` keys before it), or None. Other windows and
-    alternating windowed layers are refused with the config (``window_size``, ``window_attn_skip_freq``)."""
-    window = getattr(getattr(module, "config", None), "window_size", None)
-    return None if window is None else int(window[0])
+    (left, 0) (a query sees itself and the ``left`` keys before it), or None -- also for the layers
+    ``window_attn_skip_freq`` leaves full (gpt-oss alternates windowed and full layers), by
+    megatron-core's own rule on the layer's global number. Other windows are refused with the config."""
+    config = getattr(module, "config", None)
+    window = getattr(config, "window_size", None)
+    if window is None:
+        return None
+    skip = getattr(config, "window_attn_skip_freq", None)
+    if skip is not None:
+        from megatron.core.transformer.utils import is_layer_window_attention  # the lines with the field have it
+
+        if not is_layer_window_attention(window, skip, module.layer_number):
+            return None
+    return int(window[0])
 
 
 def attention_sinks(module):

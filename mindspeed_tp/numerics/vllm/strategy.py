@@ -60,6 +60,9 @@ class VllmEngine(RolloutLayout):
 
     def attention(self, module, query, key, value, attention_mask, mask_name, causal):
         """The engine's paged attention: prompt prefill, then decode steps."""
+        if getattr(module.config, "window_attn_skip_freq", None) is not None:
+            raise refuse("vllm_model_shape", what="alternating windowed and full layers (window_attn_skip_freq)",
+                         engine="one window for every layer (Mistral)", fix="unset window_attn_skip_freq")
         if attention_sinks(module) is not None:
             raise refuse("vllm_model_shape", what=f"attention sinks (softmax_type={module.config.softmax_type!r})",
                          engine="no sinks modelled", fix="softmax_type='vanilla'")
