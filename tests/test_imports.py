@@ -84,7 +84,8 @@ def test_all_modules_in_random_orders():
 # modules of its own layer or of a lower one. Units are the top-level modules and packages of
 # mindspeed_tp ("mindspeed_tp" is the package's own __init__). docs/DEVELOPING.md holds the same list.
 LAYERS = [
-    ("errors", "compat"),       # exceptions; megatron-core version differences (import nothing of ours)
+    ("errors", "compat", "torchrun_process"),  # exceptions; megatron-core version differences; the launchers'
+                                               # torchrun (import nothing of ours)
     ("patching",),              # the patch registry (raises errors)
     ("contract",),              # the profile, the canonical tree, the refusals (numerics registers its engines here)
     ("state",),                 # the process's profile and vocab size (a contract Profile)

@@ -1,70 +1,80 @@
 """The launchers start torchrun's agent in a forked copy of themselves (mindspeed_tp/torchrun_process.py):
 the same agent and the same ranks as ``python -m torch.distributed.run`` -- each rank a fresh
-interpreter in the given environment, the world's exit code torchrun's -- and, with threads
-running in the launcher, the subprocess it replaces."""
+interpreter in the given environment and directory, its output where it is sent, the world's exit
+code torchrun's -- and, with threads running in the launcher, the subprocess it replaces. Each case
+runs in a fresh interpreter (a launcher), one without a thread of its own and one with."""
 import json
 import os
 import subprocess
 import sys
-import threading
 
 import pytest
 
+from conftest import explain, run_python
+
+LAUNCHER = r"""
+import json, os, sys, threading
 from mindspeed_tp.torchrun_process import start_torchrun
+out, threaded, args = sys.argv[1], sys.argv[2] == "1", sys.argv[3:]
+stop = threading.Event()
+if threaded:
+    threading.Thread(target=stop.wait).start()
+assert threading.active_count() == 1 + threaded
+with open(os.path.join(out, "out"), "w+b") as o, open(os.path.join(out, "err"), "w+b") as e:
+    proc = start_torchrun(args, {**os.environ, "MARK": "given"}, cwd=os.path.join(out, "work"), stdout=o, stderr=e)
+    code = proc.wait(timeout=120)
+stop.set()
+print(json.dumps({"code": code, "forked": proc._popen is None, "agent": proc.pid, "launcher": os.getpid()}))
+"""
 
 RANK_SCRIPT = """
 import json, os, sys
-out = sys.argv[1]
 rank = int(os.environ["RANK"])
-with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
     json.dump({"rank": rank, "world": int(os.environ["WORLD_SIZE"]), "mark": os.environ.get("MARK"),
-               "fresh": "mindspeed_tp" not in sys.modules, "pid": os.getpid(), "ppid": os.getppid()}, f)
-sys.exit(int(os.environ.get("FAIL_RANK", "-1") == str(rank)) * 5)
+               "fresh": "mindspeed_tp" not in sys.modules, "ppid": os.getppid(), "cwd": os.getcwd()}, f)
+print("rank", rank, "says hello")
+print("rank", rank, "to stderr", file=sys.stderr)
+sys.exit(5 if os.environ.get("FAIL_RANK") == str(rank) else 0)
 """
 
 
-def _world(tmp_path, env_extra, threaded):
-    script = tmp_path / "rank.py"
-    script.write_text(RANK_SCRIPT)
-    env = {k: v for k, v in os.environ.items() if k != "MARK"}
-    env.update(env_extra)
-    stop = threading.Event()
-    helper = threading.Thread(target=stop.wait) if threaded else None
-    if helper:
-        helper.start()
-    try:
-        proc = start_torchrun(["--standalone", "--nproc-per-node=2", str(script), str(tmp_path)], env)
-        forked = proc._popen is None
-        code = proc.wait(timeout=120)
-    finally:
-        stop.set()
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    return code, forked, ranks, proc.pid
+def _launch(tmp_path, threaded, env=None, nproc=2, script=RANK_SCRIPT):
+    (tmp_path / "work").mkdir()
+    (tmp_path / "rank.py").write_text(script)
+    args = [str(tmp_path), "1" if threaded else "0", "--standalone", f"--nproc-per-node={nproc}",
+            str(tmp_path / "rank.py"), str(tmp_path)]
+    code = f"import sys; sys.argv = ['launcher'] + {args!r}\n" + LAUNCHER
+    proc = run_python(code, env={"MARK": "the launcher's, not the world's", **(env or {})})
+    assert proc.returncode == 0, explain(proc)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("threaded", [False, True], ids=["forked", "subprocess"])
-def test_a_world_runs_fresh_ranks_in_the_given_environment(tmp_path, threaded):
-    os.environ["MARK"] = "the launcher's, not the world's"
-    try:
-        code, forked, ranks, agent = _world(tmp_path, {"MARK": "given"}, threaded)
-    finally:
-        del os.environ["MARK"]
-    assert code == 0 and forked is (not threaded)
+def test_a_world_runs_fresh_ranks_in_the_given_environment_and_directory(tmp_path, threaded):
+    got = _launch(tmp_path, threaded)
+    assert got["code"] == 0 and got["forked"] is (not threaded)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["rank"] for r in ranks] == [0, 1] and {r["world"] for r in ranks} == {2}
-    assert all(r["mark"] == "given" and r["fresh"] for r in ranks), ranks
-    assert {r["ppid"] for r in ranks} == {agent} and os.getpid() not in {r["pid"] for r in ranks}
+    assert all(r["mark"] == "given" and r["fresh"] and r["cwd"] == str(tmp_path / "work") for r in ranks), ranks
+    assert {r["ppid"] for r in ranks} == {got["agent"]} and got["agent"] != got["launcher"]
+    said = (tmp_path / "out").read_text().splitlines()
+    assert sorted(line for line in said if "says hello" in line) == [f"rank {r} says hello" for r in (0, 1)]
+    assert (tmp_path / "err").read_text().count("to stderr") == 2
 
 
 @pytest.mark.parametrize("threaded", [False, True], ids=["forked", "subprocess"])
 def test_a_failing_rank_fails_the_world_with_torchruns_exit_code(tmp_path, threaded):
-    code, forked, _, _ = _world(tmp_path, {"FAIL_RANK": "1"}, threaded)
+    got = _launch(tmp_path, threaded, env={"FAIL_RANK": "1"})
     plain = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                             str(tmp_path / "rank.py"), str(tmp_path)], env={**os.environ, "FAIL_RANK": "1"},
                            capture_output=True)
-    assert forked is (not threaded) and code == plain.returncode == 1, plain.stderr[-2000:]
+    assert got["forked"] is (not threaded) and got["code"] == plain.returncode == 1, plain.stderr[-2000:]
 
 
 def test_terminate_and_wait_behave_as_popens(tmp_path):
+    from mindspeed_tp.torchrun_process import start_torchrun
+
     script = tmp_path / "sleep.py"
     script.write_text("import time; time.sleep(600)\n")
     proc = start_torchrun(["--standalone", "--nproc-per-node=1", str(script)], dict(os.environ))
@@ -75,29 +85,3 @@ def test_terminate_and_wait_behave_as_popens(tmp_path):
     assert code != 0 and proc.poll() == code
     proc.kill()  # already ended: a no-op, as Popen's
     assert proc.returncode == code
-
-
-@pytest.mark.parametrize("threaded", [False, True], ids=["forked", "subprocess"])
-def test_output_goes_to_the_given_files_in_the_given_directory(tmp_path, capsys, threaded):
-    """Under pytest's capture (sys.stdout replaced in this process) the agent's and the ranks' output
-    still reach the files, and the ranks run in ``cwd``."""
-    script = tmp_path / "say.py"
-    script.write_text("import os, sys; print('rank', os.environ['RANK'], 'in', os.getcwd()); "
-                      "print('to stderr', file=sys.stderr)\n")
-    workdir = tmp_path / "work"
-    workdir.mkdir()
-    stop = threading.Event()
-    helper = threading.Thread(target=stop.wait) if threaded else None
-    if helper:
-        helper.start()
-    try:
-        with open(tmp_path / "out", "w+b") as out, open(tmp_path / "err", "w+b") as err:
-            proc = start_torchrun(["--standalone", "--nproc-per-node=2", str(script)], dict(os.environ),
-                                  cwd=str(workdir), stdout=out, stderr=err)
-            assert proc.wait(timeout=120) == 0 and (proc._popen is None) is (not threaded)
-    finally:
-        stop.set()
-    said = (tmp_path / "out").read_text().splitlines()
-    assert sorted(said) == [f"rank {r} in {workdir}" for r in (0, 1)], said
-    assert (tmp_path / "err").read_text().count("to stderr") == 2
-    assert capsys.readouterr().out == ""
