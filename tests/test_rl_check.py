@@ -163,6 +163,10 @@ def test_the_bundled_task_is_learnable_at_the_default_settings(tmp_path):
     assert ours[-1]["reward_mean"] > ours[0]["reward_mean"] + 0.1, [r["reward_mean"] for r in ours]
 
 
+@full_tier(covered_by="tests/test_context_parallel.py::test_cp_layouts_logprobs_bitwise_equal_to_one_device",
+           why="rl-check's training step is train-check's driver (its CP passes bitwise in the bf16 bitwise-training "
+               "launch's CP rows, test_bitwise_training.py) and its scoring the checker's CP path; the loop itself "
+               "runs in the CI tier at other layouts")
 def test_a_context_parallel_layout_is_bitwise_in_every_iteration(tmp_path):
     """At tp1-cp2 each CP rank feeds the model its two chunks of every sequence (the driver's Pass, as
     train-check does; before the one driver rl-check fed the whole sequence and megatron refused the

@@ -10,7 +10,13 @@ import sys
 
 import pytest
 
-from conftest import explain, run_python
+from conftest import explain, full_tier, run_python
+
+# the subprocess path is ``python -m torch.distributed.run`` itself: the CI tier runs it once (the
+# environment and output case), the failing-rank case in the full tier
+_SUBPROCESS_FULL = full_tier(
+    covered_by="tests/test_torchrun_process.py::test_a_world_runs_fresh_ranks_in_the_given_environment_and_directory",
+    why="the subprocess path is torchrun's own command, whose exit code the forked case compares against")
 
 LAUNCHER = r"""
 import json, os, sys, threading
@@ -63,7 +69,7 @@ def test_a_world_runs_fresh_ranks_in_the_given_environment_and_directory(tmp_pat
     assert (tmp_path / "err").read_text().count("to stderr") == 2
 
 
-@pytest.mark.parametrize("threaded", [False, True], ids=["forked", "subprocess"])
+@pytest.mark.parametrize("threaded", [False, pytest.param(True, marks=_SUBPROCESS_FULL)], ids=["forked", "subprocess"])
 def test_a_failing_rank_fails_the_world_with_torchruns_exit_code(tmp_path, threaded):
     got = _launch(tmp_path, threaded, env={"FAIL_RANK": "1"})
     plain = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",

@@ -31,16 +31,18 @@ def test_a_head_size_the_engines_cpu_attention_lacks_is_refused_before_it_starts
     assert not refused or "head_dim=16" in str(err.value), err.value
 
 
-@pytest.mark.parametrize("model,named", [
-    ("tiny-moe-shared", "a sigmoid router is GLM-4.5's MoE block in the engine: family glm4_moe"),
-    ("tiny-mla", "multi_latent_attention with profile='vllm-cpu-tp1'"),
+@pytest.mark.parametrize("model,named,dtype", [
+    ("tiny-moe-shared", "a sigmoid router is GLM-4.5's MoE block in the engine: family glm4_moe", "fp32"),
+    ("tiny-mla", "multi_latent_attention with profile='vllm-cpu-tp1'", "fp32"),
+    ("tiny-glm45", "partial RoPE (rotary_percent=0.5) in fp32", "fp32"),
 ])
-def test_a_model_the_engine_profiles_do_not_model_exits_2_before_an_engine_starts(model, named):
+def test_a_model_the_engine_profiles_do_not_model_exits_2_before_an_engine_starts(model, named, dtype):
     """DeepSeek-style routing (sigmoid, expert bias, shared expert) on a family whose checkpoint the
-    engine runs as another architecture (Qwen3-MoE: no shared experts, softmax), and multi-latent
-    attention (vLLM's CPU MLA is not modelled yet) are not what the vllm-cpu profiles model: refused
-    by name before a worker or the engine starts."""
+    engine runs as another architecture (Qwen3-MoE: no shared experts, softmax), multi-latent
+    attention (vLLM's CPU MLA is not modelled yet) and a partial-RoPE model in fp32 (GLM-4.5 matches
+    in bf16 only) are not what the vllm-cpu profiles model: refused by name before a worker or the
+    engine starts."""
     proc = run_cli("check", "--engine", "vllm", "--profile", "vllm-cpu-tp1", "--model", model, "--rollout", "2",
-                   timeout=300)
+                   "--dtype", dtype, timeout=300)
     assert proc.returncode == 2 and named in proc.stderr, explain(proc)
     assert "vLLM" not in proc.stdout and "Worker" not in proc.stderr, explain(proc)

@@ -106,9 +106,11 @@ def check_engine_and_device(ns: argparse.Namespace, spec, profile) -> None:
 
         check_mla_profile(profile)
     if ns.engine == "vllm":
-        from ..numerics.vllm.refusals import activation_widths, check_activation_widths, check_head_dim
+        from ..numerics.vllm.refusals import (activation_widths, check_activation_widths, check_head_dim,
+                                              check_partial_rope_dtype)
 
         check_head_dim(spec.kv_channels)
+        check_partial_rope_dtype(spec.rotary_percent, DTYPES[ns.dtype])
         check_activation_widths(activation_widths(spec), profile.rollout_tp, DTYPES[ns.dtype])
         if spec.is_moe:
             from ..numerics.vllm.forward import moe_problems

@@ -11,7 +11,7 @@ from ...contract.refusals import refuse
 from ..base import attention_sinks, attention_window
 from ..rollout_layout.strategy import RolloutLayout
 from . import forward, kernels
-from .refusals import activation_widths, check_activation_widths, check_head_dim
+from .refusals import activation_widths, check_activation_widths, check_head_dim, check_partial_rope_dtype
 from .kernels import engine_partial_linear
 
 
@@ -35,6 +35,7 @@ class VllmEngine(RolloutLayout):
             raise refuse("vllm_model_shape", what="RoPE other than rope (plain or Llama-3-scaled, on a head's "
                          "leading channels)", engine="RoPE, plain or Llama-3-scaled, full or partial",
                          fix="position_embedding_type='rope', seq_len_interpolation_factor=None")
+        check_partial_rope_dtype(float(a.get("rotary_percent", 1.0)), a["config"].params_dtype)
         head_dim = getattr(a["config"], "kv_channels", None)
         if head_dim:
             check_head_dim(head_dim)
