@@ -198,7 +198,7 @@ def test_the_engine_rope_and_scoring_plan_belong_to_their_model_and_thread():
     first, second = Config(), Config()
     engine.model_init(gpt_init, object(), (first, None, 1024, 256), {"rotary_base": 1e6})
     engine.model_init(gpt_init, object(), (second, None, 1024, 4096), {})
-    assert forward.rope_of(first) == (1e6, 256, None) and forward.rope_of(second) == (10000.0, 4096, None)
+    assert forward.rope_of(first) == (1e6, 256, None, 1.0) and forward.rope_of(second) == (10000.0, 4096, None, 1.0)
     with pytest.raises(ConfigError, match="built before the patches were enabled"):
         forward.rope_of(Config())
     seen = []
