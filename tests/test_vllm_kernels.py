@@ -44,8 +44,8 @@ def test_the_moe_kernel_runs_with_the_experts_class_the_engine_selects_for_the_d
     assert got == isa
     h = _randn(5, 64, seed=6, dtype=dtype)
     topk_w, topk_ids = kernels.route(_randn(5, 4, seed=7, dtype=dtype), 2, True)
-    out = kernels.add_engine_partials(kernels.fused_moe(h, topk_w, topk_ids, w13, w2, packed, isa), torch.float32,
-                                        h.dtype)
+    out = kernels.add_engine_partials(kernels.fused_moe(h, topk_w, topk_ids, w13, w2, packed, isa),
+                                      torch.float32, h.dtype)
     ref = kernels._moe_reference(h, topk_w, topk_ids, w13, w2)
     # A semantics check, not a bitwise claim: the engine's kernel (bf16 rounding inside) against the
     # plain fp32 math; what this test proves is that the kernel runs with the ISA the oracle chose.
@@ -98,8 +98,8 @@ def test_plain_backward_of_gemm_rope_attention_and_moe_match_fp32_autograd():
     for r in (1, 2):
         topk_w, topk_ids = kernels.route(logits, 2, True)
         packed, isa = kernels.prepack_experts(w13.detach(), w2.detach(), r, 2)
-        out = kernels.add_engine_partials(kernels.fused_moe(h, topk_w, topk_ids, w13, w2, packed, isa), torch.float32,
-                                        h.dtype)
+        out = kernels.add_engine_partials(kernels.fused_moe(h, topk_w, topk_ids, w13, w2, packed, isa),
+                                      torch.float32, h.dtype)
         ref = kernels._moe_reference(h, topk_w, topk_ids, w13, w2)
         assert torch.allclose(out, ref, atol=1e-4)
         go = torch.randn_like(out)

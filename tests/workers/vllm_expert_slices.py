@@ -52,8 +52,8 @@ for ep, etp, order in grids(world):
             h = randn(world * T, H, seed=3, dtype=dtype)
             topk_w, topk_ids = kernels.route(randn(world * T, E, seed=4, dtype=dtype), K, True)
             packed, isa = kernels.prepack_experts(w13, w2, tp, K)
-            want = kernels.add_engine_partials(kernels.fused_moe(h, topk_w, topk_ids, w13, w2, packed, isa), torch.float32,
-                                        h.dtype)
+            want = kernels.add_engine_partials(kernels.fused_moe(h, topk_w, topk_ids, w13, w2, packed, isa),
+                                               torch.float32, h.dtype)
             mine = slice(rank * T, (rank + 1) * T)
             own = slice(ep_rank * n_local, (ep_rank + 1) * n_local)
             cols = slice(etp_rank * shard, (etp_rank + 1) * shard)
