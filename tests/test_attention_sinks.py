@@ -41,6 +41,9 @@ def test_sinks_give_transformers_eager_attention(window):
     q, k, v, sinks = _qkv()
     out = consistent_attention(q, k, v, 32 ** -0.5, window=window, sinks=sinks)
     ref = _hf_eager(q, k, v, sinks, 32 ** -0.5, window)
+    # the semantics against transformers' formula (one softmax over all keys: another summation order,
+    # so fp32 rounding apart); the bitwise claims are the layout tests below, on integer views
+
     assert torch.allclose(out, ref, atol=2e-6, rtol=1e-5)
     plain = consistent_attention(q, k, v, 32 ** -0.5, window=window)
     assert (out - plain).abs().max() > 1e-3  # the sinks take probability mass
@@ -85,7 +88,7 @@ def test_the_sinks_gradient_is_transformers_and_the_same_bits_in_any_head_split(
     out.backward(grad)
     ref = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
     _hf_eager(*ref, 32 ** -0.5).backward(grad)
-    for got, want in zip(leaves, ref):
+    for got, want in zip(leaves, ref):  # semantics (another summation order); bits across head splits below
         assert torch.allclose(got.grad, want.grad, atol=1e-4, rtol=1e-4)
     for r in range(2):
         part = [t.clone().requires_grad_() for t in (q[:, 4 * r:4 * r + 4], k[:, 2 * r:2 * r + 2],

@@ -17,6 +17,7 @@ from ..contract.model_config import CP_COMM_TYPES
 from ..contract.refusals import refuse
 from ..kernels import context_parallel as cp
 from ..numerics import ACTIVE
+from ..numerics.base import attention_sinks
 from ..patching import PatchRegistry
 
 
@@ -88,9 +89,8 @@ def _local_mask(attention_mask, sq: int, sk: int):
 
 
 def _refuse_sinks(module) -> None:
-    kind = getattr(module.config, "softmax_type", "vanilla")
-    if kind not in (None, "vanilla"):
-        raise refuse("attention_sinks_cp", value=kind)
+    if attention_sinks(module) is not None:
+        raise refuse("attention_sinks_cp", value=module.config.softmax_type)
 
 
 def attention(module, query, key, value, attention_mask, mask_name: str, causal: bool, group):

@@ -24,7 +24,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ...contract.refusals import refuse
 from ...errors import ConfigError
-from ...kernels.collectives import group_size
+from ...kernels.collectives import gather_last_dim, group_size
+from ...models.weights import shard, unshard
 from . import kernels
 from .expert_slices import moe_across_ranks
 from .scoring import current_plan
@@ -277,15 +278,13 @@ def shared_expert_partials(module, h, prof) -> list:
 
         group = ps.get_tensor_model_parallel_group()
     replicated = not bool(getattr(module.config, "sequence_parallel", False))
-    w1 = gather_rows(fc1.weight, group, replicated)  # [g_0; u_0; g_1; u_1; ...] over training TP ranks
-    w2 = gather_last_dim_weight(fc2.weight, group, replicated)  # (H, I)
-    world = group_size(group)
-    inter = w2.shape[-1]
-    gate = torch.cat([half[: half.shape[0] // 2] for half in w1.chunk(world)])
-    up = torch.cat([half[half.shape[0] // 2:] for half in w1.chunk(world)])
-    r_total, part = prof.rollout_tp, inter // prof.rollout_tp
-    engine_w1 = torch.cat([t for r in range(r_total) for t in (gate[r * part:(r + 1) * part],
-                                                                up[r * part:(r + 1) * part])])
+    # whole weights over training TP: fc1 rows [g_0; u_0; g_1; u_1; ...], fc2 (H, I)
+    w1 = gather_last_dim(fc1.weight.t(), group, replicated_downstream=replicated).t()
+    w2 = gather_last_dim(fc2.weight, group, replicated_downstream=replicated)
+    full = unshard(w1.chunk(group_size(group)), "column_gated")  # [gate; up]
+    r_total, part = prof.rollout_tp, w2.shape[-1] // prof.rollout_tp
+    # the engine ranks' [gate_r; up_r] in one tensor: each rank's slice its own place (its prepacked copy)
+    engine_w1 = torch.cat([shard(full, "column_gated", r_total, r) for r in range(r_total)])
     numerics = ACTIVE.current()
     partials = []
     for r in range(r_total):
@@ -294,15 +293,3 @@ def shared_expert_partials(module, h, prof) -> list:
         partials.append(kernels.engine_partial_linear(act, w2[:, r * part:(r + 1) * part], fc2.weight))
     return partials
 
-
-def gather_rows(weight, group, replicated: bool):
-    """A column-parallel weight (N/T, K) gathered to (N, K) in rank order (differentiable)."""
-    return gather_last_dim_weight(weight.t(), group, replicated).t()
-
-
-def gather_last_dim_weight(weight, group, replicated: bool):
-    """(N, K/T) gathered to (N, K) in rank order; backward: this rank's slice of its gradient, or the
-    sum over ranks of theirs when the ranks used it on different tokens (``replicated`` False)."""
-    from ...kernels.collectives import gather_last_dim
-
-    return gather_last_dim(weight, group, replicated_downstream=replicated)
