@@ -91,7 +91,7 @@ later_setups() {  # the other lines' venvs and .venv-vllm, built while the main 
   local v t0
   for v in $verl_line $lines_only vllm; do
     t0=$SECONDS
-    bash scripts/setup_env.sh "$v" || return
+    nice -n 15 bash scripts/setup_env.sh "$v" || return  # the suite's workers come first
     echo "(background set-up $v: $((SECONDS - t0)) s)"
   done
 }

@@ -47,9 +47,19 @@ def _sigmoid_grad(x, g):
     return grad
 
 
+def _gpt_oss_glu_grads(x, g):
+    """The gate's and up's gradients of gpt-oss' clamped quick-GEGLU (its clamp at 7 bites on these values)."""
+    a, b = x.detach().requires_grad_(True), g.detach().requires_grad_(True)
+    out = elementwise.glu(a, b, "quick_gelu", 7.0, 1.0)
+    grad_a, grad_b = torch.autograd.grad(out, (a, b), torch.ones_like(out))
+    return torch.stack([grad_a, grad_b], dim=-1)  # (rows, width, 2): sliced by width as the others
+
+
 # name -> op on (gate, up) views of one shape: what runs on a TP-sharded dimension, forward and backward.
 OPS = {
     "swiglu": lambda a, b: elementwise.silu(a) * b,
+    "gpt_oss_glu": lambda a, b: elementwise.glu(a, b, "quick_gelu", 7.0, 1.0),
+    "gpt_oss_glu_backward": _gpt_oss_glu_grads,
     "silu_backward": _silu_grad,
     "sigmoid": lambda a, b: elementwise.sigmoid(a),
     "sigmoid_backward": _sigmoid_grad,

@@ -71,6 +71,38 @@ def _mla_kwargs(spec: ModelSpec) -> dict:
     return kw
 
 
+def _glu_kwargs(spec: ModelSpec) -> dict:
+    """The gated MLP's activation; a clamp or an offset where the model has one (megatron-core >= 0.14
+    has the fields: on an older line a ConfigError names them)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from ..errors import ConfigError
+
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    clamp = None if spec.activation_func_clamp_value is None else float(spec.activation_func_clamp_value)
+    wanted = {"activation_func_clamp_value": (clamp, None), "glu_linear_offset": (float(spec.glu_linear_offset), 0.0)}
+    # set wherever the line has them, so a --transformer-config value is compared with the model's
+    kw = {name: value for name, (value, _) in wanted.items() if name in fields}
+    missing = [name for name, (value, default) in wanted.items() if name not in fields and value != default]
+    if spec.activation_func == "quick_gelu":
+        try:
+            from megatron.core.fusions.fused_bias_geglu import quick_gelu
+        except ImportError:
+            quick_gelu = None
+        kw["activation_func"] = quick_gelu
+    else:
+        kw["activation_func"] = F.silu
+    if kw["activation_func"] is None or missing:
+        import megatron.core
+
+        lacks = ", ".join(missing) if missing else "quick_gelu (megatron.core.fusions.fused_bias_geglu)"
+        raise ConfigError(f"model {spec.name}: its gated MLP (activation_func={spec.activation_func!r}, "
+                          f"activation_func_clamp_value, glu_linear_offset) needs what megatron-core "
+                          f"{megatron.core.__version__}'s TransformerConfig has no: {lacks}; use megatron-core >= 0.14 "
+                          f"or a SwiGLU model")
+    return kw
+
+
 def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype, dispatcher: str = "alltoall",
                        user_fields=None, **overrides):
     """The model's TransformerConfig for ``layout``; ``overrides``: training settings (recompute,
@@ -94,7 +126,6 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype, disp
         normalization="RMSNorm",
         layernorm_epsilon=spec.norm_epsilon,
         gated_linear_unit=True,
-        activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=spec.add_qkv_bias,
         qk_layernorm=spec.qk_layernorm,
@@ -118,6 +149,7 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype, disp
         kwargs["virtual_pipeline_model_parallel_size"] = layout.vpp
     if spec.sliding_window is not None:  # Hugging Face's W keys, the query's own included
         kwargs["window_size"] = (spec.sliding_window - 1, 0)
+    kwargs.update(_glu_kwargs(spec))
     kwargs.update(overrides)
     fields = _USER_FIELDS if user_fields is None else user_fields
     kwargs = user_config.apply(kwargs, fields, spec)

@@ -41,7 +41,7 @@ HONOURED: Dict[str, str] = {
            "gated_linear_unit activation_func bf16 params_dtype pipeline_dtype", _ROLLOUT),
     **_at("qk_layernorm", "normalization", "moe_router_pre_softmax", "cp_comm_type", "recompute_method",
           "recompute_modules", "distribute_saved_activations", "moe_router_bias_update_rate", "softmax_type",
-          "window_attn_skip_freq"),
+          "window_attn_skip_freq", "activation_func_clamp_value", "glu_linear_offset"),
     "max_position_embeddings": _ENGINE,  # megatron-core 0.12: the RoPE table's length
     **_all("num_moe_experts moe_ffn_hidden_size moe_router_topk moe_router_score_function "
            "moe_shared_expert_intermediate_size moe_layer_freq moe_router_topk_scaling_factor "
@@ -69,7 +69,7 @@ HONOURED: Dict[str, str] = {
 # field -> refusal key (contract/refusals.py); the refusal names the field and the value to set.
 REFUSED: Dict[str, str] = {
     **{name: name for name in (
-        "bias_activation_fusion fused_single_qkv_rope activation_func_clamp_value glu_linear_offset softmax_scale "
+        "bias_activation_fusion fused_single_qkv_rope softmax_scale "
         "rotary_interleaved fp32_residual_connection apply_residual_connection_post_layernorm fp16 enable_autocast "
         "gradient_accumulation_fusion cross_entropy_loss_fusion enable_cuda_graph external_cuda_graph cuda_graph_impl "
         "apply_query_key_layer_scaling layernorm_zero_centered_gamma moe_router_dtype "
@@ -197,7 +197,8 @@ FROM_CHECKER: Tuple[str, ...] = (
     "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor", "moe_shared_expert_intermediate_size",
     "moe_layer_freq", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_load_balancing_type",
     "moe_token_dispatcher_type", "recompute_granularity", "recompute_method", "recompute_num_layers",
-    "recompute_modules", "calculate_per_token_loss", "max_position_embeddings",
+    "recompute_modules", "calculate_per_token_loss", "max_position_embeddings", "activation_func_clamp_value",
+    "glu_linear_offset",
 )
 
 

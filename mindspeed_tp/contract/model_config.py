@@ -4,7 +4,7 @@ launch anything, so a setting the checker would refuse is refused the same way i
 Which field is honoured, refused or irrelevant: ``contract/config_fields.py``."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 from . import config_fields, refusals
 from .refusals import refuse
@@ -48,10 +48,31 @@ _VARIANTS = (
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")  # what the patched norm computes (patches/norms.py)
 
 
-def _is_swiglu(config: Any) -> bool:
+def _activation_names():
+    """megatron's activation functions the patched MLPs compute (kernels/elementwise.ACTIVATIONS), by
+    identity: F.silu (SwiGLU) and megatron's quick_gelu (gpt-oss' GEGLU; megatron-core >= 0.14)."""
     import torch.nn.functional as F
 
-    return bool(getattr(config, "gated_linear_unit", False)) and getattr(config, "activation_func", None) is F.silu
+    names = {F.silu: "silu"}
+    try:
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+    except ImportError:  # a line without it: no config can name it
+        return names
+    names[quick_gelu] = "quick_gelu"
+    return names
+
+
+def glu_of(config: Any) -> Optional[Tuple[str, Optional[float], float]]:
+    """(activation, clamp, offset) of ``config``'s gated MLP as megatron's unfused glu computes it
+    (activation_func, activation_func_clamp_value, glu_linear_offset; kernels/elementwise.glu), or
+    None where the MLP is not a GLU of an activation the patches compute."""
+    if not getattr(config, "gated_linear_unit", False):
+        return None
+    name = _activation_names().get(getattr(config, "activation_func", None))
+    if name is None:
+        return None
+    clamp = getattr(config, "activation_func_clamp_value", None)
+    return name, None if clamp is None else float(clamp), float(getattr(config, "glu_linear_offset", 0.0) or 0.0)
 
 
 def check_router_dtype(config: Any) -> None:
@@ -79,11 +100,12 @@ def check_model_config(config: Any, profile: Optional[Any] = None, training: boo
         value = getattr(config, name, None)
         if bad(value):
             raise refuse("architecture_variant", setting=name, value=value, what=what)
-    if not _is_swiglu(config):
+    if glu_of(config) is None:
         raise refuse("architecture_variant", setting="activation_func / gated_linear_unit",
                      value=(getattr(getattr(config, "activation_func", None), "__name__", None),
                             getattr(config, "gated_linear_unit", None)),
-                     what="an MLP other than SwiGLU (activation_func=F.silu, gated_linear_unit=True)")
+                     what="an MLP other than a gated linear unit of F.silu (SwiGLU) or megatron's quick_gelu "
+                          "(gated_linear_unit=True)")
     if getattr(config, "multi_latent_attention", False):
         check_mla(config, profile)
     check_cp_comm_type(config)

@@ -481,14 +481,6 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "fused_single_qkv_rope={value!r} is not supported " + _T + ": with Transformer Engine installed it bypasses "
             "the patched RoPE; set fused_single_qkv_rope=False", "Transformer Engine's fused QKV RoPE is not patched",
             "fused_single_qkv_rope", _set),
-    Refusal("activation_func_clamp_value", MODEL, "activation_func_clamp_value",
-            "activation_func_clamp_value={value!r} is not supported " + _T + ": the engines and the MoE experts compute "
-            "an unclamped SwiGLU; unset activation_func_clamp_value",
-            "a clamped GLU is not modelled by the engines or the MoE experts", "activation_func_clamp_value", _not_none),
-    Refusal("glu_linear_offset", MODEL, "glu_linear_offset",
-            "glu_linear_offset={value!r} is not supported " + _T + ": the engines and the MoE experts compute "
-            "silu(gate) * up without an offset; set glu_linear_offset=0",
-            "an offset GLU is not modelled by the engines or the MoE experts", "glu_linear_offset", _nonzero),
     Refusal("softmax_scale", MODEL, "softmax_scale",
             "softmax_scale={value!r} is not supported " + _T + ": the engines scale attention scores by "
             "1/sqrt(head_dim); unset softmax_scale", "the engines' attention scale is fixed", "softmax_scale",

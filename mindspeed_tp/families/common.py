@@ -108,6 +108,9 @@ OPTIONAL = {
     "sliding_window": lambda spec: spec.sliding_window is not None,
     "experts": lambda spec: spec.is_moe,
     "rotary_percent": lambda spec: spec.rotary_percent != 1.0,
+    # another gated MLP than SwiGLU (gpt-oss' clamped quick-GEGLU)
+    "activation_func": lambda spec: (spec.activation_func, spec.activation_func_clamp_value,
+                                     spec.glu_linear_offset) != ("silu", None, 0.0),
 }
 
 

@@ -149,3 +149,35 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
     ``glu`` and the engines compute it (the product is one IEEE multiply)."""
     gate, up = torch.chunk(x, 2, dim=-1)
     return silu(gate) * up
+
+
+QUICK_GELU_SLOPE = 1.702  # megatron's quick_gelu (fusions/fused_bias_geglu.py) and gpt-oss' alpha
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """megatron's quick_gelu, x * sigmoid(1.702 * x), op by op in x's dtype, the sigmoid on whole runs
+    (the scaling and the product are one IEEE multiply each)."""
+    return x * sigmoid(QUICK_GELU_SLOPE * x)
+
+
+ACTIVATIONS = {"silu": silu, "quick_gelu": quick_gelu}
+
+
+def glu(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu", clamp=None, offset: float = 0.0) -> torch.Tensor:
+    """megatron's unfused gated linear unit (MLP.glu, the experts' glu), op by op: with ``clamp``
+    (activation_func_clamp_value) the gate clamped above at it and up into [-clamp, clamp] (exact);
+    ``activation(gate) * (up + offset)`` (glu_linear_offset; gpt-oss' clamped quick-GEGLU is
+    quick_gelu, 7, 1). Offset 0 multiplies by up itself: SwiGLU's bits as the engines compute them
+    (megatron's ``up + 0.0`` differs only in a zero's sign)."""
+    if clamp is not None:
+        gate = gate.clamp(max=clamp)
+        up = up.clamp(min=-clamp, max=clamp)
+    if offset:
+        up = up + offset
+    return ACTIVATIONS[activation](gate) * up
+
+
+def gated_linear_unit(x: torch.Tensor, activation: str = "silu", clamp=None, offset: float = 0.0) -> torch.Tensor:
+    """``glu`` of a gated fc1's output [gate; up] (last dim)."""
+    gate, up = torch.chunk(x, 2, dim=-1)
+    return glu(gate, up, activation, clamp, offset)

@@ -45,6 +45,13 @@ class ModelSpec:
     # Sliding-window attention in every layer (Mistral 7B v0.1): each query sees itself and the W - 1
     # keys before it (Hugging Face sliding_window W; Megatron's window_size (W - 1, 0)).
     sliding_window: Optional[int] = None
+    # The gated MLP (dense layers and experts), megatron's unfused glu: activation_func(gate) * (up +
+    # glu_linear_offset), with activation_func_clamp_value the gate clamped above at it and up into
+    # [-value, value]. silu / unset / 0 is SwiGLU; quick_gelu (x * sigmoid(1.702 x)) / 7 / 1 is gpt-oss'
+    # clamped GEGLU (megatron-core >= 0.14 has the fields).
+    activation_func: str = "silu"
+    activation_func_clamp_value: Optional[float] = None
+    glu_linear_offset: float = 0.0
     # Multi-latent attention (DeepSeek-V2/V3, Kimi-K2, Moonlight; megatron's MLATransformerConfig, same
     # names): queries through a q_lora_rank latent (None: one projection), keys and values through a
     # kv_lora_rank latent; a head's query and key are qk_head_dim channels without RoPE, then
@@ -127,6 +134,15 @@ class ModelSpec:
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
             raise ConfigError(f"model {self.name}: sliding_window must be a positive integer (keys a query sees, "
                               f"itself included), got {self.sliding_window!r}; remove it for full attention")
+        from ..kernels.elementwise import ACTIVATIONS
+
+        if self.activation_func not in ACTIVATIONS:
+            raise ConfigError(f"model {self.name}: activation_func={self.activation_func!r} is not one of "
+                              f"{sorted(ACTIVATIONS)} (the gated MLPs the patches compute)")
+        clamp = self.activation_func_clamp_value
+        if clamp is not None and not (isinstance(clamp, (int, float)) and clamp > 0):
+            raise ConfigError(f"model {self.name}: activation_func_clamp_value must be a positive number, got "
+                              f"{clamp!r}; remove it for an unclamped GLU")
         if self.multi_latent_attention:
             self._check_mla()
         elif self.rope_type != "rope":

@@ -3,10 +3,11 @@ activation, fc2, as megatron's unfused path computes them.
 
 Megatron's ``glu`` applies ``activation_func`` to a ``torch.chunk`` view of fc1's output; ATen's CPU
 loop computes the last elements of each row of that view with other code than the rest, so the
-bits of an element depended on the shard width. The strategy's activation (``mlp_activation``,
-SwiGLU by ``kernels/elementwise.py``) computes every element one way. The settings megatron's other
-paths need (fused or Transformer Engine activations, clamped or offset GLUs, other activations)
-are refused at the model's construction (``contract/model_config.py``)."""
+bits of an element depended on the shard width. The strategy's activation (``mlp_activation``:
+megatron's unfused glu of F.silu or quick_gelu, clamped and offset where the config says, by
+``kernels/elementwise.py``) computes every element one way. The settings megatron's other paths
+need (fused or Transformer Engine activations, other activations) are refused at the model's
+construction (``contract/model_config.py``)."""
 import inspect
 
 from ..contract.refusals import refuse
@@ -36,7 +37,7 @@ def mlp_forward(original):
         intermediate, bias = self.linear_fc1(hidden_states)
         if bias is not None:
             intermediate = intermediate + bias
-        intermediate = numerics.mlp_activation(intermediate)
+        intermediate = numerics.mlp_activation(intermediate, self.config)
         if per_token_scale is not None:
             dtype = intermediate.dtype
             intermediate = (intermediate * per_token_scale.unsqueeze(-1)).to(dtype)
@@ -52,7 +53,8 @@ def mlp_forward(original):
 def register(reg: PatchRegistry) -> None:
     reg.register(
         "megatron.core.transformer.mlp:MLP.forward",
-        "fc1, SwiGLU with every element computed by one code path (kernels/elementwise.py), fc2: megatron's "
-        "unfused MLP, whose activation on a torch.chunk view gave other bits at a row's tail",
+        "fc1, the gated activation (SwiGLU, gpt-oss' clamped quick-GEGLU) with every element computed by one code "
+        "path (kernels/elementwise.py), fc2: megatron's unfused MLP, whose activation on a torch.chunk view gave "
+        "other bits at a row's tail",
         wraps=True,
     )(mlp_forward)

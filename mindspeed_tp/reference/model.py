@@ -7,6 +7,7 @@ a rollout engine's prefill/decode logprobs equal the training forward's bit for 
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Dict, List, Optional
 
@@ -16,7 +17,7 @@ from ..kernels import (
     apply_rope, decode_attention, mask_padded_vocab, folded_leaf_partials, invariant_linear, rms_norm, rope_angles, rope_inv_freq,
     vocab_parallel_logprob,
 )
-from ..kernels.elementwise import swiglu
+from ..kernels.elementwise import gated_linear_unit
 from ..kernels.rope import mla_softmax_scale, yarn_inv_freq, yarn_mscale
 from ..kernels.moe import combine_slots, route
 from ..numerics.rollout_layout.engine_math import full_vocab_logprob, rollout_row_parallel
@@ -32,7 +33,10 @@ class ReferenceModel:
         self.spec, self.profile, self.w, self.dtype = spec, profile, weights, dtype
         self.padded_vocab = spec.padded_vocab(profile)
         self.inv_freq, self.rope_mscale, self.scale = rope_of(spec)
-        self.activation: Callable = swiglu  # fc1's [gate; up] -> silu(gate) * up, as the patched MLP
+        # fc1's [gate; up] -> activation(gate) * (up + offset), clamped where the model clamps, as the patched MLP
+        self.activation: Callable = functools.partial(gated_linear_unit, activation=spec.activation_func,
+                                                      clamp=spec.activation_func_clamp_value,
+                                                      offset=float(spec.glu_linear_offset))
         # Optional trace(name, input, output) called with each block's rows under the Megatron
         # module name it mirrors (the checker's --bisect aligns the two runs by these names).
         self.trace: Optional[Callable] = None

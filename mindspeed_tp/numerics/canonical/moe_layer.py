@@ -34,7 +34,7 @@ def _expert_forward(numerics, expert, x: torch.Tensor, etp_group, config, rows) 
     """One expert MLP on its rows: the strategy's fc1 shard, activation, the strategy's fc2 across
     expert TP (``rows``: the strategy's record of where the rows come from, or None)."""
     a = numerics.expert_up_proj(x, expert.linear_fc1.weight, etp_group, config.gated_linear_unit, rows)
-    a = numerics.mlp_activation(a)  # SwiGLU: any other MLP is refused at the model's construction
+    a = numerics.mlp_activation(a, config)
     return numerics.expert_down_proj(a, expert.linear_fc2.weight, etp_group, x.dtype, rows)
 
 

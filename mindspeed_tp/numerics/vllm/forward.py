@@ -289,7 +289,7 @@ def shared_expert_partials(module, h, prof) -> list:
     partials = []
     for r in range(r_total):
         a = kernels.engine_linear(h, engine_w1[2 * r * part:2 * (r + 1) * part], source=fc1.weight)
-        act = numerics.mlp_activation(a)
+        act = numerics.mlp_activation(a, module.config)
         partials.append(kernels.engine_partial_linear(act, w2[:, r * part:(r + 1) * part], fc2.weight))
     return partials
 

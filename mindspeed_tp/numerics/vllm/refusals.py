@@ -104,3 +104,13 @@ def check_partial_rope_dtype(rotary_percent: float, dtype) -> None:
     if rotary_percent != 1.0 and dtype == torch.float32:
         raise refuse("vllm_model_shape", what=f"partial RoPE (rotary_percent={rotary_percent}) in fp32",
                      engine="partial RoPE matched bitwise in bf16 only", fix="score in bf16 (--dtype bf16)")
+
+
+def check_swiglu(glu) -> None:
+    """The engine's dense and expert MLPs compute SiLU-and-mul: a clamped, offset or quick-GELU GLU
+    (gpt-oss', which vLLM computes with its own swigluoai kernel, not modelled) is refused by name.
+    ``glu``: contract.model_config.glu_of(config)."""
+    if glu != ("silu", None, 0.0):
+        raise refuse("vllm_model_shape", what=f"the gated MLP (activation, clamp, offset)={glu}",
+                     engine="SiLU-and-mul MLPs (gpt-oss' clamped GLU runs vLLM's swigluoai kernel, not modelled)",
+                     fix="use activation_func=F.silu without activation_func_clamp_value or glu_linear_offset")

@@ -11,7 +11,9 @@ from ...contract.refusals import refuse
 from ..base import attention_sinks, attention_window
 from ..rollout_layout.strategy import RolloutLayout
 from . import forward, kernels
-from .refusals import activation_widths, check_activation_widths, check_head_dim, check_partial_rope_dtype
+from ...contract.model_config import glu_of
+from .refusals import (activation_widths, check_activation_widths, check_head_dim, check_partial_rope_dtype,
+                       check_swiglu)
 from .kernels import engine_partial_linear
 
 
@@ -40,6 +42,7 @@ class VllmEngine(RolloutLayout):
         if head_dim:
             check_head_dim(head_dim)
         config = a["config"]
+        check_swiglu(glu_of(config))
         check_activation_widths(activation_widths(config), self.profile.rollout_tp, config.params_dtype)
         forward.set_rope(a["config"], a.get("rotary_base", 10000), a["max_sequence_length"],
                          a.get("rope_scaling_factor", 8.0) if a.get("rope_scaling", False) else None,
