@@ -285,3 +285,14 @@ def test_recompute_modules_never_run_bitwise_are_refused_by_name():
         check_model_config(config)
     config.recompute_granularity = "full"  # the modules are unread
     check_model_config(config)
+
+
+def test_yarn_with_a_partial_rotary_is_refused_naming_rotary_percent():
+    """megatron's YarnRotaryEmbedding computes its table over the whole head whatever rotary_percent
+    says: GPTModel(position_embedding_type='yarn', rotary_percent < 1) is refused naming it."""
+    from mindspeed_tp.contract.model_arguments import check_gpt_model_arguments
+    from mindspeed_tp.errors import ConfigError
+
+    check_gpt_model_arguments({"position_embedding_type": "yarn", "rotary_percent": 1.0})
+    with pytest.raises(ConfigError, match=r"rotary_percent=0\.5.*position_embedding_type='yarn'"):
+        check_gpt_model_arguments({"position_embedding_type": "yarn", "rotary_percent": 0.5})

@@ -23,6 +23,9 @@ from conftest import bits_equal, explain, full_tier, on_every_line_in_the_full_t
 from hf_models import make_llama, make_mistral, make_qwen2, save_word_tokenizer, transformers_logprobs
 
 SEMANTICS_ATOL = 1e-4  # as tests/test_hf_checkpoint.py: a few ulp per op through two layers
+# Qwen2.5 / Qwen3's long-context YaRN (their model cards: factor 4), over an original context of 64 positions
+# so that the test prompts cross the interpolated band; the ramp's ends unrounded (truncate false, gpt-oss')
+QWEN25_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "truncate": False}
 LLAMA32_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
 FAMILIES = {
@@ -30,6 +33,7 @@ FAMILIES = {
     "llama31": (make_llama, {}),
     "llama32": (make_llama, {"tie_word_embeddings": True, "rope_scaling": LLAMA32_ROPE}),
     "mistral": (make_mistral, {}),
+    "qwen25_yarn": (make_qwen2, {"rope_scaling": QWEN25_YARN}),
 }
 
 
@@ -64,7 +68,12 @@ def test_the_reference_engine_matches_transformers_fp32(checkpoints, name):
     assert _worst(ours, theirs) < SEMANTICS_ATOL
     import dataclasses
 
-    if spec.add_qkv_bias:
+    if spec.rope_type == "yarn":  # plain RoPE, and YaRN's frequencies without its concentration factor
+        plain = ReferenceModel.from_source(dataclasses.replace(spec, rope_type="rope"), profile, weights, torch.float32)
+        assert _worst(plain.score(_sequences()), theirs) > 100 * SEMANTICS_ATOL
+        broken = ReferenceModel.from_source(dataclasses.replace(spec, mscale=0.0), profile, weights, torch.float32)
+        assert broken.rope_mscale == 1.0
+    elif spec.add_qkv_bias:
         broken = ReferenceModel.from_source(spec, profile, weights, torch.float32)
         for key in [k for k in broken.w if k.endswith("linear_qkv.bias")]:
             broken.w[key] = torch.zeros_like(broken.w[key])
@@ -78,7 +87,7 @@ def test_the_reference_engine_matches_transformers_fp32(checkpoints, name):
     assert _worst(broken.score(_sequences()), theirs) > 100 * SEMANTICS_ATOL
 
 
-@pytest.mark.parametrize("name", ["llama31", "mistral", "qwen2", pytest.param("llama32", marks=full_tier(
+@pytest.mark.parametrize("name", ["llama31", "mistral", "qwen2", "qwen25_yarn", pytest.param("llama32", marks=full_tier(
     covered_by="tests/test_families.py::test_the_reference_engine_matches_transformers_fp32",
     why="Llama-3.2 is Llama-3.1's code with a tied head and another factor: its mapping against transformers runs "
         "in the reference-engine test (CI tier), the layouts in llama31's launch"))])
@@ -88,9 +97,12 @@ def test_megatron_matches_transformers_and_every_layout_is_bitwise_fp32(checkpoi
     and tp2-sp / tp1-pp2 against it bit for bit."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps(s) for s in _sequences()) + "\n")
-    layouts = "tp2-sp,tp1-pp2"
+    layouts = "tp2-sp,tp1-pp2,tp2-sp-cp2" if name == "qwen25_yarn" else "tp2-sp,tp1-pp2"
     proc = run_cli("check", "--hf-checkpoint", checkpoints[name], "--prompts", str(prompts), "--layouts", layouts,
                    "--dtype", "fp32", "--dump-logprobs", str(tmp_path / "dump"))
+    if name == "qwen25_yarn" and not _gpt_model_has_yarn():  # megatron-core 0.12: no GPTModel YaRN, named
+        assert proc.returncode == 2 and "no position_embedding_type 'yarn'" in proc.stderr, explain(proc)
+        return
     assert proc.returncode == 0, explain(proc)
     dump = load_file(str(tmp_path / "dump" / "logprobs.safetensors"))
     reference = dump["consistent/reference"]
@@ -100,6 +112,14 @@ def test_megatron_matches_transformers_and_every_layout_is_bitwise_fp32(checkpoi
     for i, theirs in enumerate(transformers_logprobs(checkpoints[name], sequences)):
         ours = reference[i, : len(sequences[i]) - 1]
         assert (ours - theirs).abs().max() < SEMANTICS_ATOL, (i, (ours - theirs).abs().max())
+
+
+def _gpt_model_has_yarn() -> bool:
+    import inspect
+
+    from megatron.core.models.gpt import GPTModel
+
+    return "yarn" in inspect.getsource(GPTModel.__init__)
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=full_tier(
@@ -172,7 +192,7 @@ def assert_exports_back(checkpoint, out, layout, nproc):
     assert bits_equal(transformers_logprobs(str(out), seq)[0], transformers_logprobs(checkpoint, seq)[0])
 
 
-@pytest.mark.parametrize("name", ["qwen2", "llama32", "mistral"])
+@pytest.mark.parametrize("name", ["qwen2", "llama32", "mistral", "qwen25_yarn"])
 def test_spec_to_config_json_and_back(checkpoints, name):
     from mindspeed_tp.hf import hf_config_from_spec
 
@@ -185,6 +205,7 @@ def test_spec_to_config_json_and_back(checkpoints, name):
     ("qwen2", {"sliding_window": 8}, "sliding_window"),
     ("llama32", {"qk_layernorm": True}, "qk_layernorm=True"),
     ("mistral", {"rope_scaling_factor": 8.0}, "rope_scaling_factor"),
+    ("mistral", {"rope_type": "yarn", "original_max_position_embeddings": 64}, "yarn"),
 ])
 def test_a_spec_its_family_cannot_state_is_not_exported(checkpoints, name, change, named):
     """Export writes a family's config.json only for what the architecture computes: a field its
@@ -212,13 +233,20 @@ def _model_yaml(tmp_path, checkpoint):
     pytest.param("llama31", marks=full_tier(
         covered_by="tests/test_families.py::test_bitwise_training_two_layouts",
         why="Llama's difference is the RoPE table, which training reads as the scoring forward does (the fp32 "
-            "launch); the CI tier trains Mistral's windowed attention backward"))])
+            "launch); the CI tier trains Mistral's windowed attention backward")),
+    pytest.param("qwen25_yarn", marks=full_tier(
+        covered_by="tests/test_families.py::test_megatron_matches_transformers_and_every_layout_is_bitwise_fp32",
+        why="YaRN changes RoPE's table and its cos / sin scale, which the backward reads as the forward does (the "
+            "same apply_rope, differentiated by autograd); the fp32 launch shows them bitwise across TP / PP / CP"))])
 @on_every_line_in_the_full_tier  # the window on 0.12, the RoPE-scaling arguments, the bias
 def test_bitwise_training_two_layouts(checkpoints, tmp_path, name):
     """Every step's loss, gradients (the QKV bias's among them) and logprobs bitwise across layouts."""
     proc = run_cli("train-check", "--model", _model_yaml(tmp_path, checkpoints[name]), "--layouts", "tp2-sp,tp1-pp2",
                    "--dtype", "fp32", "--bitwise-training", "--steps", "2", "--global-batch-size", "4",
                    "--micro-batch-size", "1", "--seq-length", "32", timeout=1200)
+    if name == "qwen25_yarn" and not _gpt_model_has_yarn():  # megatron-core 0.12: no GPTModel YaRN, named
+        assert proc.returncode == 2 and "no position_embedding_type 'yarn'" in proc.stderr, explain(proc)
+        return
     assert proc.returncode == 0, explain(proc)
     assert "bitwise" in proc.stdout.lower(), explain(proc)
 

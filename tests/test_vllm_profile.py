@@ -193,6 +193,8 @@ def test_the_engine_rope_and_scoring_plan_belong_to_their_model_and_thread():
 
         params_dtype = torch.bfloat16
         ffn_hidden_size = 256
+        gated_linear_unit = True  # SwiGLU, the engine's MLP
+        activation_func = staticmethod(torch.nn.functional.silu)
 
     engine = VllmEngine(load_profile("vllm-cpu-tp1"))
     first, second = Config(), Config()

@@ -220,6 +220,9 @@ def _build_gpt(spec: ModelSpec, layout: Layout, dtype: torch.dtype, profile: Pro
         model_kwargs = dict(model_kwargs, rope_scaling=True, rope_scaling_factor=spec.rope_scaling_factor)
     if spec.rotary_percent != 1.0:  # partial rotary (GLM-4.5)
         model_kwargs = dict(model_kwargs, rotary_percent=spec.rotary_percent)
+    yarn = spec.rope_type == "yarn" and not spec.multi_latent_attention
+    if yarn:
+        _set_yarn_attributes(config, spec)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
@@ -229,7 +232,7 @@ def _build_gpt(spec: ModelSpec, layout: Layout, dtype: torch.dtype, profile: Pro
         post_process=parallel_state.is_pipeline_last_stage(**stage_kwargs),
         parallel_output=True,
         share_embeddings_and_output_weights=spec.tie_word_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type="yarn" if yarn else "rope",
         rotary_base=int(spec.rotary_base),
         **model_kwargs,
     )
@@ -238,6 +241,30 @@ def _build_gpt(spec: ModelSpec, layout: Layout, dtype: torch.dtype, profile: Pro
     mark_true_vocab(model, spec.vocab_size)
     model.to(dtype)
     return model
+
+
+def _set_yarn_attributes(config, spec: ModelSpec) -> None:
+    """GPTModel's YaRN (position_embedding_type yarn) reads its settings from the config's yarn_*
+    attributes, which TransformerConfig does not declare (Megatron-Bridge's providers carry them):
+    set as megatron reads them, or a ConfigError on a line whose GPTModel has no YaRN."""
+    import inspect
+
+    from megatron.core.models.gpt import GPTModel
+
+    from ..errors import ConfigError
+
+    source = inspect.getsource(GPTModel.__init__)
+    if "yarn" not in source:
+        import megatron.core
+
+        raise ConfigError(f"model {spec.name}: rope_type yarn: megatron-core {megatron.core.__version__}'s GPTModel has "
+                          f"no position_embedding_type 'yarn'; use megatron-core >= 0.14 or plain RoPE")
+    for name, value in (("yarn_rotary_scaling_factor", spec.rotary_scaling_factor),
+                        ("yarn_original_max_position_embeddings", spec.original_max_position_embeddings),
+                        ("yarn_beta_fast", spec.beta_fast), ("yarn_beta_slow", spec.beta_slow),
+                        ("yarn_mscale", spec.mscale), ("yarn_mscale_all_dim", spec.mscale_all_dim),
+                        ("yarn_correction_range_round_to_int", spec.correction_range_round_to_int)):
+        setattr(config, name, value)
 
 
 def _without_query_latent_norm(layer_spec) -> None:

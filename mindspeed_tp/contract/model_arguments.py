@@ -41,7 +41,10 @@ HONOURED: Dict[str, str] = {
 REFUSED: Dict[str, Tuple[Callable[[Any], bool], str]] = {
     "fp16_lm_cross_entropy": (lambda v: not v, "False (fp16 logits are not checked)"),
     "parallel_output": (bool, "True (vocab-parallel logits; the gathered logits are not the checked path)"),
-    "position_embedding_type": (lambda v: v == "rope", "'rope' (the one position encoding the engines model)"),
+    # yarn: YaRN's frequencies and concentration factor from the config's yarn_* attributes (gpt-oss,
+    # Qwen2.5 / Qwen3 long context), on the whole head
+    "position_embedding_type": (lambda v: v in ("rope", "yarn"), "'rope' or 'yarn' (the position encodings the "
+                                "reference engine models)"),
     "seq_len_interpolation_factor": (lambda v: v is None, "None (interpolated positions are not modelled)"),
     "mtp_block_spec": (lambda v: v is None, "None (multi-token prediction layers are refused)"),
     "scatter_embedding_sequence_parallel": (bool, "True (megatron's default; the sequence-parallel layout checked)"),
@@ -74,6 +77,10 @@ def check_gpt_model_arguments(arguments: Dict[str, Any]) -> None:
                          accepted="its default (an argument of the installed megatron-core mindspeed-tp does not know)")
         if kind[0] == "refused" and not REFUSED[name][0](value):
             raise refuse("gpt_model_argument", name=name, value=value, accepted=REFUSED[name][1])
+    if arguments.get("position_embedding_type") == "yarn" and float(arguments.get("rotary_percent", 1.0)) != 1.0:
+        # megatron's YarnRotaryEmbedding computes its frequencies over the whole head whatever rotary_percent says
+        raise refuse("gpt_model_argument", name="rotary_percent", value=arguments["rotary_percent"],
+                     accepted="1.0 with position_embedding_type='yarn' (megatron's YaRN table covers the whole head)")
     check_process_groups(arguments.get("pg_collection"))
 
 

@@ -375,8 +375,6 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "multi_latent_attention with {setting}={value!r} is not supported " + _T + " ({fix})",
             "not covered yet: MLA runs with the canonical / bitwise-training profiles on bshd batches without "
             "CP, on the torch backend, with its latents recomputed (no inference cache or fused down projection)"),
-    Refusal("rope_mscale", ATTENTION, "RoPE mscale (YaRN)", "RoPE mscale != 1 (YaRN) is not supported " + _T,
-            "not implemented"),
     Refusal("backend_not_invariant", BACKEND, "backend (profile)",
             "the {backend} kernel backend is not batch-invariant on {device} tensors (its invariance is a property "
             "of the CPU BLAS libraries; the device's GEMMs change algorithm and split-K with the shape): set the "

@@ -40,7 +40,7 @@ def rope_fields(cfg: Dict[str, Any], where: str, scalings: Tuple[str, ...] = (),
     each head: ``partial``; refused by name elsewhere) and, for rope_type ``llama3`` when the family
     allows it, ``rope_scaling_factor``; any other scaling (linear, dynamic, yarn, longrope, ...)
     changes the angles and is refused by name."""
-    factor = None
+    factor, yarn = None, None
     for key in ("rope_parameters", "rope_scaling"):  # transformers 5 writes the first, older ones the second
         block = cfg.get(key) or {}
         kind = block.get("rope_type", block.get("type", "default"))
@@ -49,6 +49,9 @@ def rope_fields(cfg: Dict[str, Any], where: str, scalings: Tuple[str, ...] = (),
         if kind not in scalings:
             raise refuse("hf_rope_scaling", where=where, key=key, kind=kind,
                          supported=", ".join(("default",) + scalings))
+        if kind == "yarn":
+            yarn = (block, key)
+            continue
         for param, fixed in LLAMA3_FIXED.items():
             if float(block.get(param, fixed)) != fixed:
                 raise refuse("hf_rope_llama3", where=where, key=f"{key}.{param}", value=block.get(param), fixed=fixed)
@@ -62,7 +65,49 @@ def rope_fields(cfg: Dict[str, Any], where: str, scalings: Tuple[str, ...] = (),
     share = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
     if share != 1.0 and not partial:
         raise refuse("hf_partial_rotary", where=where, value=share)
+    if yarn is not None:
+        return dict(yarn_fields(cfg, yarn[0], yarn[1], float(theta), where), rotary_percent=share)
     return {"rotary_base": float(theta), "rope_scaling_factor": factor, "rotary_percent": share}
+
+
+def yarn_fields(cfg: Dict[str, Any], block: Dict[str, Any], key: str, theta: float, where: str) -> Dict[str, Any]:
+    """A ``rope_type: yarn`` block as the ModelSpec's YaRN fields (megatron's YarnRotaryEmbedding:
+    its mscale ratio equals transformers' attention factor for the combinations mapped here;
+    ``truncate`` is megatron's correction_range_round_to_int)."""
+    if "attention_factor" in block:  # megatron's YaRN derives the factor
+        raise refuse("hf_rope_scaling", where=where, key=f"{key}.attention_factor", kind="yarn with attention_factor",
+                     supported="default, yarn (megatron's YarnRotaryEmbedding)")
+    # transformers' order: the config's own original_max_position_embeddings (Phi-3, DeepSeek), the
+    # block's, the context length
+    original = (cfg.get("original_max_position_embeddings") or block.get("original_max_position_embeddings")
+                or cfg.get("max_position_embeddings"))
+    if block.get("factor") is None or not original:
+        raise ConfigError(f"{where}: {key}.rope_type yarn needs its factor and original_max_position_embeddings")
+    mscale, all_dim = float(block.get("mscale") or 0.0), float(block.get("mscale_all_dim") or 0.0)
+    if all_dim and not mscale:
+        # transformers then scales cos / sin by YaRN's default concentration, megatron by 1 / mscale_all_dim's
+        raise refuse("hf_rope_scaling", where=where, key=f"{key}.mscale", kind="yarn with mscale_all_dim but no mscale",
+                     supported="default, yarn with both mscale and mscale_all_dim, or neither")
+    return dict(rope_type="yarn", rotary_base=theta, rotary_scaling_factor=float(block["factor"]),
+                original_max_position_embeddings=int(original),
+                beta_fast=float(block.get("beta_fast") or 32.0), beta_slow=float(block.get("beta_slow") or 1.0),
+                mscale=mscale if all_dim else 1.0, mscale_all_dim=all_dim,
+                correction_range_round_to_int=block.get("truncate", True) is not False)
+
+
+def yarn_config(spec, family: str) -> Dict[str, Any]:
+    """The ``rope_scaling`` block of a YaRN spec (the inverse of ``yarn_fields``)."""
+    block = {"rope_type": "yarn", "factor": spec.rotary_scaling_factor,
+             "original_max_position_embeddings": spec.original_max_position_embeddings,
+             "beta_fast": spec.beta_fast, "beta_slow": spec.beta_slow}
+    if not spec.correction_range_round_to_int:
+        block["truncate"] = False
+    if spec.mscale_all_dim:
+        block.update(mscale=spec.mscale, mscale_all_dim=spec.mscale_all_dim)
+    elif spec.mscale != 1.0:
+        raise ConfigError(f"model {spec.name}: mscale={spec.mscale} without mscale_all_dim cannot be written as a "
+                          f"{family} checkpoint (transformers reads mscale only with mscale_all_dim)")
+    return block
 
 
 def refuse_sliding_window(cfg: Dict[str, Any], where: str, every_layer: bool = False) -> None:
@@ -102,12 +147,14 @@ def decoder_config(spec, architecture: str, model_type: str, dtype: str) -> Dict
     return cfg
 
 
+
 # The spec features a family's config.json may or may not be able to state (its ALLOWS).
 OPTIONAL = {
     "rope_scaling_factor": lambda spec: spec.rope_scaling_factor is not None,
     "sliding_window": lambda spec: spec.sliding_window is not None,
     "experts": lambda spec: spec.is_moe,
     "rotary_percent": lambda spec: spec.rotary_percent != 1.0,
+    "yarn": lambda spec: spec.rope_type == "yarn",
     # another gated MLP than SwiGLU (gpt-oss' clamped quick-GEGLU)
     "activation_func": lambda spec: (spec.activation_func, spec.activation_func_clamp_value,
                                      spec.glu_linear_offset) != ("silu", None, 0.0),

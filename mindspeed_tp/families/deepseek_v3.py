@@ -17,7 +17,7 @@ from typing import Any, Dict
 from ..contract.refusals import refuse
 from ..errors import ConfigError
 from .common import (DEEPSEEK_EXPERT_NAMES, DEEPSEEK_ROUTER, check_exportable, decoder_config, decoder_fields,
-                     deepseek_moe_config, deepseek_moe_fields, refuse_sliding_window)
+                     deepseek_moe_config, deepseek_moe_fields, refuse_sliding_window, yarn_config, yarn_fields)
 
 NAME = "deepseek_v3"
 ARCHITECTURES = {"DeepseekV3ForCausalLM": "deepseek_v3"}
@@ -25,12 +25,9 @@ MODEL_TYPES = ("deepseek_v3", "kimi_k2")  # Kimi-K2 writes its own model_type fo
 FIXED = dict(DEEPSEEK_ROUTER, multi_latent_attention=True, qk_layernorm=True)  # import sets, export checks
 EXPERT_NAMES = DEEPSEEK_EXPERT_NAMES
 MTP_LAYERS_KEY = "num_nextn_predict_layers"
-_YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
-
-
 def _rope(cfg: Dict[str, Any], where: str) -> Dict[str, Any]:
-    """Plain RoPE, or YaRN with megatron's fields (its mscale ratio and softmax scale equal to
-    transformers' for the combinations mapped here)."""
+    """Plain RoPE, or YaRN with megatron's fields (common.yarn_fields); megatron's MLA always rounds
+    the ramp's ends out (``truncate: false`` refused)."""
     block, key = {}, None
     for name in ("rope_parameters", "rope_scaling"):  # transformers 5 writes the first, older ones the second
         if (cfg.get(name) or {}).get("rope_type", (cfg.get(name) or {}).get("type", "default")) not in (None, "default"):
@@ -42,23 +39,10 @@ def _rope(cfg: Dict[str, Any], where: str) -> Dict[str, Any]:
     kind = block.get("rope_type", block.get("type"))
     if kind != "yarn":
         raise refuse("hf_rope_scaling", where=where, key=key, kind=kind, supported="default, yarn")
-    for bad, present in (("attention_factor", "attention_factor" in block), ("truncate", block.get("truncate") is False)):
-        if present:  # megatron's YaRN derives the factor, and always rounds the ramp's ends out
-            raise refuse("hf_rope_scaling", where=where, key=f"{key}.{bad}", kind=f"yarn with {bad}",
-                         supported="default, yarn (megatron's YarnRotaryEmbedding)")
-    if block.get("factor") is None or not block.get("original_max_position_embeddings",
-                                                    cfg.get("original_max_position_embeddings")):
-        raise ConfigError(f"{where}: {key}.rope_type yarn needs its factor and original_max_position_embeddings")
-    mscale, all_dim = float(block.get("mscale") or 0.0), float(block.get("mscale_all_dim") or 0.0)
-    if all_dim and not mscale:
-        # transformers then scales cos / sin by YaRN's default concentration, megatron by 1 / mscale_all_dim's
-        raise refuse("hf_rope_scaling", where=where, key=f"{key}.mscale", kind="yarn with mscale_all_dim but no mscale",
-                     supported="default, yarn with both mscale and mscale_all_dim, or neither")
-    return dict(rope_type="yarn", rotary_base=theta, rotary_scaling_factor=float(block["factor"]),
-                original_max_position_embeddings=int(block.get("original_max_position_embeddings")
-                                                     or cfg["original_max_position_embeddings"]),
-                beta_fast=float(block.get("beta_fast") or 32.0), beta_slow=float(block.get("beta_slow") or 1.0),
-                mscale=mscale if all_dim else 1.0, mscale_all_dim=all_dim)
+    if block.get("truncate") is False:
+        raise refuse("hf_rope_scaling", where=where, key=f"{key}.truncate", kind="yarn with truncate",
+                     supported="default, yarn (megatron's YarnRotaryEmbedding)")
+    return yarn_fields(cfg, block, key, theta, where)
 
 
 def spec_fields(cfg: Dict[str, Any], architecture: str, name: str, where: str) -> Dict[str, Any]:
@@ -81,19 +65,12 @@ def spec_fields(cfg: Dict[str, Any], architecture: str, name: str, where: str) -
 
 def hf_config(spec, dtype: str) -> Dict[str, Any]:
     moe = deepseek_moe_config(spec, "DeepSeek-V3")
-    check_exportable(spec, "DeepSeek-V3", FIXED, allows=("experts",))
+    check_exportable(spec, "DeepSeek-V3", FIXED, allows=("experts", "yarn"))
     cfg = decoder_config(spec, "DeepseekV3ForCausalLM", "deepseek_v3", dtype)
     del cfg["head_dim"]
     cfg.update(q_lora_rank=spec.q_lora_rank, kv_lora_rank=spec.kv_lora_rank, qk_nope_head_dim=spec.qk_head_dim,
                qk_rope_head_dim=spec.qk_pos_emb_head_dim, v_head_dim=spec.v_head_dim, attention_bias=False,
                rope_interleave=True, **moe)
     if spec.rope_type == "yarn":
-        cfg["rope_scaling"] = {"rope_type": "yarn", "factor": spec.rotary_scaling_factor,
-                               "original_max_position_embeddings": spec.original_max_position_embeddings,
-                               "beta_fast": spec.beta_fast, "beta_slow": spec.beta_slow}
-        if spec.mscale_all_dim:
-            cfg["rope_scaling"].update(mscale=spec.mscale, mscale_all_dim=spec.mscale_all_dim)
-        elif spec.mscale != 1.0:
-            raise ConfigError(f"model {spec.name}: mscale={spec.mscale} without mscale_all_dim cannot be written as a "
-                              f"DeepSeek-V3 checkpoint (transformers reads mscale only with mscale_all_dim)")
+        cfg["rope_scaling"] = yarn_config(spec, "DeepSeek-V3")
     return cfg

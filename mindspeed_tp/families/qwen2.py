@@ -9,7 +9,7 @@ from typing import Any, Dict
 
 from ..errors import ConfigError
 from .common import (check_exportable, check_model_type, decoder_config, decoder_fields, refuse_sliding_window,
-                     rope_fields)
+                     rope_fields, yarn_config)
 
 NAME = "qwen2"
 ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2"}
@@ -23,14 +23,16 @@ def spec_fields(cfg: Dict[str, Any], architecture: str, name: str, where: str) -
     if int(cfg.get("head_dim") or derived) != derived:
         raise ConfigError(f"{where}: head_dim={cfg['head_dim']} differs from hidden_size / num_attention_heads = "
                           f"{derived}, which Qwen2 (vLLM's qwen2.py) uses; remove head_dim or fix it")
-    return dict(decoder_fields(cfg, name, where), **rope_fields(cfg, where), family=NAME, **FIXED)
+    return dict(decoder_fields(cfg, name, where), **rope_fields(cfg, where, scalings=("yarn",)), family=NAME, **FIXED)
 
 
 def hf_config(spec, dtype: str) -> Dict[str, Any]:
     if spec.kv_channels * spec.num_attention_heads != spec.hidden_size:
         raise ConfigError(f"model {spec.name}: kv_channels={spec.kv_channels} is not hidden_size / num_attention_heads "
                           f"= {spec.hidden_size // spec.num_attention_heads}, the head size a Qwen2 checkpoint implies")
-    check_exportable(spec, "Qwen2", FIXED)
+    check_exportable(spec, "Qwen2", FIXED, allows=("yarn",))
     cfg = decoder_config(spec, "Qwen2ForCausalLM", "qwen2", dtype)
+    if spec.rope_type == "yarn":  # Qwen2.5's long-context setting
+        cfg["rope_scaling"] = yarn_config(spec, "Qwen2")
     cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=spec.num_layers)
     return cfg

@@ -8,7 +8,7 @@ from typing import Any, Dict
 from ..contract.refusals import refuse
 from ..errors import ConfigError
 from .common import (QWEN_EXPERT_NAMES, check_exportable, check_model_type, decoder_config, decoder_fields,
-                     refuse_sliding_window, rope_fields)
+                     refuse_sliding_window, rope_fields, yarn_config)
 
 NAME = "qwen3"
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
@@ -33,7 +33,7 @@ def spec_fields(cfg: Dict[str, Any], architecture: str, name: str, where: str) -
     if cfg.get("attention_bias"):
         raise refuse("hf_attention_bias", where=where, family="Qwen3")
     refuse_sliding_window(cfg, where)
-    fields = dict(decoder_fields(cfg, name, where), **rope_fields(cfg, where), family=NAME, **FIXED)
+    fields = dict(decoder_fields(cfg, name, where), **rope_fields(cfg, where, scalings=("yarn",)), family=NAME, **FIXED)
     if architecture == "Qwen3MoeForCausalLM":
         experts = cfg.get("num_experts", cfg.get("num_local_experts"))
         if not experts:
@@ -59,10 +59,12 @@ def hf_config(spec, dtype: str) -> Dict[str, Any]:
             or spec.moe_router_enable_expert_bias or spec.moe_router_topk_scaling_factor:
         raise ConfigError(f"model {spec.name}: only Qwen3 / Qwen3-MoE style models can be exported to HF format "
                           f"(softmax router, no shared expert, no expert bias, no top-k scaling)")
-    check_exportable(spec, "Qwen3", FIXED, allows=("experts",))
+    check_exportable(spec, "Qwen3", FIXED, allows=("experts", "yarn"))
     arch = "Qwen3MoeForCausalLM" if spec.is_moe else "Qwen3ForCausalLM"
     cfg = decoder_config(spec, arch, ARCHITECTURES[arch], dtype)
     cfg.update(attention_bias=False, use_sliding_window=False)
+    if spec.rope_type == "yarn":  # Qwen3's long-context setting
+        cfg["rope_scaling"] = yarn_config(spec, "Qwen3")
     if spec.is_moe:
         cfg.update(num_experts=spec.num_experts, moe_intermediate_size=spec.moe_ffn_hidden_size or spec.ffn_hidden_size,
                    num_experts_per_tok=spec.moe_router_topk, norm_topk_prob=not spec.moe_router_pre_softmax,

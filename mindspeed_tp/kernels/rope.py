@@ -33,19 +33,22 @@ def llama3_scaled(freqs: torch.Tensor, factor: float, low_freq_factor: float = 1
 
 
 def yarn_inv_freq(dim: int, base: float, factor: float, original_max_position_embeddings: int,
-                  beta_fast: float = 32.0, beta_slow: float = 1.0) -> torch.Tensor:
+                  beta_fast: float = 32.0, beta_slow: float = 1.0, round_to_int: bool = True) -> torch.Tensor:
     """YaRN's frequencies (DeepSeek-V3's rope_type yarn) as megatron-core's YarnRotaryEmbedding
     computes them (the same ops, fp32): the plain frequencies where a dimension turns more than
     ``beta_fast`` times over the original context, those divided by ``factor`` where it turns fewer
-    than ``beta_slow`` times, a linear ramp between (its ends rounded out to whole dimensions)."""
+    than ``beta_slow`` times, a linear ramp between (its ends rounded out to whole dimensions unless
+    ``round_to_int`` is False: megatron's correction_range_round_to_int, transformers' truncate)."""
     plain = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     scaled = 1.0 / (factor * base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
 
     def dimension_turning(turns: float) -> float:  # the dimension whose wavelength fits ``turns`` times
         return dim * math.log(original_max_position_embeddings / (turns * 2 * math.pi)) / (2 * math.log(base))
 
-    low = max(math.floor(dimension_turning(beta_fast)), 0)
-    high = min(math.ceil(dimension_turning(beta_slow)), dim - 1)
+    low, high = dimension_turning(beta_fast), dimension_turning(beta_slow)
+    if round_to_int:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # megatron's guard against a zero-width ramp
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)

@@ -63,8 +63,11 @@ class ModelSpec:
     qk_head_dim: Optional[int] = None
     qk_pos_emb_head_dim: Optional[int] = None
     v_head_dim: Optional[int] = None
-    # MLA's RoPE frequencies: rope (plain) | yarn (megatron's YarnRotaryEmbedding with the fields
-    # below; cos and sin scaled by its mscale ratio, the softmax scale by the square of mscale_all_dim's).
+    # RoPE frequencies: rope (plain) | yarn (megatron's YarnRotaryEmbedding with the fields below, cos
+    # and sin scaled by its mscale ratio; MLA: its softmax scale by the square of mscale_all_dim's;
+    # standard attention: GPTModel's position_embedding_type yarn, the whole head, Qwen2.5 / Qwen3's
+    # long context and gpt-oss). correction_range_round_to_int: the ramp's ends rounded out to whole
+    # dimensions (transformers' truncate; gpt-oss keeps them unrounded).
     rope_type: str = "rope"
     rotary_scaling_factor: float = 1.0
     original_max_position_embeddings: Optional[int] = None
@@ -72,6 +75,7 @@ class ModelSpec:
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
+    correction_range_round_to_int: bool = True
     # Explicit padded vocab (Megatron's --make-vocab-size-divisible-by result); default: the
     # profile pads TP-independently to a multiple of vocab_pad_multiple * canonical_shards.
     padded_vocab_size: Optional[int] = None
@@ -143,11 +147,15 @@ class ModelSpec:
         if clamp is not None and not (isinstance(clamp, (int, float)) and clamp > 0):
             raise ConfigError(f"model {self.name}: activation_func_clamp_value must be a positive number, got "
                               f"{clamp!r}; remove it for an unclamped GLU")
+        if self.rope_type not in ("rope", "yarn"):
+            raise ConfigError(f"model {self.name}: rope_type={self.rope_type!r}: use rope or yarn")
+        if self.rope_type == "yarn" and not (self.original_max_position_embeddings or 0) >= 1:
+            raise ConfigError(f"model {self.name}: rope_type yarn needs original_max_position_embeddings")
         if self.multi_latent_attention:
             self._check_mla()
-        elif self.rope_type != "rope":
-            raise ConfigError(f"model {self.name}: rope_type={self.rope_type!r} is read only with multi_latent_attention "
-                              f"(megatron's MLA); remove it")
+        elif self.rope_type == "yarn" and (self.rotary_percent != 1.0 or self.rope_scaling_factor is not None):
+            raise ConfigError(f"model {self.name}: rope_type yarn rotates the whole head with YaRN's frequencies: "
+                              f"remove rotary_percent and rope_scaling_factor (megatron's YarnRotaryEmbedding)")
         from ..families import FAMILIES
 
         if self.family not in FAMILIES:
@@ -180,10 +188,9 @@ class ModelSpec:
         if not self.qk_layernorm:
             raise ConfigError(f"model {self.name}: multi_latent_attention needs qk_layernorm: true (megatron's local "
                               f"MLA spec builds the latent norms only then)")
-        if self.rope_type not in ("rope", "yarn"):
-            raise ConfigError(f"model {self.name}: rope_type={self.rope_type!r}: use rope or yarn")
-        if self.rope_type == "yarn" and not (self.original_max_position_embeddings or 0) >= 1:
-            raise ConfigError(f"model {self.name}: rope_type yarn needs original_max_position_embeddings")
+        if not self.correction_range_round_to_int:
+            raise ConfigError(f"model {self.name}: megatron's MLA rounds YaRN's ramp ends to whole dimensions: remove "
+                              f"correction_range_round_to_int")
 
     @property
     def attention_heads_kv(self) -> int:

@@ -90,8 +90,9 @@ class Numerics:
         raise NotImplementedError
 
     def rope(self, t: torch.Tensor, freqs: torch.Tensor, config, interleaved: bool,
-             cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:
-        """RoPE on ``t`` with Megatron's angle table ``freqs``; ``config``: the model's."""
+             cu_seqlens: Optional[torch.Tensor], mscale: float = 1.0) -> torch.Tensor:
+        """RoPE on ``t`` with Megatron's angle table ``freqs``; ``config``: the model's; ``mscale``:
+        YaRN's concentration factor, cos and sin times it."""
         raise NotImplementedError
 
     def mla_rope(self, t: torch.Tensor, freqs: torch.Tensor, mscale: float) -> torch.Tensor:
@@ -127,11 +128,11 @@ class Numerics:
         return gather_sequence(x, [0, total], group)
 
     def cp_rope(self, t: torch.Tensor, freqs: torch.Tensor, config, interleaved: bool,
-                positions: torch.Tensor) -> torch.Tensor:
+                positions: torch.Tensor, mscale: float = 1.0) -> torch.Tensor:
         """Context parallelism, padded (bshd): RoPE of this rank's chunks; ``freqs`` are already their
         angles (Megatron's RotaryEmbedding slices them per CP rank), ``positions`` their absolute
         positions."""
-        return self.rope(t, freqs, config, interleaved, None)
+        return self.rope(t, freqs, config, interleaved, None, mscale)
 
     def cp_attention(self, module, query, key_full, value_full, attention_mask, mask_name: str, causal: bool,
                      q_positions: torch.Tensor) -> torch.Tensor:

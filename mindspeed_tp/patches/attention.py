@@ -125,14 +125,13 @@ def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group
             raise refuse("multi_latent_attention", setting="packed sequences (thd)", value="cu_seqlens",
                          fix="pass padded (bshd) batches")
         return ACTIVE.strategy.mla_rope(t, freqs, mscale)
-    if mscale != 1.0:  # only MLA's YaRN passes one
-        raise refuse("rope_mscale")
+    # mscale: YaRN's concentration factor (position_embedding_type yarn), cos and sin times it
     interleaved = bool(getattr(config, "rotary_interleaved", False))
     if cp_group is not None and cp_group.size() > 1:
         if cu_seqlens is not None:
-            return context_parallel.packed_rope(t, freqs, config, interleaved, cu_seqlens, cp_group)
-        return context_parallel.padded_rope(t, freqs, config, interleaved, cp_group)
-    return ACTIVE.strategy.rope(t, freqs, config, interleaved, cu_seqlens)
+            return context_parallel.packed_rope(t, freqs, config, interleaved, cu_seqlens, cp_group, mscale)
+        return context_parallel.padded_rope(t, freqs, config, interleaved, cp_group, mscale)
+    return ACTIVE.strategy.rope(t, freqs, config, interleaved, cu_seqlens, mscale)
 
 
 def register(reg: PatchRegistry) -> None:

@@ -128,14 +128,14 @@ def packed_attention(module, query, key, value, bounds, causal: bool, group):
                                                group.size(), group.rank())
 
 
-def padded_rope(t, freqs, config, interleaved: bool, group):
+def padded_rope(t, freqs, config, interleaved: bool, group, mscale: float = 1.0):
     """bshd RoPE under CP: ``freqs`` are this rank's chunks' angles already (Megatron's
     RotaryEmbedding); the strategy also gets their absolute positions."""
     positions = cp.local_positions(t.shape[0] * group.size(), group.size(), group.rank(), device=t.device)
-    return ACTIVE.strategy.cp_rope(t, freqs, config, interleaved, positions)
+    return ACTIVE.strategy.cp_rope(t, freqs, config, interleaved, positions, mscale)
 
 
-def packed_rope(t, freqs, config, interleaved: bool, cu_seqlens, group):
+def packed_rope(t, freqs, config, interleaved: bool, cu_seqlens, group, mscale: float = 1.0):
     """thd RoPE under CP: each sequence's local tokens at their own positions (Megatron's
     ``_get_thd_freqs_on_this_cp_rank``), by the strategy's RoPE of per-token angles."""
     bounds = [int(x) for x in cu_seqlens.tolist()]
@@ -147,7 +147,7 @@ def packed_rope(t, freqs, config, interleaved: bool, cu_seqlens, group):
     if positions.numel() != t.shape[0]:
         raise refuse("packed_bad_boundaries", bounds=bounds, total=t.shape[0] * group.size())
     # one packed row as [t, 1, heads, dim] with one angle row per token: the padded RoPE path
-    return ACTIVE.strategy.rope(t.unsqueeze(1), freqs[positions], config, interleaved, None).squeeze(1)
+    return ACTIVE.strategy.rope(t.unsqueeze(1), freqs[positions], config, interleaved, None, mscale).squeeze(1)
 
 
 def register(reg: PatchRegistry) -> None:

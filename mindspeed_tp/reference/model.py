@@ -122,7 +122,7 @@ class ReferenceModel:
             self._record(p + "q_layernorm", q_in, q)
             self._record(p + "k_layernorm", k_in, k)
         angles = rope_angles(positions, self.inv_freq).unsqueeze(1)
-        return apply_rope(q, angles), apply_rope(k, angles), v
+        return apply_rope(q, angles, mscale=self.rope_mscale), apply_rope(k, angles, mscale=self.rope_mscale), v
 
     def _mla_qkv(self, x, p: str, positions):
         """Megatron's MLASelfAttention: queries through their latent (or one projection), keys and
@@ -245,14 +245,19 @@ def rope_of(spec: ModelSpec):
     """(inv_freq, the mscale RoPE multiplies cos and sin by, the attention's softmax scale) as megatron
     builds them: GPTModel's RotaryEmbedding and DotProductAttention's 1/sqrt(head), or MLA's own
     RotaryEmbedding / YarnRotaryEmbedding and its m^2/sqrt(head)."""
+    if spec.rope_type == "yarn":
+        inv_freq = yarn_inv_freq(spec.rotary_dim, spec.rotary_base, spec.rotary_scaling_factor,
+                                 spec.original_max_position_embeddings, spec.beta_fast, spec.beta_slow,
+                                 spec.correction_range_round_to_int)
+        mscale = yarn_mscale(spec.rotary_scaling_factor, spec.mscale, spec.mscale_all_dim)
     if not spec.multi_latent_attention:
+        if spec.rope_type == "yarn":  # GPTModel's YarnRotaryEmbedding; the attention's own 1/sqrt(head)
+            return inv_freq, mscale, 1.0 / math.sqrt(spec.kv_channels)
         return (rope_inv_freq(spec.rotary_dim, int(spec.rotary_base), spec.rope_scaling_factor), 1.0,
                 1.0 / math.sqrt(spec.kv_channels))
     scale = mla_softmax_scale(spec.kv_channels, spec.rotary_scaling_factor, spec.mscale_all_dim)
     if spec.rope_type == "yarn":
-        inv_freq = yarn_inv_freq(spec.rotary_dim, spec.rotary_base, spec.rotary_scaling_factor,
-                                 spec.original_max_position_embeddings, spec.beta_fast, spec.beta_slow)
-        return inv_freq, yarn_mscale(spec.rotary_scaling_factor, spec.mscale, spec.mscale_all_dim), scale
+        return inv_freq, mscale, scale
     return rope_inv_freq(spec.rotary_dim, spec.rotary_base), 1.0, scale
 
 

@@ -114,13 +114,14 @@ class CanonicalTree(Numerics):
     def norm(self, module, x):
         return affine_norm(x, module.weight, module.bias, module.eps, module.normalization)
 
-    def rope(self, t, freqs, config, interleaved, cu_seqlens):
-        """RoPE in fp32 from Megatron's angle table (absolute positions), one cast at the end;
-        packed (``cu_seqlens``): each sequence from its own position 0, as Megatron's thd RoPE."""
+    def rope(self, t, freqs, config, interleaved, cu_seqlens, mscale=1.0):
+        """RoPE in fp32 from Megatron's angle table (absolute positions), cos and sin times YaRN's
+        ``mscale``, one cast at the end; packed (``cu_seqlens``): each sequence from its own position
+        0, as Megatron's thd RoPE."""
         if cu_seqlens is None:
-            return apply_rope(t, freqs, interleaved=interleaved)
+            return apply_rope(t, freqs, interleaved=interleaved, mscale=mscale)
         bounds = [int(x) for x in cu_seqlens.tolist()]
-        parts = [apply_rope(t[a:b].unsqueeze(1), freqs[: b - a], interleaved=interleaved).squeeze(1)
+        parts = [apply_rope(t[a:b].unsqueeze(1), freqs[: b - a], interleaved=interleaved, mscale=mscale).squeeze(1)
                  for a, b in zip(bounds[:-1], bounds[1:])]
         return torch.cat(parts, dim=0) if parts else t
 

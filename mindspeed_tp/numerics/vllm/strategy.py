@@ -17,6 +17,12 @@ from .refusals import (activation_widths, check_activation_widths, check_head_di
 from .kernels import engine_partial_linear
 
 
+def _refuse_mscale(mscale: float) -> None:
+    if mscale != 1.0:  # model_init refuses YaRN first; a config changed since is refused here
+        raise refuse("vllm_model_shape", what=f"RoPE with YaRN's concentration factor {mscale}",
+                     engine="RoPE, plain or Llama-3-scaled", fix="position_embedding_type='rope'")
+
+
 class VllmEngine(RolloutLayout):
     name = "vllm"
 
@@ -56,10 +62,11 @@ class VllmEngine(RolloutLayout):
         """The engine's RMSNorm (also of the fp32 fused-add sum)."""
         return forward.norm(x, module.weight, module.eps, module.normalization)
 
-    def rope(self, t, freqs, config, interleaved, cu_seqlens):
+    def rope(self, t, freqs, config, interleaved, cu_seqlens, mscale=1.0):
         """The engine's cos/sin cache (the model's base and max positions) and rotary kernel."""
         if cu_seqlens is not None:
             raise refuse("packed_sequences_engine")
+        _refuse_mscale(mscale)
         return forward.rope(t, config, interleaved)
 
     def attention(self, module, query, key, value, attention_mask, mask_name, causal):
@@ -79,8 +86,9 @@ class VllmEngine(RolloutLayout):
     # steps), so every CP rank runs it on the whole sequence and keeps its own chunks' rows.
     cp_whole_queries = True
 
-    def cp_rope(self, t, freqs, config, interleaved, positions):
+    def cp_rope(self, t, freqs, config, interleaved, positions, mscale=1.0):
         """The engine's rotary kernel at this rank's chunk positions."""
+        _refuse_mscale(mscale)
         return forward.rope(t, config, interleaved, positions)
 
     def residual_add(self, original, x_with_bias, residual, prob, training):
