@@ -107,3 +107,9 @@ def test_the_vllm_profiles_refuse_any_gated_mlp_but_swiglu_by_name(glu):
     check_swiglu(("silu", None, 0.0))
     with pytest.raises(ConfigError, match=re.escape(f"(activation, clamp, offset)={glu}")):
         check_swiglu(glu)
+
+
+def test_the_model_fields_activations_are_the_ones_the_kernels_compute():
+    from mindspeed_tp.models.spec import GATED_ACTIVATIONS
+
+    assert set(GATED_ACTIVATIONS) == set(elementwise.ACTIVATIONS)
