@@ -105,6 +105,14 @@ def rope_takes_mla_flag() -> bool:
     return "mla_rotary_interleaved" in inspect.signature(rope_utils._apply_rotary_pos_emb_bshd).parameters
 
 
+@functools.lru_cache(maxsize=None)
+def gpt_model_has_yarn() -> bool:
+    """GPTModel builds YaRN (position_embedding_type 'yarn') on megatron-core >= 0.14; 0.12's has none."""
+    from megatron.core.models.gpt import gpt_model
+
+    return hasattr(gpt_model, "YarnRotaryEmbedding")
+
+
 def attention_scale(module) -> float:
     """Softmax scale of a DotProductAttention (same attribute on both lines)."""
     return float(module.softmax_scale)

@@ -115,11 +115,9 @@ def test_megatron_matches_transformers_and_every_layout_is_bitwise_fp32(checkpoi
 
 
 def _gpt_model_has_yarn() -> bool:
-    import inspect
+    from mindspeed_tp import compat
 
-    from megatron.core.models.gpt import GPTModel
-
-    return "yarn" in inspect.getsource(GPTModel.__init__)
+    return compat.gpt_model_has_yarn()
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=full_tier(

@@ -77,7 +77,7 @@ def test_training_settings_outside_the_patched_gemms_are_refused_by_name():
 
 MLP_CODE = CODE.replace("ffn_hidden_size=128", "ffn_hidden_size=200") + """
 from mindspeed_tp.check.metrics import same_bits
-from mindspeed_tp.kernels.elementwise import swiglu
+from mindspeed_tp.kernels.elementwise import gated_linear_unit
 from mindspeed_tp.patches.mlp import mlp_forward
 model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=None, normalization="RMSNorm"),
                  vocab_size=1024, max_sequence_length=64, position_embedding_type="rope")
@@ -87,7 +87,7 @@ for p in mlp.parameters():
 x = 3 * torch.randn(7, 1, 64)
 out, bias = mlp(x)
 fc1, _ = mlp.linear_fc1(x)
-expected, _ = mlp.linear_fc2(swiglu(fc1))
+expected, _ = mlp.linear_fc2(gated_linear_unit(fc1))  # SwiGLU: silu, no clamp, no offset
 print("MLP", fc1.shape[-1], bias is None, same_bits(out, expected))
 def newer_forward(self, hidden_states, per_token_scale=None, padding_mask=None, **kwargs):
     raise AssertionError("not reached")
@@ -100,7 +100,7 @@ print("UNSET", same_bits(mlp_forward(newer_forward)(mlp, x, padding_mask=None)[0
 
 
 def test_megatrons_mlp_computes_the_position_invariant_swiglu():
-    """MLP.forward under the patches (every version line): fc1, kernels/elementwise.swiglu, fc2, here on
+    """MLP.forward under the patches (every version line): fc1, kernels/elementwise.gated_linear_unit (SwiGLU), fc2, here on
     a 200-column FFN (a width ATen's silu computes partly in its scalar tail); an argument a newer
     megatron-core names in MLP.forward's signature is refused by name unless left unset."""
     proc = run_python(MLP_CODE.format(extra="bf16=False", experts="None", gpt=""))

@@ -247,14 +247,10 @@ def _set_yarn_attributes(config, spec: ModelSpec) -> None:
     """GPTModel's YaRN (position_embedding_type yarn) reads its settings from the config's yarn_*
     attributes, which TransformerConfig does not declare (Megatron-Bridge's providers carry them):
     set as megatron reads them, or a ConfigError on a line whose GPTModel has no YaRN."""
-    import inspect
-
-    from megatron.core.models.gpt import GPTModel
-
+    from .. import compat
     from ..errors import ConfigError
 
-    source = inspect.getsource(GPTModel.__init__)
-    if "yarn" not in source:
+    if not compat.gpt_model_has_yarn():
         import megatron.core
 
         raise ConfigError(f"model {spec.name}: rope_type yarn: megatron-core {megatron.core.__version__}'s GPTModel has "

@@ -4,6 +4,7 @@ launch anything, so a setting the checker would refuse is refused the same way i
 Which field is honoured, refused or irrelevant: ``contract/config_fields.py``."""
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional, Tuple
 
 from . import config_fields, refusals
@@ -48,6 +49,7 @@ _VARIANTS = (
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")  # what the patched norm computes (patches/norms.py)
 
 
+@functools.lru_cache(maxsize=None)
 def _activation_names():
     """megatron's activation functions the patched MLPs compute (kernels/elementwise.ACTIVATIONS), by
     identity: F.silu (SwiGLU) and megatron's quick_gelu (gpt-oss' GEGLU; megatron-core >= 0.14)."""
@@ -75,6 +77,18 @@ def glu_of(config: Any) -> Optional[Tuple[str, Optional[float], float]]:
     return name, None if clamp is None else float(clamp), float(getattr(config, "glu_linear_offset", 0.0) or 0.0)
 
 
+def checked_glu(config: Any) -> Tuple[str, Optional[float], float]:
+    """``glu_of(config)``, or the refusal naming activation_func / gated_linear_unit."""
+    glu = glu_of(config)
+    if glu is None:
+        raise refuse("architecture_variant", setting="activation_func / gated_linear_unit",
+                     value=(getattr(getattr(config, "activation_func", None), "__name__", None),
+                            getattr(config, "gated_linear_unit", None)),
+                     what="an MLP other than a gated linear unit of F.silu (SwiGLU) or megatron's quick_gelu "
+                          "(gated_linear_unit=True)")
+    return glu
+
+
 def check_router_dtype(config: Any) -> None:
     """MoE: the router computes in fp32 (numerics/canonical/strategy.py); any other setting is refused by name."""
     value = getattr(config, "moe_router_dtype", "fp32")
@@ -100,12 +114,7 @@ def check_model_config(config: Any, profile: Optional[Any] = None, training: boo
         value = getattr(config, name, None)
         if bad(value):
             raise refuse("architecture_variant", setting=name, value=value, what=what)
-    if glu_of(config) is None:
-        raise refuse("architecture_variant", setting="activation_func / gated_linear_unit",
-                     value=(getattr(getattr(config, "activation_func", None), "__name__", None),
-                            getattr(config, "gated_linear_unit", None)),
-                     what="an MLP other than a gated linear unit of F.silu (SwiGLU) or megatron's quick_gelu "
-                          "(gated_linear_unit=True)")
+    checked_glu(config)
     if getattr(config, "multi_latent_attention", False):
         check_mla(config, profile)
     check_cp_comm_type(config)

@@ -144,8 +144,9 @@ def decoder_config(spec, architecture: str, model_type: str, dtype: str) -> Dict
     }
     if spec.rope_scaling_factor is not None:
         cfg["rope_scaling"] = {"rope_type": "llama3", "factor": spec.rope_scaling_factor, **LLAMA3_FIXED}
+    if spec.rope_type == "yarn":  # a family whose check_exportable allows it (Qwen2.5 / Qwen3 long context, DeepSeek)
+        cfg["rope_scaling"] = yarn_config(spec, architecture)
     return cfg
-
 
 
 # The spec features a family's config.json may or may not be able to state (its ALLOWS).

@@ -17,7 +17,7 @@ from typing import Any, Dict
 from ..contract.refusals import refuse
 from ..errors import ConfigError
 from .common import (DEEPSEEK_EXPERT_NAMES, DEEPSEEK_ROUTER, check_exportable, decoder_config, decoder_fields,
-                     deepseek_moe_config, deepseek_moe_fields, refuse_sliding_window, yarn_config, yarn_fields)
+                     deepseek_moe_config, deepseek_moe_fields, refuse_sliding_window, yarn_fields)
 
 NAME = "deepseek_v3"
 ARCHITECTURES = {"DeepseekV3ForCausalLM": "deepseek_v3"}
@@ -25,6 +25,8 @@ MODEL_TYPES = ("deepseek_v3", "kimi_k2")  # Kimi-K2 writes its own model_type fo
 FIXED = dict(DEEPSEEK_ROUTER, multi_latent_attention=True, qk_layernorm=True)  # import sets, export checks
 EXPERT_NAMES = DEEPSEEK_EXPERT_NAMES
 MTP_LAYERS_KEY = "num_nextn_predict_layers"
+
+
 def _rope(cfg: Dict[str, Any], where: str) -> Dict[str, Any]:
     """Plain RoPE, or YaRN with megatron's fields (common.yarn_fields); megatron's MLA always rounds
     the ramp's ends out (``truncate: false`` refused)."""
@@ -71,6 +73,4 @@ def hf_config(spec, dtype: str) -> Dict[str, Any]:
     cfg.update(q_lora_rank=spec.q_lora_rank, kv_lora_rank=spec.kv_lora_rank, qk_nope_head_dim=spec.qk_head_dim,
                qk_rope_head_dim=spec.qk_pos_emb_head_dim, v_head_dim=spec.v_head_dim, attention_bias=False,
                rope_interleave=True, **moe)
-    if spec.rope_type == "yarn":
-        cfg["rope_scaling"] = yarn_config(spec, "DeepSeek-V3")
     return cfg

@@ -9,7 +9,7 @@ from typing import Any, Dict
 
 from ..errors import ConfigError
 from .common import (check_exportable, check_model_type, decoder_config, decoder_fields, refuse_sliding_window,
-                     rope_fields, yarn_config)
+                     rope_fields)
 
 NAME = "qwen2"
 ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2"}
@@ -32,7 +32,5 @@ def hf_config(spec, dtype: str) -> Dict[str, Any]:
                           f"= {spec.hidden_size // spec.num_attention_heads}, the head size a Qwen2 checkpoint implies")
     check_exportable(spec, "Qwen2", FIXED, allows=("yarn",))
     cfg = decoder_config(spec, "Qwen2ForCausalLM", "qwen2", dtype)
-    if spec.rope_type == "yarn":  # Qwen2.5's long-context setting
-        cfg["rope_scaling"] = yarn_config(spec, "Qwen2")
     cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=spec.num_layers)
     return cfg

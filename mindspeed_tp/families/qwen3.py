@@ -8,7 +8,7 @@ from typing import Any, Dict
 from ..contract.refusals import refuse
 from ..errors import ConfigError
 from .common import (QWEN_EXPERT_NAMES, check_exportable, check_model_type, decoder_config, decoder_fields,
-                     refuse_sliding_window, rope_fields, yarn_config)
+                     refuse_sliding_window, rope_fields)
 
 NAME = "qwen3"
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
@@ -63,8 +63,6 @@ def hf_config(spec, dtype: str) -> Dict[str, Any]:
     arch = "Qwen3MoeForCausalLM" if spec.is_moe else "Qwen3ForCausalLM"
     cfg = decoder_config(spec, arch, ARCHITECTURES[arch], dtype)
     cfg.update(attention_bias=False, use_sliding_window=False)
-    if spec.rope_type == "yarn":  # Qwen3's long-context setting
-        cfg["rope_scaling"] = yarn_config(spec, "Qwen3")
     if spec.is_moe:
         cfg.update(num_experts=spec.num_experts, moe_intermediate_size=spec.moe_ffn_hidden_size or spec.ffn_hidden_size,
                    num_experts_per_tok=spec.moe_router_topk, norm_topk_prob=not spec.moe_router_pre_softmax,

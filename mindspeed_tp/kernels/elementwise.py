@@ -144,13 +144,6 @@ def sin(x: torch.Tensor) -> torch.Tensor:
     return on_whole_runs(torch.sin, x)
 
 
-def swiglu(x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU of a gated fc1's output [gate; up] (last dim): silu(gate) * up, as megatron's
-    ``glu`` and the engines compute it (the product is one IEEE multiply)."""
-    gate, up = torch.chunk(x, 2, dim=-1)
-    return silu(gate) * up
-
-
 QUICK_GELU_SLOPE = 1.702  # megatron's quick_gelu (fusions/fused_bias_geglu.py) and gpt-oss' alpha
 
 

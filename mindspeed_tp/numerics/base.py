@@ -73,17 +73,11 @@ class Numerics:
         """A gated MLP's activation on fc1's output [gate; up] (dense, shared and routed experts) as
         megatron's unfused glu computes it for ``config`` (SwiGLU; gpt-oss' clamped, offset quick-GEGLU),
         every element by one code path (``kernels/elementwise.py``)."""
-        from ..contract.model_config import glu_of
+        from ..contract.model_config import checked_glu
         from ..kernels.elementwise import gated_linear_unit
 
-        glu = glu_of(config)
-        if glu is None:  # checked at the model's construction; a config changed since is refused here too
-            from ..contract.refusals import refuse
-
-            raise refuse("architecture_variant", setting="activation_func / gated_linear_unit",
-                         value=getattr(getattr(config, "activation_func", None), "__name__", None),
-                         what="an MLP other than a gated linear unit of F.silu or megatron's quick_gelu")
-        return gated_linear_unit(x, *glu)
+        # checked at the model's construction; a config changed since is refused here too
+        return gated_linear_unit(x, *checked_glu(config))
 
     def norm(self, module, x: torch.Tensor) -> torch.Tensor:
         """A ConsistentNorm's forward (RMSNorm / LayerNorm, ``module.weight``, ``module.bias``)."""
