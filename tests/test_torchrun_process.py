@@ -92,3 +92,22 @@ def test_terminate_and_wait_behave_as_popens(tmp_path):
     assert code != 0 and proc.poll() == code
     proc.kill()  # already ended: a no-op, as Popen's
     assert proc.returncode == code
+
+
+def test_every_process_group_worker_ends_through_finish_worker():
+    """torch's gloo teardown can abort a rank whose work is done (tests/workers/worker_exit.py); a
+    worker that joins a process group and ends with its own destroy_process_group fails its test on
+    torchrun's exit code alone (process_groups.py did, once in a CI run). Each such worker ends
+    through finish_worker."""
+    workers = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers")
+    joining, bare = [], []
+    for name in sorted(os.listdir(workers)):
+        if not name.endswith(".py") or name == "worker_exit.py":
+            continue
+        with open(os.path.join(workers, name)) as f:
+            source = f.read()
+        if "init_distributed(" in source or "init_process_group(" in source:
+            joining.append(name)
+            if "finish_worker()" not in source or "dist.destroy_process_group()" in source:
+                bare.append(name)
+    assert len(joining) >= 10 and bare == [], bare

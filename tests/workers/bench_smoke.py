@@ -12,6 +12,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import torch.distributed as dist  # noqa: E402
 
 from mindspeed_tp.check.driver import init_distributed  # noqa: E402
+from worker_exit import finish_worker  # noqa: E402
 
 import gpu_bench  # noqa: E402
 import module_shares  # noqa: E402
@@ -30,8 +31,7 @@ def main() -> None:
         gpu_bench.main(["gemm", "--device", "cpu", "--model", "tiny-dense", "--tokens", "16", "--warmup", "0",
                         "--iters", "1", "--json", os.path.join(out, "gpu_gemm.json")])
         print("BENCH-SMOKE gpu_bench gemm done", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_worker()
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 from mindspeed_tp.kernels import moe_dispatch
 from mindspeed_tp.kernels.collectives import all_to_all_rows, gather_along_rank
+from worker_exit import finish_worker
 
 dist.init_process_group("gloo")
 RANK, WORLD = dist.get_rank(), dist.get_world_size()
@@ -95,5 +96,4 @@ for name, ep_of_position in LAYOUTS.items():
 result["shape"] = torch.tensor([TOKENS, K, H, WORLD])
 if RANK == 0:
     save_file(result, sys.argv[1])
-dist.barrier()
-dist.destroy_process_group()
+finish_worker()

@@ -9,6 +9,7 @@ import torch.distributed as dist
 import mindspeed_tp
 from mindspeed_tp.check.driver import init_distributed
 from mindspeed_tp.contract.model_arguments import check_process_groups
+from worker_exit import finish_worker
 
 init_distributed()
 from megatron.core import parallel_state  # noqa: E402
@@ -29,4 +30,4 @@ except mindspeed_tp.ConfigError as exc:
 dist.all_reduce(outcome)
 if rank == 0:
     print("ACCEPTED", outcome[:, 0].tolist(), "REFUSED BY NAME", outcome[:, 1].tolist(), "|", message)
-dist.destroy_process_group()
+finish_worker()
