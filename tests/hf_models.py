@@ -1,4 +1,4 @@
-"""Tiny random Qwen3 / Qwen3-MoE / Qwen2 / Llama / Mistral / Mixtral checkpoints written by transformers itself (config +
+"""Tiny random Qwen3 / Qwen3-MoE / Qwen2 / Llama / Mistral / Mixtral / GLM-4.5 / DeepSeek-V3 / gpt-oss checkpoints written by transformers itself (config +
 save_pretrained), with weights scaled so that logits are far from uniform: a wrong tensor
 mapping then moves logprobs by O(1), not by the 1e-3 a near-uniform softmax would show."""
 import math
@@ -128,6 +128,34 @@ def make_deepseek_v3(directory: str, seed: int = 8, **overrides) -> str:
                rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
                              "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})
     _write(directory, "DeepseekV3", cfg, overrides, seed, max_shard_size="300KB")
+    return directory
+
+
+def make_gpt_oss(directory: str, seed: int = 9, **overrides) -> str:
+    """gpt-oss (top-2 of 8 experts with a router bias in every layer; the clamped quick-GEGLU with up + 1,
+    its clamp at 1 so that it bites on these unit-variance values (gpt-oss' 7 on its own scale); biases on
+    every linear layer; a sink logit per head; a 16-key window on the first layer, full attention on the
+    second; YaRN by 4 over 64 original positions without rounding its ramp ends; GQA; untied), saved in
+    shards. The stacked expert tensors are scaled by their own fan-in, the sinks to O(1)."""
+    cfg = dict(vocab_size=1000, hidden_size=128, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
+               num_key_value_heads=4, head_dim=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=16,
+               max_position_embeddings=256, swiglu_limit=1.0, tie_word_embeddings=False, rms_norm_eps=1e-5,
+               rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0})
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**{**cfg, **overrides}))
+    _sharpen(model, seed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # x @ W: fan-in is dim -2
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-2]))
+            elif name.endswith("self_attn.sinks"):
+                p.copy_(2.0 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(directory, max_shard_size="300KB")
+    assert os.path.isfile(os.path.join(directory, "model.safetensors.index.json"))
     return directory
 
 

@@ -109,9 +109,14 @@ def test_the_kernels_without_a_sink_term_refuse_it_by_name():
 def test_sinks_under_context_parallelism_exit_2_naming_the_setting(tmp_path):
     from conftest import explain, run_cli
 
-    config = tmp_path / "sinks.yaml"
-    config.write_text("softmax_type: learnable\n")
-    proc = run_cli("check", "--layouts", "tp1-cp2", "--seq-length", "64", "--transformer-config", str(config))
+    import yaml
+
+    from mindspeed_tp.models.spec import load_model_spec
+
+    model = tmp_path / "sinks.yaml"  # the model field (megatron's softmax_type 'learnable')
+    data = {k: v for k, v in load_model_spec("tiny-dense").to_dict().items() if v is not None}
+    model.write_text(yaml.safe_dump(dict(data, name="tiny-dense-sinks", attention_sinks=True)))
+    proc = run_cli("check", "--model", str(model), "--layouts", "tp1-cp2", "--seq-length", "64")
     assert proc.returncode == 2, explain(proc)
     assert "attention sinks (softmax_type='learnable')" in proc.stderr and "context_parallel_size=1" in proc.stderr, \
         explain(proc)

@@ -66,7 +66,7 @@ def _accepted_config():
 # (field, value) -> the refusal names the field. Items 1-3 of issue #43 first.
 REFUSED_VALUES = [
     ("bias_activation_fusion", True), ("fused_single_qkv_rope", True), ("softmax_scale", 0.5), ("rotary_interleaved", True),
-    ("fp32_residual_connection", True), ("add_bias_linear", True), ("fp16", True),
+    ("fp32_residual_connection", True), ("fp16", True),
     ("fp8", "hybrid"), ("qk_l2_norm", True), ("attention_output_gate", True), ("mtp_num_layers", 1),
     ("activation_func", F.gelu), ("gradient_accumulation_fusion", True), ("window_size", (4, 2)),
 ]

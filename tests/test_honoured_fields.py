@@ -30,10 +30,12 @@ RUNS = {
     "moe_router_bias_update_rate": ("train-check", "tiny-moe-shared", {}, {"moe_router_bias_update_rate": 0.01},
                                     "tp2-sp-ep2,tp1-ep2"),
     # attention sinks (gpt-oss): a learned logit per head in the softmax denominator, its gradient too
-    "softmax_type": ("train-check", "tiny-dense", {}, {"softmax_type": "learnable"}, "tp2-sp,tp1-pp2,tp1-dp2"),
-    # gpt-oss' alternation: windowed odd layers, full even ones (a window of 8 keys on 128-token prompts)
-    "window_attn_skip_freq": ("check", "tiny-dense", {"sliding_window": 8}, {"window_attn_skip_freq": 2},
-                              "tp2-sp,tp1-pp2"),
+    # (model fields: attention_sinks and window_attn_skip_freq, so that the reference engine computes them too)
+    "softmax_type": ("train-check", "tiny-dense", {"attention_sinks": True}, {}, "tp2-sp,tp1-pp2,tp1-dp2"),
+    # gpt-oss' alternation: windowed odd layers, full even ones (a window of 8 keys on 128-token prompts), scored
+    # against the reference engine's rollout too
+    "window_attn_skip_freq": ("check", "tiny-dense", {"sliding_window": 8, "window_attn_skip_freq": 2}, {},
+                              "tp2-sp,tp1-pp2", ["--rollout", "2", "--max-new-tokens", "24"]),
     # DeepSeek-V3's group-limited routing: 4 groups of 2 experts, each token choosing among its best 2
     # (one group of all, Megatron-Bridge's GLM / Kimi / Moonlight setting, is plain top-k: kernel test)
     "moe_router_num_groups": ("train-check", "tiny-glm45", {"moe_router_num_groups": 4, "moe_router_group_topk": 2},
@@ -43,6 +45,10 @@ RUNS = {
     # this model's gate and up values (its 7 on gpt-oss' scale)
     "activation_func_clamp_value": ("train-check", "tiny-moe-shared", GPT_OSS_GLU, {}, "tp2-sp-ep2,tp1-ep2"),
     "glu_linear_offset": ("check", "tiny-moe-shared", GPT_OSS_GLU, {}, "tp2-sp-ep2,tp1-ep2", ["--rollout", "2"]),
+    # gpt-oss' biases on a dense model: the output projection's and fc2's added after the fold, their gradients
+    # as canonical token sums (TP+SP, PP, CP); the MoE model's router and experts: tests/test_linear_biases.py
+    "add_bias_linear": ("train-check", "tiny-dense", {"add_qkv_bias": True, "add_bias_linear": True}, {},
+                        "tp2-sp,tp1-pp2,tp2-sp-cp2"),
 }
 CASES = tiered("test_honoured_fields.py: fields launched at a non-default value",
                ["normalization", "recompute_method"], sorted(RUNS),
@@ -83,7 +89,7 @@ def test_an_honoured_field_at_another_value_is_bitwise_across_layouts(field, tmp
     from mindspeed_tp.check.user_config import config_field_names  # megatron-core's, imported at run time
 
     if field not in config_field_names():  # a line without the field (softmax_type before 0.15): named, exit 2
-        said = "TransformerConfig has no" if field in model_changes else "not fields of this megatron-core"
+        said = "TransformerConfig has no" if model_changes else "not fields of this megatron-core"
         assert proc.returncode == 2 and said in proc.stderr and field in proc.stderr, explain(proc)
         return
     assert proc.returncode == 0, explain(proc)

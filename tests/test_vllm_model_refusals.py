@@ -35,15 +35,18 @@ def test_a_head_size_the_engines_cpu_attention_lacks_is_refused_before_it_starts
     ("tiny-moe-shared", "a sigmoid router is GLM-4.5's MoE block in the engine: family glm4_moe", "fp32"),
     ("tiny-mla", "multi_latent_attention with profile='vllm-cpu-tp1'", "fp32"),
     ("tiny-glm45", "partial RoPE (rotary_percent=0.5) in fp32", "fp32"),
-    # the engine loads an exported checkpoint: no family writes this MLP (a model built in the user's own
-    # process meets the profile's check_swiglu: tests/test_gated_mlp.py)
-    ("tiny-dense:gpt-oss-glu", "activation_func cannot be written as a Qwen3 checkpoint", "bf16"),
+    # gpt-oss' GLU on a Qwen3 model: named from the model spec before the checkpoint is exported (a model
+    # built in the user's own process meets the profile's check_swiglu: tests/test_gated_mlp.py)
+    ("tiny-dense:gpt-oss-glu", "the gated MLP (activation, clamp, offset)=('quick_gelu', 7.0, 1.0)", "bf16"),
+    # biases on every linear layer (gpt-oss'), and the whole gpt-oss family (its GLU named first)
+    ("tiny-moe-bias", "biases on every linear layer (add_bias_linear)", "bf16"),
+    ("tiny-gpt-oss", "the gated MLP (activation, clamp, offset)=('quick_gelu', 1.0, 1.0)", "bf16"),
 ])
 def test_a_model_the_engine_profiles_do_not_model_exits_2_before_an_engine_starts(model, named, dtype, tmp_path):
     """DeepSeek-style routing (sigmoid, expert bias, shared expert) on a family whose checkpoint the
     engine runs as another architecture (Qwen3-MoE: no shared experts, softmax), multi-latent
     attention (vLLM's CPU MLA is not modelled yet) and a partial-RoPE model in fp32 (GLM-4.5 matches
-    in bf16 only), gpt-oss' clamped quick-GEGLU (vLLM computes it with its own kernel) are not what
+    in bf16 only), gpt-oss' clamped quick-GEGLU (vLLM computes it with its own kernel) and its biases are not what
     the vllm-cpu profiles model: refused by name before a worker or the engine starts."""
     if model.endswith(":gpt-oss-glu"):
         import yaml

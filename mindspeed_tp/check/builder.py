@@ -71,6 +71,26 @@ def _mla_kwargs(spec: ModelSpec) -> dict:
     return kw
 
 
+def _attention_kwargs(spec: ModelSpec) -> dict:
+    """gpt-oss' attention: sinks (softmax_type 'learnable') and windows alternating with full layers
+    (window_attn_skip_freq), set wherever the line has the fields (so a --transformer-config value is
+    compared with the model's); a model that needs them on a line without them: a ConfigError naming them."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from ..errors import ConfigError
+
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    wanted = {"softmax_type": ("learnable" if spec.attention_sinks else "vanilla", "vanilla"),
+              "window_attn_skip_freq": (spec.window_attn_skip_freq, None)}
+    missing = [name for name, (value, default) in wanted.items() if name not in fields and value != default]
+    if missing:
+        import megatron.core
+
+        raise ConfigError(f"model {spec.name}: TransformerConfig has no {', '.join(missing)} in megatron-core "
+                          f"{megatron.core.__version__} (attention_sinks, window_attn_skip_freq need 0.15 or later)")
+    return {name: value for name, (value, _) in wanted.items() if name in fields}
+
+
 def _glu_kwargs(spec: ModelSpec) -> dict:
     """The gated MLP's activation; a clamp or an offset where the model has one (megatron-core >= 0.14
     has the fields: on an older line a ConfigError names them)."""
@@ -126,7 +146,7 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype, disp
         normalization="RMSNorm",
         layernorm_epsilon=spec.norm_epsilon,
         gated_linear_unit=True,
-        add_bias_linear=False,
+        add_bias_linear=spec.add_bias_linear,
         add_qkv_bias=spec.add_qkv_bias,
         qk_layernorm=spec.qk_layernorm,
         hidden_dropout=0.0,
@@ -150,12 +170,20 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype, disp
     if spec.sliding_window is not None:  # Hugging Face's W keys, the query's own included
         kwargs["window_size"] = (spec.sliding_window - 1, 0)
     kwargs.update(_glu_kwargs(spec))
+    kwargs.update(_attention_kwargs(spec))
     kwargs.update(overrides)
     fields = _USER_FIELDS if user_fields is None else user_fields
     kwargs = user_config.apply(kwargs, fields, spec)
     try:
         config = config_class(**kwargs)
     except (ValueError, AssertionError, TypeError) as exc:
+        if spec.add_bias_linear and spec.is_moe and isinstance(exc, AssertionError) and "bias" in str(exc).lower():
+            from .. import compat
+
+            # megatron-core 0.12's config asserts "Bias is not supported for MoE"
+            raise ConfigError(f"model {spec.name}: add_bias_linear with MoE layers (the router's and the experts' "
+                              f"biases): megatron-core {compat.megatron_version()} builds none ({exc}); use a line that "
+                              f"does (0.16 and later), or add_bias_linear: false") from None
         if not fields:
             raise
         # megatron's own __post_init__ rejects some refused settings first (overlap_moe_expert_parallel_comm

@@ -106,9 +106,10 @@ def check_engine_and_device(ns: argparse.Namespace, spec, profile) -> None:
 
         check_mla_profile(profile)
     if ns.engine == "vllm":
-        from ..numerics.vllm.refusals import (activation_widths, check_activation_widths, check_head_dim,
-                                              check_partial_rope_dtype)
+        from ..numerics.vllm.refusals import (activation_widths, check_activation_widths, check_engine_architecture,
+                                              check_head_dim, check_partial_rope_dtype)
 
+        check_engine_architecture(spec)
         check_head_dim(spec.kv_channels)
         check_partial_rope_dtype(spec.rotary_percent, DTYPES[ns.dtype])
         check_activation_widths(activation_widths(spec), profile.rollout_tp, DTYPES[ns.dtype])
@@ -126,7 +127,7 @@ def build_parser(prog: str = "mindspeed-tp check") -> argparse.ArgumentParser:
     p.add_argument("--model", help="bundled model name (default tiny-dense) or a model config YAML path")
     p.add_argument("--hf-checkpoint", metavar="DIR",
                    help="Hugging Face checkpoint directory (Qwen3, Qwen3-MoE, Qwen2 / Qwen2.5, Llama, Mistral, Mixtral, GLM-4.5, "
-                        "DeepSeek-V3 / Kimi-K2 / Moonlight) (config.json + safetensors): the model "
+                        "DeepSeek-V3 / Kimi-K2 / Moonlight, gpt-oss) (config.json + safetensors): the model "
                         "and its weights, instead of --model and seeded weights")
     p.add_argument("--prompts", metavar="FILE",
                    help="JSONL prompts, one per line: [token ids], {\"input_ids\": [...]} or {\"text\": ...} (text "

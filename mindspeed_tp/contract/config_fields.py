@@ -41,7 +41,7 @@ HONOURED: Dict[str, str] = {
            "gated_linear_unit activation_func bf16 params_dtype pipeline_dtype", _ROLLOUT),
     **_at("qk_layernorm", "normalization", "moe_router_pre_softmax", "cp_comm_type", "recompute_method",
           "recompute_modules", "distribute_saved_activations", "moe_router_bias_update_rate", "softmax_type",
-          "window_attn_skip_freq", "activation_func_clamp_value", "glu_linear_offset"),
+          "window_attn_skip_freq", "activation_func_clamp_value", "glu_linear_offset", "add_bias_linear"),
     "max_position_embeddings": _ENGINE,  # megatron-core 0.12: the RoPE table's length
     **_all("num_moe_experts moe_ffn_hidden_size moe_router_topk moe_router_score_function "
            "moe_shared_expert_intermediate_size moe_layer_freq moe_router_topk_scaling_factor "
@@ -83,7 +83,6 @@ REFUSED: Dict[str, str] = {
     "hidden_dropout": "hidden_dropout",
     "defer_embedding_wgrad_compute": "defer_embedding_wgrad_compute_config",
     "bias_dropout_fusion": "vllm_bias_dropout_fusion",  # engine profiles; elsewhere megatron's own add, unchanged
-    "add_bias_linear": "bias_linear",
     **_all("fp8 fp4 use_kitchen quant_recipe", "low_precision"),
     **_all("qk_l2_norm qk_clip attention_output_gate experimental_attention_variant linear_attention_freq no_rope_freq "
            "mrope_section is_hybrid_model heterogeneous_block_specs mtp_num_layers use_te_activation_func "
@@ -198,7 +197,7 @@ FROM_CHECKER: Tuple[str, ...] = (
     "moe_layer_freq", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_load_balancing_type",
     "moe_token_dispatcher_type", "recompute_granularity", "recompute_method", "recompute_num_layers",
     "recompute_modules", "calculate_per_token_loss", "max_position_embeddings", "activation_func_clamp_value",
-    "glu_linear_offset",
+    "glu_linear_offset", "add_bias_linear", "softmax_type", "window_attn_skip_freq",
 )
 
 
@@ -209,7 +208,6 @@ ACCEPTED: Dict[str, Tuple[Callable[[Any], bool], str]] = {
     # training forward refuses it, and the checkers before they launch (they train the user's config)
     "hidden_dropout": (lambda v: True, "any value while scoring; 0 while training"),
     "attention_dropout": (lambda v: True, "any value while scoring; 0 while training"),
-    "add_bias_linear": (lambda v: not v, "False"),  # megatron's default is True
     "moe_router_dtype": (lambda v: v in (None, "fp32"), "'fp32' (None without MoE)"),
     "bias_dropout_fusion": (lambda v: True, "any value without a vllm-cpu profile (those refuse True)"),
 }

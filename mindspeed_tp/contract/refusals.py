@@ -289,9 +289,10 @@ _ENTRIES: Tuple[Refusal, ...] = (
     Refusal("moe_token_dispatcher_type", MOE, "moe_token_dispatcher_type",
             "moe_token_dispatcher_type={value!r} is not supported; use allgather or alltoall", "the flex dispatcher is "
             "not covered", "moe_token_dispatcher_type", lambda v: v not in (None, "allgather", "alltoall")),
-    Refusal("moe_add_bias_linear", MOE, "add_bias_linear",
-            "add_bias_linear=True is not supported for MoE layers " + _T, "expert biases are not covered",
-            "add_bias_linear", _set),
+    Refusal("moe_bias_expert_tp", MOE, "add_bias_linear with expert_tensor_parallel_size > 1",
+            "add_bias_linear (experts' biases) with expert_tensor_parallel_size={etp}: megatron-core builds experts' "
+            "biases at expert tensor parallel size 1 only; set --etp 1 (expert_tensor_parallel_size=1)",
+            "fc2's bias would be added to every expert-TP copy of a sum only one of which is used"),
     # ---- attention ----
     Refusal("apply_query_key_layer_scaling", ATTENTION, "apply_query_key_layer_scaling",
             "apply_query_key_layer_scaling must be False " + _T, "rescales scores in the activation dtype",
@@ -495,11 +496,6 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "apply_residual_connection_post_layernorm={value!r} is not supported " + _T + ": set it to False "
             "(pre-norm residual, the engines' Qwen3 layer)", "another layer structure than the engines'",
             "apply_residual_connection_post_layernorm", _set),
-    Refusal("bias_linear", MODEL, "add_bias_linear",
-            "{setting}={value!r} is not supported " + _T + ": biases on every linear layer (row-parallel ones "
-            "included) are not modelled by the engines and no check covers them; set add_bias_linear=False "
-            "(Megatron-LM: --disable-bias-linear; a QKV bias alone, as Qwen2's, is add_qkv_bias, supported)",
-            "row-parallel biases are not modelled by the engines nor checked"),
     Refusal("fp16", MODEL, "fp16", "fp16={value!r} is not supported " + _T + ": only bf16 and fp32 models are "
             "checked; use bf16", "fp16 (with loss scaling) is not checked", "fp16", _set),
     Refusal("enable_autocast", MODEL, "enable_autocast",
@@ -620,10 +616,6 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "backend on this {device} machine, where the backward (attention's batched GEMMs, the embedding's "
             "dense backward) was never checked: set bitwise_training: false, or run on CPU with backend: torch",
             "the backward's invariance off the torch backend has not been verified on a device"),
-    Refusal("bitwise_training_bias", TRAINING, "add_bias_linear",
-            "bitwise_training: a {layer} layer has a bias (add_bias_linear); where it is added to the canonical "
-            "K tree is not modelled: set add_bias_linear=False, or bitwise_training: false",
-            "row-parallel biases are not modelled"),
     Refusal("bitwise_column_indivisible", TRAINING, "hidden sizes / canonical_shards",
             "bitwise_training: a column-parallel layer's {n} output rows ({parts} part(s)) do not split into "
             "C={c} canonical leaves per part; choose sizes divisible by {c} per part",

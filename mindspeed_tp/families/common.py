@@ -159,6 +159,11 @@ OPTIONAL = {
     # another gated MLP than SwiGLU (gpt-oss' clamped quick-GEGLU)
     "activation_func": lambda spec: (spec.activation_func, spec.activation_func_clamp_value,
                                      spec.glu_linear_offset) != ("silu", None, 0.0),
+    # biases on the output projection, the MLPs, the experts and the router (gpt-oss)
+    "add_bias_linear": lambda spec: spec.add_bias_linear,
+    # gpt-oss' attention: sinks, windows alternating with full layers
+    "attention_sinks": lambda spec: spec.attention_sinks,
+    "window_attn_skip_freq": lambda spec: spec.window_attn_skip_freq is not None,
 }
 
 
@@ -185,6 +190,19 @@ class ExpertNames:
     down: str
     shared: Optional[str] = None
     expert_bias: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A family whose checkpoints keep an MoE layer's experts stacked (gpt-oss; read and written per
+    expert by ``hf/stacked.py``): one stacked tensor of a layer (below ``model.layers.{i}.``), its experts
+    along dim 0, each expert's ``parts`` (names below ``expert``, which takes ``{e}``) interleaved along
+    the last dim; ``transposed``: each part is stored as ``x @ W`` ([in, out]), the Linear weight is its
+    transpose."""
+    stacked: str
+    parts: Tuple[str, ...]
+    expert: str
+    transposed: bool
 
 
 # Qwen3-MoE's names: mlp.gate, mlp.experts.{e}.{gate,up,down}_proj

@@ -24,6 +24,7 @@ from ..models.weights import full_weight_shapes, global_param_name, is_expert_we
 from .checkpoint import INDEX, SINGLE
 from .config import hf_config_from_spec
 from .mapping import expected_hf_shapes, megatron_pieces
+from .stacked import in_family_layout
 
 PARTS = ".mindspeed-tp-export-parts"
 # Files next to the weights that describe the model or its tokenizer, copied from the source.
@@ -74,7 +75,8 @@ def _assemble(parts_dir: str, world: int, spec: ModelSpec, padded_vocab: int) ->
 
 
 def megatron_to_hf(full: Dict[str, torch.Tensor], spec: ModelSpec, padded_vocab: int) -> Dict[str, torch.Tensor]:
-    """Hugging Face tensors from Megatron TP=1 tensors (vocabulary padding dropped)."""
+    """Hugging Face tensors from Megatron TP=1 tensors (vocabulary padding dropped; a family's stacked
+    experts stacked: ``hf/stacked.py``)."""
     shapes = expected_hf_shapes(spec)
     out: Dict[str, torch.Tensor] = {}  # each in its Megatron tensor's dtype (the expert bias stays fp32)
     filled = {name: 0 for name in shapes}
@@ -91,7 +93,7 @@ def megatron_to_hf(full: Dict[str, torch.Tensor], spec: ModelSpec, padded_vocab:
             offset += piece.rows
     for name, shape in shapes.items():
         assert filled[name] == shape[0], f"export mapping covers {filled[name]} of {shape[0]} rows of {name}"
-    return out
+    return in_family_layout(out, spec)
 
 
 def _save_hf(tensors: Dict[str, torch.Tensor], out_dir: str, max_shard_bytes: int) -> None:

@@ -9,6 +9,8 @@ of zero rows, for vocabulary padding):
 - linear_fc1 (dense, shared and expert MLPs): gate_proj rows, then up_proj rows (SwiGLU; Mixtral's
   w1, then w3);
 - the router's expert bias (a buffer megatron keeps in fp32): DeepSeek's / GLM's e_score_correction_bias;
+- biases on every linear layer (add_bias_linear, gpt-oss): each beside its weight (``x.bias``), fc1's
+  gate rows then up rows; attention sinks (gpt-oss' ``self_attn.sinks``): megatron's softmax_offset;
 - word embeddings / output layer: the vocabulary rows, then zero rows up to the padded vocab.
 Everything else maps one to one (MLA's projections and latent norms included). The same pieces serve loading (any shard is a set of row or
 column ranges of them) and exporting (writing the pieces back).
@@ -74,12 +76,21 @@ def expected_hf_shapes(spec: ModelSpec) -> Dict[str, Tuple[int, ...]]:
         if spec.add_qkv_bias:
             shapes.update({p + "self_attn.q_proj.bias": (nq * hd,), p + "self_attn.k_proj.bias": (ng * hd,),
                            p + "self_attn.v_proj.bias": (ng * hd,)})
+        if spec.attention_sinks:
+            shapes[p + "self_attn.sinks"] = (nq,)
+        biased = spec.add_bias_linear
+        if biased:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
         if spec.is_moe and i >= spec.first_k_dense:
             f, n = spec.moe_ffn_hidden_size or spec.ffn_hidden_size, _expert_names(spec)
             shapes[p + n.router] = (spec.num_experts, h)
+            if biased:
+                shapes[p + _bias(n.router)] = (spec.num_experts,)
             for e in range(spec.num_experts):
                 q = p + n.expert.format(e=e)
                 shapes.update({q + n.gate: (f, h), q + n.up: (f, h), q + n.down: (h, f)})
+                if biased:
+                    shapes.update({q + _bias(n.gate): (f,), q + _bias(n.up): (f,), q + _bias(n.down): (h,)})
             if spec.moe_router_enable_expert_bias:
                 shapes[p + n.expert_bias] = (spec.num_experts,)
             if spec.moe_shared_expert_intermediate_size:
@@ -90,7 +101,15 @@ def expected_hf_shapes(spec: ModelSpec) -> Dict[str, Tuple[int, ...]]:
             f = spec.ffn_hidden_size
             shapes.update({p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
                            p + "mlp.down_proj.weight": (h, f)})
+            if biased:
+                shapes.update({p + "mlp.gate_proj.bias": (f,), p + "mlp.up_proj.bias": (f,),
+                               p + "mlp.down_proj.bias": (h,)})
     return shapes
+
+
+def _bias(weight_name: str) -> str:
+    """A linear layer's bias tensor, beside its weight (``x.weight`` -> ``x.bias``)."""
+    return weight_name[: -len("weight")] + "bias"
 
 
 def _mla_tensors(spec: ModelSpec, p: str, q: str) -> Dict[str, Tuple[str, Tuple[int, ...]]]:
@@ -152,13 +171,23 @@ def megatron_pieces(spec: ModelSpec, padded_vocab: int) -> Dict[str, List[Piece]
             out[p + "self_attention.k_layernorm.weight"] = _whole(q + "self_attn.k_norm.weight", hd)
         if spec.add_qkv_bias:
             out[p + "self_attention.linear_qkv.bias"] = grouped_qkv(q, "bias")
+        if spec.attention_sinks:
+            out[p + "self_attention.core_attention.softmax_offset"] = _whole(q + "self_attn.sinks", nq)
+        biased = spec.add_bias_linear
+        if biased:
+            out[p + "self_attention.linear_proj.bias"] = _whole(q + "self_attn.o_proj.bias", h)
         if spec.is_moe and i >= spec.first_k_dense:
             f, n = spec.moe_ffn_hidden_size or spec.ffn_hidden_size, _expert_names(spec)
             out[p + "mlp.router.weight"] = _whole(q + n.router, spec.num_experts)
+            if biased:
+                out[p + "mlp.router.bias"] = _whole(q + _bias(n.router), spec.num_experts)
             for e in range(spec.num_experts):
                 m, x = p + f"mlp.experts.local_experts.{e}.", q + n.expert.format(e=e)
                 out[m + "linear_fc1.weight"] = _whole(x + n.gate, f) + _whole(x + n.up, f)
                 out[m + "linear_fc2.weight"] = _whole(x + n.down, h)
+                if biased:
+                    out[m + "linear_fc1.bias"] = _whole(x + _bias(n.gate), f) + _whole(x + _bias(n.up), f)
+                    out[m + "linear_fc2.bias"] = _whole(x + _bias(n.down), h)
             if spec.moe_router_enable_expert_bias:
                 out[p + "mlp.router.expert_bias"] = _whole(q + n.expert_bias, spec.num_experts)
             if spec.moe_shared_expert_intermediate_size:
@@ -168,4 +197,8 @@ def megatron_pieces(spec: ModelSpec, padded_vocab: int) -> Dict[str, List[Piece]
         else:
             out[p + "mlp.linear_fc1.weight"] = gated(q + "mlp.", spec.ffn_hidden_size)
             out[p + "mlp.linear_fc2.weight"] = _whole(q + "mlp.down_proj.weight", h)
+            if biased:
+                out[p + "mlp.linear_fc1.bias"] = (_whole(q + "mlp.gate_proj.bias", spec.ffn_hidden_size)
+                                                  + _whole(q + "mlp.up_proj.bias", spec.ffn_hidden_size))
+                out[p + "mlp.linear_fc2.bias"] = _whole(q + "mlp.down_proj.bias", h)
     return out

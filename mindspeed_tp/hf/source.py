@@ -11,6 +11,7 @@ from ..models.spec import ModelSpec
 from .checkpoint import SafetensorsCheckpoint
 from .config import read_hf_config, spec_from_hf_config
 from .mapping import Piece, expected_hf_shapes, megatron_pieces
+from .stacked import per_expert_view
 
 # Buffers some exporters save that are recomputed from the config, never weights.
 _DERIVED = (".rotary_emb.inv_freq",)
@@ -135,4 +136,4 @@ def open_hf_model(directory: str, profile) -> Tuple[ModelSpec, HFWeights]:
         spec = spec_from_hf_config(cfg, name, os.path.join(directory, "config.json"))
     except KeyError as exc:
         raise ConfigError(f"{os.path.join(directory, 'config.json')}: missing field {exc.args[0]!r}") from exc
-    return spec, HFWeights(SafetensorsCheckpoint(directory), spec, spec.padded_vocab(profile))
+    return spec, HFWeights(per_expert_view(SafetensorsCheckpoint(directory), spec), spec, spec.padded_vocab(profile))

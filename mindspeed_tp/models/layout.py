@@ -188,6 +188,8 @@ def validate_layout(layout: Layout, spec: ModelSpec, profile: Profile, seq_lengt
         if spec.num_experts % layout.ep:
             raise refuse("ep_indivisible", ep=layout.ep, experts=spec.num_experts, model=spec.name)
         profile.check_tp(layout.etp, setting="--etp (expert_tensor_parallel_size)")
+        if spec.add_bias_linear and layout.etp > 1:  # megatron's own config asserts it later, unnamed
+            raise refuse("moe_bias_expert_tp", etp=layout.etp)
         ffn = spec.moe_ffn_hidden_size or spec.ffn_hidden_size
         if ffn % profile.canonical_shards:  # checked early, in both modes, for the model's name
             raise refuse("moe_ffn_indivisible", ffn=ffn, c=profile.canonical_shards)

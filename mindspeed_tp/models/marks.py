@@ -3,8 +3,8 @@ at construction (GPTModel, the norm patch) for any strategy that needs them:
 
 - ``OUTPUT_PARTS_ATTR``: a gated MLP's fc1 holds [gate_r; up_r] on each rank (2 parts);
 - ``TIED_HEAD_ATTR``: the word embedding whose weight the LM head shares on this stage (PP=1);
-- ``PER_TOKEN_PARAM_ATTR``: a parameter of a per-token layer (RMSNorm / LayerNorm, QK-norm) or a MoE
-  router, whose gradient is a sum over tokens (bitwise training folds it across TP in the backward);
+- ``PER_TOKEN_PARAM_ATTR``: a parameter of a per-token layer (RMSNorm / LayerNorm, QK-norm), a MoE
+  router or a row-parallel layer's bias, whose gradient is a sum over tokens (bitwise training folds it across TP in the backward);
 - ``TRUE_VOCAB_ATTR``: the true (unpadded) vocabulary of a GPTModel whose builder knows it (mbridge
   pads to ``make_vocab_size_divisible_by``), and of the logits its forward returns, so a logprob
   computed outside the model's loss (verl) excludes the padded columns.
@@ -40,6 +40,30 @@ def mark_routers(model) -> None:
     for name, module in model.named_modules():
         if name.endswith("mlp.router"):
             mark_per_token_params(module)
+
+
+def mark_row_parallel_biases(model) -> None:
+    """A row-parallel layer's bias (attention's linear_proj, an MLP's linear_fc2: add_bias_linear), added
+    to every token's output row, so its gradient is a sum over tokens (megatron all-reduces it over TP
+    under SP; bitwise training folds it across TP in the backward)."""
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    for module in model.modules():
+        if isinstance(module, RowParallelLinear) and getattr(module, "bias", None) is not None:
+            setattr(module.bias, PER_TOKEN_PARAM_ATTR, True)
+
+
+def mark_expert_biases(model) -> None:
+    """An expert's fc2 bias (gpt-oss; megatron builds experts' biases at expert TP 1 only) is its
+    expert's alone, as its weight is, but megatron marks only the weight ``tensor_model_parallel``: the
+    optimizers' gradient norm then counts the bias on attention-TP rank 0 only, whose other ranks hold
+    other experts under EP, so the norm (and the clipping) depended on the layout. Marked as its
+    weight is (megatron's own convention for an unsplit parameter every TP rank holds apart, as
+    Mamba's ``dt_bias``), it is counted once in every layout."""
+    for name, module in model.named_modules():
+        bias = getattr(module, "bias", None)
+        if ".local_experts." in name and name.endswith("linear_fc2") and bias is not None:
+            bias.tensor_model_parallel = True
 
 
 def mark_true_vocab(model, vocab_size: int) -> None:

@@ -20,7 +20,7 @@ MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", 
 class ModelSpec:
     """A pre-norm decoder: RMSNorm, RoPE, SwiGLU, GQA; per family (``mindspeed_tp.families``): QK-norm
     (Qwen3), a QKV bias (Qwen2 / Qwen2.5), Llama-3's scaled RoPE, a sliding window (Mistral), tied
-    embeddings."""
+    embeddings, MoE layers, MLA (DeepSeek-V3), gpt-oss' sinks, alternating windows, biases and GLU."""
 
     name: str
     num_layers: int
@@ -39,6 +39,9 @@ class ModelSpec:
     family: str = "qwen3"
     # A bias on the q, k and v projections (Qwen2 / Qwen2.5): Megatron's add_qkv_bias.
     add_qkv_bias: bool = False
+    # Biases on every other linear layer (gpt-oss): the attention output projection, fc1 and fc2 of the
+    # MLPs and of each routed expert, the router. Megatron's add_bias_linear (it implies add_qkv_bias).
+    add_bias_linear: bool = False
     # Llama-3's RoPE scaling (rope_type llama3) by this factor, with Megatron's fixed low / high
     # frequency factors 1 / 4 and original context 8192 (GPTModel's rope_scaling / rope_scaling_factor).
     rope_scaling_factor: Optional[float] = None
@@ -48,6 +51,12 @@ class ModelSpec:
     # Sliding-window attention in every layer (Mistral 7B v0.1): each query sees itself and the W - 1
     # keys before it (Hugging Face sliding_window W; Megatron's window_size (W - 1, 0)).
     sliding_window: Optional[int] = None
+    # gpt-oss' alternation: with sliding_window, layer L (1-based) is windowed unless L is a multiple of
+    # this (2: odd layers windowed, even ones full; megatron's window_attn_skip_freq, >= 0.15).
+    window_attn_skip_freq: Optional[int] = None
+    # gpt-oss' attention sinks: a learned logit per head in every query's softmax denominator, with no
+    # value (megatron's softmax_type 'learnable', its softmax_offset parameter; >= 0.15).
+    attention_sinks: bool = False
     # The gated MLP (dense layers and experts), megatron's unfused glu: activation_func(gate) * (up +
     # glu_linear_offset), with activation_func_clamp_value the gate clamped above at it and up into
     # [-value, value]. silu / unset / 0 is SwiGLU; quick_gelu (x * sigmoid(1.702 x)) / 7 / 1 is gpt-oss'
@@ -148,6 +157,16 @@ class ModelSpec:
         if clamp is not None and not (isinstance(clamp, (int, float)) and clamp > 0):
             raise ConfigError(f"model {self.name}: activation_func_clamp_value must be a positive number, got "
                               f"{clamp!r}; remove it for an unclamped GLU")
+        skip = self.window_attn_skip_freq
+        if skip is not None and (self.sliding_window is None or not isinstance(skip, int) or skip < 2):
+            raise ConfigError(f"model {self.name}: window_attn_skip_freq={skip!r} needs sliding_window and an integer "
+                              f">= 2 (every skip-th layer full); remove it to window every layer")
+        if self.add_bias_linear and not self.add_qkv_bias:
+            raise ConfigError(f"model {self.name}: add_bias_linear biases the QKV projection too (megatron's "
+                              f"add_qkv_bias follows it): set add_qkv_bias: true as well")
+        if self.add_bias_linear and self.moe_shared_expert_intermediate_size:
+            raise ConfigError(f"model {self.name}: megatron's shared experts have no biases: add_bias_linear "
+                              f"needs moe_shared_expert_intermediate_size unset")
         if self.rope_type not in ("rope", "yarn"):
             raise ConfigError(f"model {self.name}: rope_type={self.rope_type!r}: use rope or yarn")
         if self.rope_type == "yarn" and not (self.original_max_position_embeddings or 0) >= 1:
@@ -183,9 +202,11 @@ class ModelSpec:
                               f"qk_head_dim + qk_pos_emb_head_dim = {self.qk_head_dim + self.qk_pos_emb_head_dim}; "
                               f"got {self.kv_channels}")
         if self.num_query_groups != self.num_attention_heads or self.rotary_percent != 1.0 or \
-                self.rope_scaling_factor is not None or self.sliding_window is not None or self.add_qkv_bias:
+                self.rope_scaling_factor is not None or self.sliding_window is not None or self.add_qkv_bias or \
+                self.attention_sinks:
             raise ConfigError(f"model {self.name}: multi_latent_attention takes num_query_groups = num_attention_heads "
-                              f"and none of rotary_percent, rope_scaling_factor, sliding_window, add_qkv_bias")
+                              f"and none of rotary_percent, rope_scaling_factor, sliding_window, add_qkv_bias, "
+                              f"attention_sinks")
         if not self.qk_layernorm:
             raise ConfigError(f"model {self.name}: multi_latent_attention needs qk_layernorm: true (megatron's local "
                               f"MLA spec builds the latent norms only then)")

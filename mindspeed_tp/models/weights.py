@@ -191,32 +191,44 @@ def full_weight_shapes(spec: ModelSpec, padded_vocab: int) -> Dict[str, Tuple[in
             shapes.update(_mla_shapes(spec, p + "self_attention."))
         else:
             shapes[p + "self_attention.linear_qkv.weight"] = (qkv, h)
-            if spec.add_qkv_bias:
+            if spec.add_qkv_bias or spec.add_bias_linear:
                 shapes[p + "self_attention.linear_qkv.bias"] = (qkv,)
+            if spec.attention_sinks:
+                shapes[p + "self_attention.core_attention.softmax_offset"] = (spec.num_attention_heads,)
             if spec.qk_layernorm:
                 shapes[p + "self_attention.q_layernorm.weight"] = (hd,)
                 shapes[p + "self_attention.k_layernorm.weight"] = (hd,)
-        shapes[p + "self_attention.linear_proj.weight"] = (h, spec.num_attention_heads * spec.value_head_dim)
+        shapes.update(_linear_shapes(spec, p + "self_attention.linear_proj", h, spec.num_attention_heads * spec.value_head_dim))
         shapes[p + "pre_mlp_layernorm.weight"] = (h,)
         if spec.is_moe and i >= spec.first_k_dense:
             f = spec.moe_ffn_hidden_size or spec.ffn_hidden_size
-            shapes[p + "mlp.router.weight"] = (spec.num_experts, h)
+            shapes.update(_linear_shapes(spec, p + "mlp.router", spec.num_experts, h))
             if spec.moe_router_enable_expert_bias:
                 shapes[p + "mlp.router.expert_bias"] = (spec.num_experts,)
             for e in range(spec.num_experts):
-                shapes[p + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = (2 * f, h)
-                shapes[p + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = (h, f)
+                shapes.update(_mlp_shapes(spec, p + f"mlp.experts.local_experts.{e}.", f))
             if spec.moe_shared_expert_intermediate_size:
-                fs = spec.moe_shared_expert_intermediate_size
-                shapes[p + "mlp.shared_experts.linear_fc1.weight"] = (2 * fs, h)
-                shapes[p + "mlp.shared_experts.linear_fc2.weight"] = (h, fs)
+                shapes.update(_mlp_shapes(spec, p + "mlp.shared_experts.", spec.moe_shared_expert_intermediate_size))
         else:
-            shapes[p + "mlp.linear_fc1.weight"] = (2 * spec.ffn_hidden_size, h)
-            shapes[p + "mlp.linear_fc2.weight"] = (h, spec.ffn_hidden_size)
+            shapes.update(_mlp_shapes(spec, p + "mlp.", spec.ffn_hidden_size))
     shapes["decoder.final_layernorm.weight"] = (h,)
     if not spec.tie_word_embeddings:
         shapes["output_layer.weight"] = (padded_vocab, h)
     return shapes
+
+
+def _linear_shapes(spec: ModelSpec, name: str, out_features: int, in_features: int) -> Dict[str, Tuple[int, ...]]:
+    """A linear layer's weight, and its bias where the model has them (add_bias_linear)."""
+    shapes = {name + ".weight": (out_features, in_features)}
+    if spec.add_bias_linear:
+        shapes[name + ".bias"] = (out_features,)
+    return shapes
+
+
+def _mlp_shapes(spec: ModelSpec, p: str, ffn: int) -> Dict[str, Tuple[int, ...]]:
+    """A gated MLP's fc1 ([gate; up]) and fc2."""
+    return {**_linear_shapes(spec, p + "linear_fc1", 2 * ffn, spec.hidden_size),
+            **_linear_shapes(spec, p + "linear_fc2", spec.hidden_size, ffn)}
 
 
 def _mla_shapes(spec: ModelSpec, p: str) -> Dict[str, Tuple[int, ...]]:

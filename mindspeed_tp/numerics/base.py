@@ -66,8 +66,15 @@ class Numerics:
         raise NotImplementedError
 
     def row_linear(self, layer, input_: torch.Tensor, group) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """RowParallelLinear.forward on this rank's K slice: (output, bias Megatron adds later)."""
+        """RowParallelLinear.forward on this rank's K slice: (output, bias Megatron adds later; None
+        where the strategy added it)."""
         raise NotImplementedError
+
+    def add_bias(self, x: torch.Tensor, bias: torch.Tensor, sequence_split: bool) -> torch.Tensor:
+        """A linear layer's bias added to its output [s, b, n] in the model dtype, as megatron adds a
+        skipped bias (MLP's fc1, bias-dropout-add's): one rounded add per element, in any layout.
+        sequence_split: the rows are this rank's SP slice (a row-parallel output under SP)."""
+        return x + bias
 
     def mlp_activation(self, x: torch.Tensor, config) -> torch.Tensor:
         """A gated MLP's activation on fc1's output [gate; up] (dense, shared and routed experts) as

@@ -34,18 +34,17 @@ def mlp_forward(original):
         for name in unknown:
             if kwargs.get(name) is not None:
                 raise refuse("mlp_forward_argument", argument=name)
+        if per_token_scale is not None and self.linear_fc2.bias is not None:
+            # megatron scales fc2's skipped bias by it; the strategies add a row-parallel bias themselves
+            raise refuse("mlp_forward_argument", argument="per_token_scale with a linear_fc2 bias")
         intermediate, bias = self.linear_fc1(hidden_states)
-        if bias is not None:
-            intermediate = intermediate + bias
+        if bias is not None:  # fc1 skips its bias: added here, as megatron's unfused path does
+            intermediate = numerics.add_bias(intermediate, bias, sequence_split=False)
         intermediate = numerics.mlp_activation(intermediate, self.config)
         if per_token_scale is not None:
             dtype = intermediate.dtype
             intermediate = (intermediate * per_token_scale.unsqueeze(-1)).to(dtype)
-        output, output_bias = self.linear_fc2(intermediate)
-        if per_token_scale is not None and output_bias is not None:
-            output = output + output_bias.unsqueeze(0) * per_token_scale.unsqueeze(-1)
-            output_bias = None
-        return output, output_bias
+        return self.linear_fc2(intermediate)
 
     return forward
 

@@ -68,21 +68,29 @@ class ReferenceModel:
         return invariant_linear(x, self.w[name], self.w.get(bias) if bias else None, out_dtype=out_dtype,
                                 row_multiple=self.profile.gemm_row_multiple)
 
-    def _row_parallel(self, x, name):
-        """RowParallelLinear at TP=1 under the patches: C leaves folded, cast once; with reduction:
-        rollout_layout, a stock engine at TP=rollout_tp (K/R partials, rounded, all-reduce)."""
+    def _row_parallel(self, x, prefix):
+        """RowParallelLinear at TP=1 under the patches: C leaves folded, cast once, then its bias added
+        in the model dtype (add_bias_linear); with reduction: rollout_layout, a stock engine at
+        TP=rollout_tp (K/R partials, rounded, all-reduce; no bias)."""
         p = self.profile
         if p.rollout_layout:
-            return rollout_row_parallel(x, self.w[name], p, x.dtype)
-        return folded_leaf_partials(x, self.w[name], p.canonical_shards, p.gemm_row_multiple).to(x.dtype)
+            return rollout_row_parallel(x, self.w[prefix + "weight"], p, x.dtype)
+        out = folded_leaf_partials(x, self.w[prefix + "weight"], p.canonical_shards, p.gemm_row_multiple).to(x.dtype)
+        return self._add_bias(out, prefix)
+
+    def _add_bias(self, x, prefix):
+        """A skipped bias (fc1's, a row-parallel layer's) added in the model dtype, as the patched
+        megatron adds it; none without add_bias_linear."""
+        bias = self.w.get(prefix + "bias")
+        return x if bias is None else x + bias
 
     def _norm(self, x, name):
         return rms_norm(x, self.w[name], self.spec.norm_epsilon)
 
     def _mlp(self, x, prefix, record: bool = False):
-        a = self._linear(x, prefix + "linear_fc1.weight")
+        a = self._add_bias(self._linear(x, prefix + "linear_fc1.weight"), prefix + "linear_fc1.")
         act = self.activation(a)
-        out = self._row_parallel(act, prefix + "linear_fc2.weight")
+        out = self._row_parallel(act, prefix + "linear_fc2.")
         if record:
             self._record(prefix + "linear_fc1", x, a)
             self._record(prefix + "linear_fc2", act, out)
@@ -90,7 +98,7 @@ class ReferenceModel:
 
     def _moe(self, x, prefix):
         spec = self.spec
-        logits = self._linear(x, prefix + "router.weight", out_dtype=torch.float32)
+        logits = self._linear(x, prefix + "router.weight", out_dtype=torch.float32, bias=prefix + "router.bias")
         bias = self.w.get(prefix + "router.expert_bias")
         idx, probs = route(logits, spec.moe_router_topk, spec.moe_router_score_function, spec.moe_router_pre_softmax,
                            bias, spec.moe_router_topk_scaling_factor, spec.moe_router_num_groups,
@@ -146,6 +154,15 @@ class ReferenceModel:
         k = torch.cat([k_nope, k_pe.expand(-1, n, -1)], dim=-1)
         return q, k, v.contiguous()
 
+    def _window(self, layer: int):
+        """The keys before a query that layer ``layer`` (0-based) sees, or None (full attention): megatron's
+        rule on the 1-based layer number, every ``window_attn_skip_freq``-th layer full."""
+        spec = self.spec
+        skip = spec.window_attn_skip_freq
+        if spec.sliding_window is None or (skip is not None and (layer + 1) % skip == 0):
+            return None
+        return spec.sliding_window - 1
+
     def _attention(self, x, layer: int, positions, kv_writer, kv_reader, segments):
         spec, prof = self.spec, self.profile
         p = f"decoder.layers.{layer}.self_attention."
@@ -167,12 +184,13 @@ class ReferenceModel:
                 block_size=prof.attention_block_size,
                 row_multiple=prof.gemm_row_multiple,
                 split_size=prof.attention_split_size,
-                window=None if spec.sliding_window is None else spec.sliding_window - 1,
+                window=self._window(layer),
+                sinks=self.w.get(p + "core_attention.softmax_offset"),
             )
             outputs.append(ctx[0].permute(1, 0, 2).reshape(stop - start, nq * dv))
         ctx = torch.cat(outputs)
         self._record(p + "core_attention", q, ctx)
-        out = self._row_parallel(ctx, p + "linear_proj.weight")
+        out = self._row_parallel(ctx, p + "linear_proj.")
         self._record(p + "linear_proj", ctx, out)
         return out
 

@@ -2,7 +2,7 @@
 
 The forward is the canonical one (``numerics/canonical/moe_layer.py``); what changes is the backward:
 
-- the router weight's gradient (a sum over tokens; megatron all-reduces it over TP under SP) is one
+- the router weight's (and bias's) gradient (a sum over tokens; megatron all-reduces it over TP under SP) is one
   invariant GEMM over the whole micro-batch's tokens in sequence order, the SP slices gathered
   (moved), so every TP rank holds it whole and megatron's TP all-reduce is skipped (the weight is
   marked like a norm's, ``models.marks.mark_routers``);
@@ -13,6 +13,8 @@ The forward is the canonical one (``numerics/canonical/moe_layer.py``); what cha
   otherwise). When the expert group spans several DP ranks, an expert sees several micro-batches
   in one backward: each one's gradient goes to its own micro-batch group
   (``accumulation.add_source_grad``), folded over the expert-data-parallel ranks by moving data;
+- an expert's biases (gpt-oss; megatron builds them at expert TP 1 only): per micro-batch, the sum of
+  their rows' gradients in the weight gradient's order;
 - fc1's input gradient, a sum over its expert-TP-split output features, by canonical leaves folded
   across expert TP by moving data (as a column-parallel layer's), so every expert-TP copy of a row's
   gradient is the same; fc2's output fold takes the owner's gradient (moved, not summed);
@@ -41,26 +43,38 @@ def _gather_tokens(x: torch.Tensor, group, seq_split: bool) -> torch.Tensor:
 
 
 class RouterLogits(torch.autograd.Function):
-    """fp32 router logits by the invariant GEMM; backward: dx row by row, dW over the whole
-    micro-batch (its SP slices gathered in sequence order), the same on every TP rank."""
+    """fp32 router logits by the invariant GEMM (plus the router's bias, gpt-oss); backward: dx row by
+    row, dW and the bias's gradient over the whole micro-batch (its SP slices gathered in sequence
+    order), the same on every TP rank."""
 
     @staticmethod
-    def forward(ctx, h, weight, group, seq_split, compute, row_multiple):
+    def forward(ctx, h, weight, bias, group, seq_split, compute, row_multiple):
         ctx.group, ctx.seq_split, ctx.row_multiple = group, seq_split, row_multiple
+        ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.save_for_backward(h, weight)
-        return compute(h, weight)
+        return compute(h, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
         h, weight = ctx.saved_tensors
         dy = grad.float()
         dx = invariant_input_grad(dy, weight.float(), h.dtype, ctx.row_multiple) if ctx.needs_input_grad[0] else None
-        dw = None
-        if ctx.needs_input_grad[1]:
+        dw = db = None
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             dy_all = _gather_tokens(dy, ctx.group, ctx.seq_split)
-            h_all = _gather_tokens(h.float(), ctx.group, ctx.seq_split)
-            dw = invariant_weight_grad(dy_all, h_all, weight.dtype, ctx.row_multiple)
-        return dx, dw, None, None, None, None
+            if ctx.needs_input_grad[1]:
+                h_all = _gather_tokens(h.float(), ctx.group, ctx.seq_split)
+                dw = invariant_weight_grad(dy_all, h_all, weight.dtype, ctx.row_multiple)
+            if ctx.needs_input_grad[2]:
+                db = _token_sum(dy_all, ctx.bias_dtype, ctx.row_multiple)
+        return dx, dw, db, None, None, None, None
+
+
+def _token_sum(dy: torch.Tensor, dtype, rm: int) -> torch.Tensor:
+    """A bias's gradient: the rows of ``dy`` summed by the weight gradient's invariant GEMM against a
+    column of ones (the same fixed order as the weight's)."""
+    ones = torch.ones(dy.shape[0], 1, dtype=dy.dtype, device=dy.device)
+    return invariant_weight_grad(dy, ones, dtype, rm).reshape(-1)
 
 
 class ScaleGrad(torch.autograd.Function):
@@ -168,23 +182,31 @@ def expert_rows(plan: moe_dispatch.DispatchPlan, group, expert_buffers: bool) ->
     return rows
 
 
-def _weight_grad(weight: torch.nn.Parameter, dy: torch.Tensor, x: torch.Tensor, rows: ExpertRows, rm: int):
+def _weight_grad(weight: torch.nn.Parameter, dy: torch.Tensor, x, rows: ExpertRows, rm: int):
     """The expert weight's gradient per micro-batch (one invariant GEMM over its rows in token order):
-    returned when the rows are one micro-batch's, else added to each micro-batch's group here."""
+    returned when the rows are one micro-batch's, else added to each micro-batch's group here.
+    ``x`` None: ``weight`` is a bias, its gradient the rows' sum (``_token_sum``)."""
+
+    def grad_of(dy_rows, x_rows):
+        if x_rows is None:
+            return _token_sum(dy_rows, weight.dtype, rm)
+        return invariant_weight_grad(dy_rows, x_rows, weight.dtype, rm)
+
     if not rows.routed:
         (_, idx), = rows.sources
         if idx is not None:
-            dy, x = dy.index_select(0, idx.to(dy.device)), x.index_select(0, idx.to(x.device))
-        return invariant_weight_grad(dy, x, weight.dtype, rm)
+            dy = dy.index_select(0, idx.to(dy.device))
+            x = None if x is None else x.index_select(0, idx.to(x.device))
+        return grad_of(dy, x)
     step = accumulation.next_source_step(weight)
     dp_ranks = [dp for dp, _ in rows.sources]
     for dp, idx in rows.sources:
         if idx is not None:
             idx = idx.to(dy.device)
-            dy_r, x_r = dy.index_select(0, idx), x.index_select(0, idx)
+            dy_r, x_r = dy.index_select(0, idx), None if x is None else x.index_select(0, idx)
         else:
             dy_r, x_r = dy, x
-        dw = invariant_weight_grad(dy_r, x_r, weight.dtype, rm)
+        dw = grad_of(dy_r, x_r)
         accumulation.add_source_grad(weight, step, dp, dw, dp_ranks)
     # added to the group buffers already: megatron's hook must not add the placeholder (its own
     # convention for gradients accumulated in the backward, as with gradient_accumulation_fusion)
@@ -235,6 +257,21 @@ class ExpertDownProjLeaves(torch.autograd.Function):
         dx = invariant_input_grad(dy, weight.to(dtype), a.dtype, ctx.rm) if ctx.needs_input_grad[0] else None
         dw = _weight_grad(weight, dy, a.to(dtype), ctx.rows, ctx.rm) if ctx.needs_input_grad[1] else None
         return dx, dw, None, None, None
+
+
+class ExpertBias(torch.autograd.Function):
+    """An expert's bias added to its rows (model dtype: fc1's slice, fc2's at expert TP 1); backward: dx = dy, the bias's
+    gradient per micro-batch over its rows in token order (as the weight's)."""
+
+    @staticmethod
+    def forward(ctx, y, bias, rows, row_multiple):
+        ctx.rows, ctx.rm, ctx.bias = rows, row_multiple, bias
+        return y + bias
+
+    @staticmethod
+    def backward(ctx, grad):
+        db = _weight_grad(ctx.bias, grad.float(), None, ctx.rows, ctx.rm) if ctx.needs_input_grad[1] else None
+        return grad, db, None, None
 
 
 class FoldToOwner(torch.autograd.Function):

@@ -13,7 +13,7 @@ from ...kernels import dispatch, invariant_linear
 from ...kernels.collectives import group_size
 from ...kernels.norm import normalized
 from .. import ACTIVE
-from ..canonical.strategy import CanonicalTree
+from ..canonical.strategy import CanonicalTree, check_expert_bias
 from ..vocab import true_vocab_size
 from . import column_parallel, experts, token_sums
 from . import context_parallel as cp_training
@@ -76,19 +76,20 @@ class BitwiseTraining(CanonicalTree):
         return column_parallel.column_linear(input, weight, reduce_group, sequence_parallel, out_dtype, compute,
                                              self.profile, vocab, bias)
 
-    def check_row_bias(self, layer) -> None:
-        if layer.bias is not None:
-            raise refuse("bitwise_training_bias", layer="row-parallel")
+    def add_bias(self, x, bias, sequence_split):
+        """The bias's gradient as a canonical token sum (``token_sums.add_bias``)."""
+        return token_sums.add_bias(x, bias, sequence_split, compat.tp_group_of(), self.profile.canonical_shards)
 
     # ------------------------------------------------------------------ MoE (experts.py)
-    def router_logits(self, h, weight, config):
+    def router_logits(self, h, weight, bias, config):
         """dW over the whole micro-batch's tokens (SP slices gathered), the same on every TP rank."""
         rm = self.row_multiple
 
-        def compute(x, w):
-            return invariant_linear(x, w, out_dtype=torch.float32, row_multiple=rm)
+        def compute(x, w, b):
+            return invariant_linear(x, w, b, out_dtype=torch.float32, row_multiple=rm)
 
-        return experts.RouterLogits.apply(h, weight, compat.tp_group_of(), bool(config.sequence_parallel), compute, rm)
+        return experts.RouterLogits.apply(h, weight, bias, compat.tp_group_of(), bool(config.sequence_parallel),
+                                          compute, rm)
 
     def router_losses(self, router, logits, padding_mask):
         """The router losses' gradients at one device's scale (``experts.router_losses``)."""
@@ -114,22 +115,26 @@ class BitwiseTraining(CanonicalTree):
                          c=self.profile.canonical_shards)
         return leaves
 
-    def expert_up_proj(self, x, weight, etp_group, gated, rows):
-        """dx by canonical leaves folded across expert TP; dW per micro-batch."""
+    def expert_up_proj(self, x, weight, bias, etp_group, gated, rows):
+        """dx by canonical leaves folded across expert TP; dW (and the bias's gradient) per micro-batch."""
         parts = 2 if gated else 1
         rm = self.row_multiple
 
         def compute(a, w):
             return invariant_linear(a, w, row_multiple=rm)
 
-        return experts.ExpertUpProj.apply(x, weight, etp_group, self._expert_leaves(weight.shape[0], etp_group, parts),
-                                          parts, rows, compute, rm)
+        out = experts.ExpertUpProj.apply(x, weight, etp_group, self._expert_leaves(weight.shape[0], etp_group, parts),
+                                         parts, rows, compute, rm)
+        return out if bias is None else experts.ExpertBias.apply(out, bias, rows, rm)
 
-    def expert_down_proj(self, a, weight, etp_group, dtype, rows):
-        """The canonical fold across expert TP; dW per micro-batch, the owner's gradient moved back."""
+    def expert_down_proj(self, a, weight, bias, etp_group, dtype, rows):
+        """The canonical fold across expert TP, then the bias (expert TP 1); dW and the bias's gradient
+        per micro-batch, the owner's gradient moved back."""
+        check_expert_bias(bias, etp_group)
         leaves = self.profile.canonical_shards // group_size(etp_group)
         partial = experts.ExpertDownProjLeaves.apply(a, weight, leaves, rows, self.row_multiple)
-        return experts.FoldToOwner.apply(partial, etp_group, dtype)
+        out = experts.FoldToOwner.apply(partial, etp_group, dtype)
+        return out if bias is None else experts.ExpertBias.apply(out, bias, rows, self.row_multiple)
 
     def norm(self, module, x):
         """Parameter gradients as canonical token sums (``token_sums``)."""

@@ -1,4 +1,5 @@
-"""Weight gradients of per-token layers (RMSNorm / LayerNorm, QK-norm) in canonical order.
+"""Weight gradients of per-token layers (RMSNorm / LayerNorm, QK-norm) and of linear layers' added
+biases (a row-parallel layer's, fc1's: ``TokenBias``) in canonical order.
 
 ``dw = sum over tokens of dy * x_hat`` (and ``db = sum of dy``): vanilla lets autograd reduce over
 whatever tokens a rank holds, then Megatron all-reduces the ranks' sums over TP (SP norms, QK-norms
@@ -79,3 +80,28 @@ def scale(x_hat: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     heads = x_hat.dim() == 4
     seq_split = bool(sequence_parallel) and not heads
     return TokenLeafScale.apply(x_hat, weight, bias, seq_split, heads, group, c)
+
+
+class TokenBias(torch.autograd.Function):
+    """``x + b`` in the model dtype (a linear layer's bias added to its output rows, as the forward adds
+    it); backward: dx = dy, db the canonical token sum of dy."""
+
+    @staticmethod
+    def forward(ctx, x, bias, seq_split, group, c):
+        ctx.seq_split, ctx.group, ctx.c, ctx.bias_dtype = seq_split, group, c, bias.dtype
+        return x + bias
+
+    @staticmethod
+    def backward(ctx, grad):
+        db = None
+        if ctx.needs_input_grad[1]:
+            values, split = token_values(grad.float(), ctx.seq_split, ctx.group)
+            db = token_tree_sum(values, split, False, ctx.group, ctx.c).to(ctx.bias_dtype)
+        return grad, db, None, None, None
+
+
+def add_bias(x: torch.Tensor, bias: torch.Tensor, sequence_split: bool, group, c: int) -> torch.Tensor:
+    """A bias added to a layer's output [s, b, n] under bitwise training (C = ``c``); sequence_split:
+    dim 0 is this rank's SP slice (a row-parallel output under SP: the sum is folded across TP, so
+    megatron's TP all-reduce of the bias gradient is skipped, as a norm's)."""
+    return TokenBias.apply(x, bias, bool(sequence_split), group, c)

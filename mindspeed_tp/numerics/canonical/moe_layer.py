@@ -2,7 +2,8 @@
 
 The layer's own router weights, experts and shared experts are used; what changes is the
 arithmetic and the data movement around them:
-- router logits by the batch-invariant GEMM in fp32, top-k with ties to the lower expert id;
+- router logits by the batch-invariant GEMM in fp32 (plus the router's bias, gpt-oss), top-k with ties
+  to the lower expert id;
 - each token slot's row goes only to the ranks holding its expert (selected-row all-to-all over
   the expert tensor-and-model-parallel group, ``kernels/moe_dispatch.py``); each rank runs its
   local experts on their rows in the order of the all-gathered tokens, by the batch-invariant
@@ -32,10 +33,13 @@ def _groups():
 
 def _expert_forward(numerics, expert, x: torch.Tensor, etp_group, config, rows) -> torch.Tensor:
     """One expert MLP on its rows: the strategy's fc1 shard, activation, the strategy's fc2 across
-    expert TP (``rows``: the strategy's record of where the rows come from, or None)."""
-    a = numerics.expert_up_proj(x, expert.linear_fc1.weight, etp_group, config.gated_linear_unit, rows)
+    expert TP, each with its bias where the model has them (``rows``: the strategy's record of where the
+    rows come from, or None). The routing weight multiplies the whole output, fc2's bias included, at
+    the combine: megatron's experts scale fc2's bias by it too."""
+    fc1, fc2 = expert.linear_fc1, expert.linear_fc2
+    a = numerics.expert_up_proj(x, fc1.weight, fc1.bias, etp_group, config.gated_linear_unit, rows)
     a = numerics.mlp_activation(a, config)
-    return numerics.expert_down_proj(a, expert.linear_fc2.weight, etp_group, x.dtype, rows)
+    return numerics.expert_down_proj(a, fc2.weight, fc2.bias, etp_group, x.dtype, rows)
 
 
 def _run_forward_pre_hooks(module) -> None:
@@ -86,7 +90,7 @@ def canonical_moe(numerics, layer, hidden_states, padding_mask, publish_routing)
         _run_forward_pre_hooks(expert.linear_fc2)
     num_experts = config.num_moe_experts
     expert_bias = getattr(router, "expert_bias", None) if getattr(router, "enable_expert_bias", False) else None
-    logits = numerics.router_logits(h, router.weight, config)
+    logits = numerics.router_logits(h, router.weight, getattr(router, "bias", None), config)
     idx, probs = route(
         logits, config.moe_router_topk, getattr(config, "moe_router_score_function", "softmax"),
         bool(getattr(config, "moe_router_pre_softmax", False)), expert_bias,

@@ -30,6 +30,13 @@ def mask_for_maskless_kernel(mask_name: str, attention_mask, backend: str):
     raise refuse("explicit_mask_on_maskless_backend", mask=mask_name, backend=backend)
 
 
+def check_expert_bias(bias, etp_group) -> None:
+    """Experts' biases at expert TP 1 only, as megatron-core builds them (its config asserts so): above,
+    fc2's bias would be added to copies of a sum only one of which is used."""
+    if bias is not None and group_size(etp_group) > 1:
+        raise refuse("moe_bias_expert_tp", etp=group_size(etp_group))
+
+
 class CanonicalTree(Numerics):
     name = "canonical_tree"
     # The backward policy of the invariant GEMMs (kernels.linear): None, the plain GEMMs.
@@ -66,25 +73,23 @@ class CanonicalTree(Numerics):
         prof = self.profile
         if layer.input_size % prof.canonical_shards:
             raise refuse("row_k_indivisible", k=layer.input_size, cls=type(layer).__name__, c=prof.canonical_shards)
-        self.check_row_bias(layer)
         lead = input_.shape[:-1]
         x2d = input_.reshape(-1, input_.shape[-1])
         leaves = prof.canonical_shards // group_size(group)
         partial = folded_leaf_partials(x2d, layer.weight, leaves, self.row_multiple, backward=self.backward)
         partial = partial.reshape(*lead, partial.shape[-1])
         output_ = fold_across_ranks(partial, group, input_.dtype, scatter_dim0=bool(layer.sequence_parallel))
-        if not layer.skip_bias_add:
-            output = (output_ + layer.bias) if layer.bias is not None else output_
-            return output, None
-        return output_, layer.bias
-
-    def check_row_bias(self, layer) -> None:
-        """A row-parallel bias is added after the fold (allowed here)."""
+        if layer.bias is not None:
+            # after the fold, in the model dtype, whether or not megatron skips the add (skip_bias_add: its
+            # bias-dropout-add would add it, possibly compiled with the residual add in one rounding)
+            output_ = self.add_bias(output_, layer.bias, sequence_split=bool(layer.sequence_parallel))
+        return output_, None
 
     # ------------------------------------------------------------------ MoE pieces (numerics/canonical/moe_layer.py)
-    def router_logits(self, h, weight, config):
-        """fp32 router logits by the invariant GEMM (plain backward)."""
-        return invariant_linear(h, weight, out_dtype=torch.float32, row_multiple=self.row_multiple)
+    def router_logits(self, h, weight, bias, config):
+        """fp32 router logits by the invariant GEMM, the router's bias (gpt-oss) added in fp32 (megatron's
+        addmm); plain backward."""
+        return invariant_linear(h, weight, bias, out_dtype=torch.float32, row_multiple=self.row_multiple)
 
     def router_losses(self, router, logits, padding_mask):
         """megatron's ``router.routing`` on our logits: its probabilities, its losses attached."""
@@ -99,16 +104,20 @@ class CanonicalTree(Numerics):
         """Per local expert, what the strategy's expert GEMMs need to know of their rows (none here)."""
         return [None] * len(experts)
 
-    def expert_up_proj(self, x, weight, etp_group, gated, rows):
-        """An expert's fc1 shard on its rows by the invariant GEMM."""
-        return invariant_linear(x, weight, row_multiple=self.row_multiple)
+    def expert_up_proj(self, x, weight, bias, etp_group, gated, rows):
+        """An expert's fc1 shard on its rows by the invariant GEMM, then its bias slice (gpt-oss) added
+        in the model dtype, as megatron's expert MLP adds it."""
+        out = invariant_linear(x, weight, row_multiple=self.row_multiple)
+        return out if bias is None else out + bias
 
-    def expert_down_proj(self, a, weight, etp_group, dtype, rows):
-        """An expert's fc2 on its rows: leaves folded across expert TP; only one expert-TP rank's
-        copy goes back to the token (``moe_layer``)."""
+    def expert_down_proj(self, a, weight, bias, etp_group, dtype, rows):
+        """An expert's fc2 on its rows: leaves folded across expert TP, then its bias added in the model
+        dtype; only one expert-TP rank's copy goes back to the token (``moe_layer``)."""
+        check_expert_bias(bias, etp_group)
         leaves = self.profile.canonical_shards // group_size(etp_group)
         partial = folded_leaf_partials(a, weight, leaves, self.row_multiple)
-        return fold_across_ranks(partial, etp_group, dtype, replicated_output=False)
+        out = fold_across_ranks(partial, etp_group, dtype, replicated_output=False)
+        return out if bias is None else out + bias
 
     # ------------------------------------------------------------------ per-token pieces
     def norm(self, module, x):

@@ -46,8 +46,11 @@ class RolloutLayout(CanonicalTree):
                                        gemm=self.partial_gemm_for(layer.weight))
         return output, None
 
-    def expert_down_proj(self, a, weight, etp_group, dtype, rows):
-        """per_expert: the expert's down-proj reduced as the engine's row-parallel layer."""
+    def expert_down_proj(self, a, weight, bias, etp_group, dtype, rows):
+        """per_expert: the expert's down-proj reduced as the engine's row-parallel layer (a bias, as
+        any row-parallel one here, refused)."""
+        if bias is not None:
+            raise refuse("rollout_row_bias", cls="an expert's linear_fc2")
         return rollout_layout_linear(a, weight, etp_group, self.profile, sequence_parallel=False,
                                      replicated_output=False)
 

@@ -114,3 +114,17 @@ def check_swiglu(glu) -> None:
         raise refuse("vllm_model_shape", what=f"the gated MLP (activation, clamp, offset)={glu}",
                      engine="SiLU-and-mul MLPs (gpt-oss' clamped GLU runs vLLM's swigluoai kernel, not modelled)",
                      fix="use activation_func=F.silu without activation_func_clamp_value or glu_linear_offset")
+
+
+def check_engine_architecture(spec) -> None:
+    """Before an engine starts, from the model spec: gpt-oss' pieces, which the engine's gpt_oss.py runs
+    with kernels the profiles do not model (its GLU, biases, sinks, alternating windows), by name."""
+    check_swiglu((spec.activation_func, spec.activation_func_clamp_value, float(spec.glu_linear_offset)))
+    for present, what, fix in (
+            (spec.add_bias_linear, "biases on every linear layer (add_bias_linear)", "set add_bias_linear: false"),
+            (spec.attention_sinks, "attention sinks (attention_sinks)", "set attention_sinks: false"),
+            (spec.window_attn_skip_freq is not None, "alternating windowed and full layers (window_attn_skip_freq)",
+             "unset window_attn_skip_freq")):
+        if present:
+            raise refuse("vllm_model_shape", what=what, engine="none (gpt-oss' layers run vLLM's own kernels, not "
+                         "modelled)", fix=fix)
