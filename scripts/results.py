@@ -447,6 +447,13 @@ REPORTS = [
            "(the step: plain SGD, Adam's moments do not fit this machine).",
            [PY, "benchmarks/scale_bench.py", "--cases", "qwen3-30b-a3b-2layer-tp2-sp-ep2-1k-fp32", "--no-components",
             "--json", OUT], render_scale, exit_codes=(0, 1), cost="real dimensions, 16 GB: tens of minutes on 2 cores"),
+    Report("scale-deepseek-v3", "Costs at scale: DeepSeek-V3 dimensions (2 layers, MLA, 256 experts in 8 groups)",
+           "benchmarks/scale_bench.py: deepseek-v3-2layer (hidden 7168, 128 heads of multi-latent attention with "
+           "latents 1536 / 512 and YaRN, 256 experts top-8 in 8 groups with the expert bias, one shared expert of "
+           "2048; each routed expert's FFN narrowed to 64 and the vocabulary to 32768 to fit 24 GiB) at tp2-sp-ep2, "
+           "fp32, 2 sequences of 512 tokens; vanilla, the default profile and bitwise training (the step: plain SGD).",
+           [PY, "benchmarks/scale_bench.py", "--cases", "deepseek-v3-2layer-tp2-sp-ep2-512-fp32", "--no-components",
+            "--json", OUT], render_scale, exit_codes=(0, 1), cost="real dimensions: tens of minutes on 2 cores"),
     Report("scale-moe-engine", "Engine path at scale, MoE: peak memory per rank against vanilla EP",
            "benchmarks/scale_bench.py in .venv-vllm: qwen3-30b-a3b-2layer at tp2-sp-ep2, bf16, 2 sequences of 1024 "
            "tokens, the logprob forward only: vanilla megatron-core against the real-engine profile vllm-cpu-tp2 "

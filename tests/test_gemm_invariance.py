@@ -10,7 +10,8 @@ messages), and the sweep runs again in a fresh process under every ISA limit bel
 can emulate. History: one library call over a rank's N columns failed the shard sweep on an AMD EPYC
 with AVX-512 (208 of 2464 cases); rows padded only to a multiple of 16, with the library's own
 threads, failed on an Intel Xeon with AMX (bf16 rows past the AMX switch at 17-33 rows; fp32 with 2
-threads against 1 at every M).
+threads against 1 at every M); 512-column tiles failed the shard sweep on that Xeon under
+MKL_ENABLE_INSTRUCTIONS=AVX2 (MKL's 24-wide panels: a tail panel inside every tile).
 """
 import json
 import os
@@ -20,7 +21,7 @@ import sys
 import pytest
 import torch
 
-from conftest import bits_equal, explain, host_cpu, run_cli, torch_threads
+from conftest import _env, bits_equal, explain, host_cpu, run_cli, torch_threads
 from mindspeed_tp.devices import cpu_isa
 from mindspeed_tp.kernels import invariant_linear, leaf_partials
 from mindspeed_tp.kernels.backends import torch as torch_backend
@@ -206,7 +207,7 @@ def _isa_cases():
 def test_the_sweep_passes_under_every_isa_this_host_can_emulate(limit, tmp_path):
     """tests/workers/gemm_sweep.py in a fresh process (the libraries read their ISA limit once): every
     M from 1 to 512, K to 8192, column tails, 1/2/4/8 threads, fp32 and bf16, forward, dx and dW."""
-    env = dict(os.environ)
+    env = _env()  # the checkout's package first (a venv may also hold an installed copy)
     for var in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
         env.pop(var, None)
     if limit is not None:

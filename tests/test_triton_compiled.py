@@ -20,6 +20,7 @@ SCRIPT = os.path.join(ROOT, "scripts", "compile_triton_kernels.py")
 def test_one_compiled_variant_per_numerics_and_no_register_spills(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile here, not from an earlier run's cache
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])  # the checkout's package, not a venv's copy
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton >= 3.9 warns when unset; the kernels pin it at launch
     proc = subprocess.run([sys.executable, SCRIPT, "--arch", "90", "80", "--tests"], env=env, capture_output=True,
                           text=True, timeout=900)

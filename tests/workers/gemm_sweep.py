@@ -6,8 +6,9 @@ entry names the dtype, the GEMM (forward, dx, dW), the case and what differed.
 
 What it reaches: every M from 1 to 512 against M = 512 (the row counts at which MKL and oneDNN change
 kernels: small-M paths, AMX past 17-33 rows), K from 24 to 8192 with non-powers of two, column tails
-(N mod 128 from 8 to 120), threads 1, 2, 4 and 8 against 1, fp32 and bf16, and the gradient GEMMs of
-bitwise training (dx over the tokens, dW of a rank's column shard).
+(N mod 128 from 8 to 120), column shards starting at every offset 1-24 (a column at every position of
+a library's micro-kernel panel), rows shifted within a row tile, threads 1, 2, 4 and 8 against 1, fp32 and
+bf16, and the gradient GEMMs of bitwise training (dx over the tokens, dW of a rank's column shard).
 """
 import json
 import os
@@ -59,10 +60,19 @@ def sweep(quick: bool):
                 cases += 1
                 if not _same(invariant_linear(x[:m], w), full[:m]):
                     bad.append(f"{name} forward K={k} N={n}: rows of M={m} differ from M=260")
-            for start, width in ((0, n // 2), (n - n // 4, n // 4), (8, 120)):
+            # shards from every offset of a micro-kernel panel (panels 8 to 128 wide: a column at every
+            # position of a library's panel), to the end of N, and mid-N
+            shards = [(start, n - start) for start in range(1, 25) if start < n]
+            for start, width in shards + [(0, n // 2), (n - n // 4, n // 4), (8, 120)]:
                 cases += 1
                 if width and not _same(invariant_linear(x, w[start:start + width]), full[:, start:start + width]):
                     bad.append(f"{name} forward K={k} N={n}: columns {start}:{start + width} differ from the full N")
+            # the same rows at other positions within a row tile (a decode step's row 0 is a prefill's row t)
+            for shift in (1, 3, 5, 6, 7):
+                cases += 1
+                shifted = torch.cat([_randn(shift, k, seed=shift, dtype=dtype), x])
+                if not _same(invariant_linear(shifted, w)[shift:], full):
+                    bad.append(f"{name} forward K={k} N={n}: rows shifted by {shift} differ")
         # threads 2, 4, 8 against 1: forward and both gradient GEMMs
         m, k, n = 300, 3088, 1040
         x = _randn(m, k, seed=5, dtype=dtype)

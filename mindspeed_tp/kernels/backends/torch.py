@@ -36,12 +36,17 @@ EXPLICIT_MASKS = True
 # Rows of every GEMM call: a multiple of every profile's ``gemm_row_multiple`` (16) and of every x86
 # micro-kernel's row block; past the row counts at which the libraries change kernel (AMX: 17-33).
 ROW_TILE = 128
-# The output columns one linear call computes: a multiple of every x86 BLAS micro-kernel width. Each
-# call packs its (ROW_TILE, K) rows again; at 512 columns that costs 5-8 % of a real projection's
-# time, at 128 columns 12-20 % (measured at K 1024-3072, fp32 and bf16, on AVX-512-BF16 Zen 4).
-# A column's bits do not depend on its position in the tile (one shape, no tail inside the call):
-# the sweeps cut shards that start mid-tile.
-COLUMN_TILE = 512
+# The output columns one linear call computes: a multiple of every x86 BLAS micro-kernel's panel width
+# (8, 16, 24, 32, 48, 64, 96, 128), so no call has a panel tail inside it and a column's bits do not
+# depend on its position in the tile (the sweeps cut shards that start mid-tile). 512 was not: MKL's
+# AVX2 sgemm on Intel packs 24-wide panels, and the 8 columns of a 512-tile's tail panel came out
+# with other bits than the same columns mid-panel (a TP shard's columns differed from the full
+# weight's; measured on a Xeon under MKL_ENABLE_INSTRUCTIONS=AVX2, an Intel CPU without AVX-512).
+# Each call packs its (ROW_TILE, K) rows again: at 512 columns that cost 5-8 % of a real projection's
+# time, at 128 columns 12-20 % (K 1024-3072, fp32 and bf16, AVX-512-BF16 Zen 4). 384 against 512 on the
+# AMX Xeon (M 4096, K 1024-2048, N 1024-4096, 2 threads): fp32 -4 % to +11 %, bf16 +4 % to +40 %, mostly
+# the zero-padded columns where N is a multiple of 512 but not of 384 (12.5 % at N 1024 or 2048).
+COLUMN_TILE = 384
 # The CPU allocator's alignment (c10's 64 bytes): every operand a library call sees starts on it.
 _ALIGN = 64
 
