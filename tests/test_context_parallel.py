@@ -257,3 +257,17 @@ def test_vanilla_is_not_bitwise_where_cp_splits_the_sums(bitwise_cp):
     for name, row in vanilla.items():
         assert any(s["grads_differ"] for s in row["steps"]), name
         assert not all(s[k] for s in row["steps"] for k in BITWISE_VERDICTS), name
+
+
+@pytest.mark.version_lines
+def test_bitwise_training_under_cp_is_bitwise_or_refused_by_name_on_each_line():
+    """megatron-core 0.12's gradients under CP are not the one-device ones in bitwise training (measured:
+    every gradient differs, loss and logprobs equal): refused by name there; 0.16 and later train bitwise."""
+    from mindspeed_tp.compat import megatron_line
+
+    proc = run_cli("train-check", "--layouts", "cp2", "--dtype", "fp32", "--bitwise-training", "--steps", "1",
+                   "--global-batch-size", "4", "--micro-batch-size", "1", "--seq-length", "32", timeout=600)
+    if megatron_line() < (0, 16):
+        assert proc.returncode == 2 and "context_parallel_size=2 on megatron-core" in proc.stderr, explain(proc)
+    else:
+        assert proc.returncode == 0 and "RESULT: bitwise equal to the one-device run" in proc.stdout, explain(proc)

@@ -90,6 +90,22 @@ def test_biased_moe_trains_bitwise_across_layouts():
     assert "RESULT: bitwise equal to the one-device run" in proc.stdout, explain(proc)
 
 
+def test_biased_dense_model_trains_bitwise_under_context_parallelism(tmp_path):
+    """The biases' token sums over the whole sequence gathered over CP (with SP: TP's slices too)."""
+    import yaml
+
+    from mindspeed_tp.models.spec import load_model_spec
+
+    model = tmp_path / "dense-bias.yaml"
+    data = {k: v for k, v in load_model_spec("tiny-dense").to_dict().items() if v is not None}
+    model.write_text(yaml.safe_dump(dict(data, name="tiny-dense-bias", add_qkv_bias=True, add_bias_linear=True)))
+    proc = run_cli("train-check", "--model", str(model), "--layouts", "tp2-sp-cp2", "--dtype", "fp32",
+                   "--bitwise-training", "--steps", "2", "--global-batch-size", "4", "--micro-batch-size", "1",
+                   "--seq-length", "32", timeout=1200)
+    assert proc.returncode == 0, explain(proc)
+    assert "RESULT: bitwise equal to the one-device run" in proc.stdout, explain(proc)
+
+
 @pytest.mark.version_lines
 def test_experts_biases_above_expert_tp_1_and_on_lines_without_them_are_refused_by_name():
     proc = run_cli("check", "--model", MODEL, "--layouts", "tp2-sp-ep2-etp2", "--dtype", "fp32", timeout=300)

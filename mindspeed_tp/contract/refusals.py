@@ -633,6 +633,11 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "receives from a CP rank's two chunks are not put back in sequence order for its weight gradient; set "
             "context_parallel_size=1, or bitwise_training: false",
             "an expert's weight gradient would sum its tokens in an order that depends on the CP size"),
+    Refusal("bitwise_context_parallel_line", TRAINING, "context_parallel_size with bitwise_training, megatron-core < 0.16",
+            "bitwise_training with context_parallel_size={cp} on megatron-core {version}: its gradients under CP are not "
+            "the one-device ones there (measured on 0.12.2: every gradient differs, the loss and logprobs equal); use "
+            "megatron-core 0.16 or later, context_parallel_size=1, or bitwise_training: false",
+            "verified on megatron-core 0.16 and 0.19 only"),
     Refusal("bitwise_per_rank_mean_loss", TRAINING, "calculate_per_token_loss with context_parallel_size > 1",
             "bitwise_training with context_parallel_size={cp} and calculate_per_token_loss=False: each CP rank then "
             "divides its loss by its own token count, so the objective (and every gradient) depends on how CP "

@@ -47,6 +47,8 @@ def check_ddp(module, ddp_config) -> None:
     """What bitwise training refuses, read off the model and the DDP config."""
     config = getattr(module, "config", None)
     cp = getattr(config, "context_parallel_size", 1) or 1
+    if cp > 1 and compat.megatron_line() < (0, 16):
+        raise refuse("bitwise_context_parallel_line", cp=cp, version=compat.megatron_version())
     if cp > 1 and not getattr(config, "calculate_per_token_loss", False):
         raise refuse("bitwise_per_rank_mean_loss", cp=cp)
     if getattr(config, "num_moe_experts", None):
