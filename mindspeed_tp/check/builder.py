@@ -71,39 +71,41 @@ def _mla_kwargs(spec: ModelSpec) -> dict:
     return kw
 
 
-def _attention_kwargs(spec: ModelSpec) -> dict:
-    """gpt-oss' attention: sinks (softmax_type 'learnable') and windows alternating with full layers
-    (window_attn_skip_freq), set wherever the line has the fields (so a --transformer-config value is
-    compared with the model's); a model that needs them on a line without them: a ConfigError naming them."""
+def _line_fields(wanted: dict):
+    """(the fields of ``wanted`` -- name: (the model's value, the default) -- that this megatron-core line's
+    TransformerConfig has, set wherever it has them so that a --transformer-config value is compared with
+    the model's; the names the model needs at another value than the default and the line lacks)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    kw = {name: value for name, (value, _) in wanted.items() if name in fields}
+    missing = [name for name, (value, default) in wanted.items() if name not in fields and value != default]
+    return kw, missing
+
+
+def _attention_kwargs(spec: ModelSpec) -> dict:
+    """gpt-oss' attention: sinks (softmax_type 'learnable') and windows alternating with full layers
+    (window_attn_skip_freq); on a line without the fields a ConfigError names them."""
     from ..errors import ConfigError
 
-    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
-    wanted = {"softmax_type": ("learnable" if spec.attention_sinks else "vanilla", "vanilla"),
-              "window_attn_skip_freq": (spec.window_attn_skip_freq, None)}
-    missing = [name for name, (value, default) in wanted.items() if name not in fields and value != default]
+    kw, missing = _line_fields({"softmax_type": ("learnable" if spec.attention_sinks else "vanilla", "vanilla"),
+                                "window_attn_skip_freq": (spec.window_attn_skip_freq, None)})
     if missing:
         import megatron.core
 
         raise ConfigError(f"model {spec.name}: TransformerConfig has no {', '.join(missing)} in megatron-core "
                           f"{megatron.core.__version__} (attention_sinks, window_attn_skip_freq need 0.15 or later)")
-    return {name: value for name, (value, _) in wanted.items() if name in fields}
+    return kw
 
 
 def _glu_kwargs(spec: ModelSpec) -> dict:
     """The gated MLP's activation; a clamp or an offset where the model has one (megatron-core >= 0.14
     has the fields: on an older line a ConfigError names them)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     from ..errors import ConfigError
 
-    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
     clamp = None if spec.activation_func_clamp_value is None else float(spec.activation_func_clamp_value)
-    wanted = {"activation_func_clamp_value": (clamp, None), "glu_linear_offset": (float(spec.glu_linear_offset), 0.0)}
-    # set wherever the line has them, so a --transformer-config value is compared with the model's
-    kw = {name: value for name, (value, _) in wanted.items() if name in fields}
-    missing = [name for name, (value, default) in wanted.items() if name not in fields and value != default]
+    kw, missing = _line_fields({"activation_func_clamp_value": (clamp, None),
+                                "glu_linear_offset": (float(spec.glu_linear_offset), 0.0)})
     if spec.activation_func == "quick_gelu":
         try:
             from megatron.core.fusions.fused_bias_geglu import quick_gelu

@@ -177,6 +177,22 @@ def check_exportable(spec, family: str, fixed: Dict[str, Any], allows: Tuple[str
                           f"(set family to one that has it, or change the field)")
 
 
+# The MoE fields a plain softmax-top-k checkpoint (Mixtral's, gpt-oss') has no tensor or key for
+PLAIN_MOE_UNSET = ("moe_shared_expert_intermediate_size", "moe_router_enable_expert_bias",
+                   "moe_router_topk_scaling_factor", "moe_router_num_groups")
+
+
+def check_moe_exportable(spec, family: str, unset: Tuple[str, ...] = PLAIN_MOE_UNSET) -> None:
+    """A family whose every layer is MoE: ``spec`` has experts and none of the ``unset`` fields
+    (a ConfigError naming them)."""
+    if not spec.is_moe:
+        raise ConfigError(f"model {spec.name}: a {family} checkpoint has MoE layers; set num_experts or another family")
+    extras = [f for f in unset if getattr(spec, f)]
+    if extras:
+        raise ConfigError(f"model {spec.name}: {', '.join(extras)} cannot be written as a {family} checkpoint "
+                          f"(set family to one that has it, or change the field)")
+
+
 @dataclass(frozen=True)
 class ExpertNames:
     """Where a family's checkpoint keeps an MoE layer's tensors, below ``model.layers.{i}.`` (a

@@ -15,8 +15,8 @@ from typing import Any, Dict
 
 from ..contract.refusals import refuse
 from ..errors import ConfigError
-from .common import (ExpertNames, Stack, check_exportable, check_model_type, decoder_config, decoder_fields,
-                     rope_fields)
+from .common import (ExpertNames, Stack, check_exportable, check_model_type, check_moe_exportable, decoder_config,
+                     decoder_fields, rope_fields)
 
 NAME = "gpt_oss"
 ARCHITECTURES = {"GptOssForCausalLM": "gpt_oss"}
@@ -70,13 +70,7 @@ def spec_fields(cfg: Dict[str, Any], architecture: str, name: str, where: str) -
 
 
 def hf_config(spec, dtype: str) -> Dict[str, Any]:
-    if not spec.is_moe:
-        raise ConfigError(f"model {spec.name}: a gpt-oss checkpoint has MoE layers; set num_experts or another family")
-    extras = [f for f in ("moe_shared_expert_intermediate_size", "moe_router_enable_expert_bias",
-                          "moe_router_topk_scaling_factor", "moe_router_num_groups") if getattr(spec, f)]
-    if extras:
-        raise ConfigError(f"model {spec.name}: {', '.join(extras)} cannot be written as a gpt-oss checkpoint "
-                          f"(set family to one that has it, or change the field)")
+    check_moe_exportable(spec, "gpt-oss")
     if spec.window_attn_skip_freq not in (None, 2):
         raise ConfigError(f"model {spec.name}: window_attn_skip_freq={spec.window_attn_skip_freq} cannot be written "
                           f"as a gpt-oss checkpoint (its layer_types alternate: 2)")

@@ -9,8 +9,8 @@ from typing import Any, Dict
 
 from ..contract.refusals import refuse
 from ..errors import ConfigError
-from .common import (ExpertNames, check_exportable, check_model_type, decoder_config, decoder_fields,
-                     refuse_sliding_window, rope_fields)
+from .common import (ExpertNames, check_exportable, check_model_type, check_moe_exportable, decoder_config,
+                     decoder_fields, refuse_sliding_window, rope_fields)
 
 NAME = "mixtral"
 ARCHITECTURES = {"MixtralForCausalLM": "mixtral"}
@@ -40,13 +40,7 @@ def spec_fields(cfg: Dict[str, Any], architecture: str, name: str, where: str) -
 
 
 def hf_config(spec, dtype: str) -> Dict[str, Any]:
-    if not spec.is_moe:
-        raise ConfigError(f"model {spec.name}: a Mixtral checkpoint has MoE layers; set num_experts or another family")
-    extras = [f for f in ("moe_shared_expert_intermediate_size", "moe_router_enable_expert_bias",
-                          "moe_router_topk_scaling_factor") if getattr(spec, f)]
-    if extras:
-        raise ConfigError(f"model {spec.name}: {', '.join(extras)} cannot be written as a Mixtral checkpoint "
-                          f"(set family to one that has it, or change the field)")
+    check_moe_exportable(spec, "Mixtral")
     check_exportable(spec, "Mixtral", FIXED, allows=("experts", "sliding_window"))
     cfg = decoder_config(spec, "MixtralForCausalLM", "mixtral", dtype)
     cfg.update(intermediate_size=spec.moe_ffn_hidden_size or spec.ffn_hidden_size, num_local_experts=spec.num_experts,

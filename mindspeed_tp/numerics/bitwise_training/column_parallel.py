@@ -82,8 +82,7 @@ class CanonicalColumnLinear(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 dw = invariant_weight_grad(dy_all, x_all, weight.dtype, ctx.row_multiple)
             if ctx.needs_input_grad[8]:
-                ones = torch.ones(dy_all.shape[0], 1, dtype=dtype, device=dy_all.device)
-                dbias = invariant_weight_grad(dy_all, ones, ctx.bias_dtype, ctx.row_multiple).reshape(-1)
+                dbias = bias_grad(dy_all, ctx.bias_dtype, ctx.row_multiple)
         dx = None
         if ctx.needs_input_grad[0] and isinstance(ctx.leaves, tuple):  # the LM head
             vocab, shards, width = ctx.leaves
@@ -97,6 +96,13 @@ class CanonicalColumnLinear(torch.autograd.Function):
             partial = partial.reshape(*lead, partial.shape[-1])
             dx = fold_across_ranks(partial, ctx.group, x.dtype, scatter_dim0=ctx.sp)
         return dx, dw, None, None, None, None, None, None, dbias
+
+
+def bias_grad(dy: torch.Tensor, dtype, row_multiple: int) -> torch.Tensor:
+    """A bias's gradient: the rows of ``dy`` summed by the weight gradient's invariant GEMM against a
+    column of ones (the same fixed order as the weight's)."""
+    ones = torch.ones(dy.shape[0], 1, dtype=dy.dtype, device=dy.device)
+    return invariant_weight_grad(dy, ones, dtype, row_multiple).reshape(-1)
 
 
 def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:

@@ -34,7 +34,7 @@ from ...kernels.collectives import fold_across_ranks, gather_along_rank, group_s
 from ...kernels.linear import fold_leaf_products, invariant_input_grad, invariant_weight_grad
 from ...kernels.moe import slot_sum_fp32
 from . import accumulation
-from .column_parallel import gather_sequence, leaf_rows
+from .column_parallel import bias_grad, gather_sequence, leaf_rows
 
 
 def _gather_tokens(x: torch.Tensor, group, seq_split: bool) -> torch.Tensor:
@@ -66,15 +66,8 @@ class RouterLogits(torch.autograd.Function):
                 h_all = _gather_tokens(h.float(), ctx.group, ctx.seq_split)
                 dw = invariant_weight_grad(dy_all, h_all, weight.dtype, ctx.row_multiple)
             if ctx.needs_input_grad[2]:
-                db = _token_sum(dy_all, ctx.bias_dtype, ctx.row_multiple)
+                db = bias_grad(dy_all, ctx.bias_dtype, ctx.row_multiple)
         return dx, dw, db, None, None, None, None
-
-
-def _token_sum(dy: torch.Tensor, dtype, rm: int) -> torch.Tensor:
-    """A bias's gradient: the rows of ``dy`` summed by the weight gradient's invariant GEMM against a
-    column of ones (the same fixed order as the weight's)."""
-    ones = torch.ones(dy.shape[0], 1, dtype=dy.dtype, device=dy.device)
-    return invariant_weight_grad(dy, ones, dtype, rm).reshape(-1)
 
 
 class ScaleGrad(torch.autograd.Function):
@@ -185,11 +178,11 @@ def expert_rows(plan: moe_dispatch.DispatchPlan, group, expert_buffers: bool) ->
 def _weight_grad(weight: torch.nn.Parameter, dy: torch.Tensor, x, rows: ExpertRows, rm: int):
     """The expert weight's gradient per micro-batch (one invariant GEMM over its rows in token order):
     returned when the rows are one micro-batch's, else added to each micro-batch's group here.
-    ``x`` None: ``weight`` is a bias, its gradient the rows' sum (``_token_sum``)."""
+    ``x`` None: ``weight`` is a bias, its gradient the rows' sum (``column_parallel.bias_grad``)."""
 
     def grad_of(dy_rows, x_rows):
         if x_rows is None:
-            return _token_sum(dy_rows, weight.dtype, rm)
+            return bias_grad(dy_rows, weight.dtype, rm)
         return invariant_weight_grad(dy_rows, x_rows, weight.dtype, rm)
 
     if not rows.routed:
