@@ -156,6 +156,7 @@ def test_spec_to_config_json_and_back(checkpoints, name):
     ("mixtral", {"moe_shared_expert_intermediate_size": 64}, "moe_shared_expert_intermediate_size"),
     ("mixtral", {"num_experts": None}, "has MoE layers"),
     ("mixtral", {"rotary_percent": 0.5}, "rotary_percent"),
+    ("mixtral", {"moe_router_num_groups": 4, "moe_router_group_topk": 2}, "moe_router_num_groups"),
     ("glm45", {"moe_router_score_function": "softmax"}, "moe_router_score_function='softmax'"),
     ("glm45", {"moe_router_enable_expert_bias": False}, "moe_router_enable_expert_bias=False"),
     ("glm45", {"moe_shared_expert_intermediate_size": 96}, "moe_shared_expert_intermediate_size=96"),
