@@ -9,7 +9,8 @@ logprob forward and training step, mindspeed-tp (consistent) against vanilla meg
 bf16 cast, the row-parallel layers' C canonical leaves as one batched launch with fp32 output, the
 LM head with fp32 logits) and of cuBLAS (torch, bf16 out) for the model's shapes at M tokens.
 ``model``: median forward (no grad, logprobs of the batch) and step (forward + backward of the
-scored logprob loss, no optimizer) time per mode, same layout, same process, interleaved. Two
+scored logprob loss, no optimizer) time per mode, same layout, same process, interleaved; with
+``--profile`` each mode's top kernels by own time in one forward and one step. Two
 ranks on one GPU run with host-staged collectives (check/host_staging.py) in both modes, which
 inflates both. Ratios only: speed is never asserted in tests. ``--device cpu`` (tiny shapes,
 Triton's interpreter for ``gemm``) only checks that the script runs.
@@ -48,6 +49,32 @@ def _median_time(fn, device, warmup, iters):
         _sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def kernel_profile(fn, device, top=12):
+    """The ``top`` kernels (or, on CPU, ops) of one call of ``fn`` by their own device time:
+    [{name, calls, ms}] from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        fn()
+        _sync(device)
+    names = ("self_device_time_total", "self_cuda_time_total") if cuda else ("self_cpu_time_total",)
+
+    def own_time(event):
+        return next((getattr(event, n) for n in names if hasattr(event, n)), 0.0)
+
+    events = sorted(prof.key_averages(), key=own_time, reverse=True)[:top]
+    return [{"name": e.key, "calls": e.count, "ms": own_time(e) / 1e3} for e in events if own_time(e) > 0]
+
+
+def _print_profile(title, rows):
+    total = sum(r["ms"] for r in rows)
+    print(f"  {title}: top kernels by own time ({total:.1f} ms in these)")
+    for r in rows:
+        print(f"    {r['ms']:9.2f} ms  {r['calls']:5d}x  {r['name'][:100]}")
 
 
 def gemm_shapes(spec, tp, canonical_shards):
@@ -135,6 +162,7 @@ def run_model(args):
     batch = make_batch(spec.vocab_size, 0, args.batch_size, args.seq_length)
     scored = batch.scored.float().to(device)
     times = {"vanilla": {"forward_s": [], "step_s": []}, "consistent": {"forward_s": [], "step_s": []}}
+    profiles = {}
     for mode in ("vanilla", "consistent") * args.rounds:  # interleaved against drift
         mindspeed_tp.disable() if mode == "vanilla" else mindspeed_tp.enable(profile)
         setup_parallel_state(layout, 0)
@@ -172,6 +200,9 @@ def run_model(args):
             t = timed(step)
             if i:
                 times[mode]["step_s"].append(t)
+        if args.profile and mode not in profiles:  # one forward and one step per mode, after the timing
+            profiles[mode] = {"forward": kernel_profile(no_grad_forward, device),
+                              "step": kernel_profile(step, device)}
         model = None  # the closures above hold it: clear (freed as del would)
         teardown_parallel_state()
     mindspeed_tp.disable()
@@ -183,11 +214,14 @@ def run_model(args):
         for m in ("vanilla", "consistent"):
             print(f"{m:<11} forward {med[m]['forward_s'] * 1e3:9.1f} ms   step {med[m]['step_s'] * 1e3:9.1f} ms")
         print(f"ratio consistent/vanilla: forward {ratios['forward_s']:.2f}x   step {ratios['step_s']:.2f}x")
+        for m, by_pass in profiles.items():
+            for what, rows in by_pass.items():
+                _print_profile(f"{m} {what}", rows)
         _write(args.json, {"model": spec.name, "layout": layout.name, "dtype": args.dtype,
                            "batch_size": args.batch_size, "seq_length": args.seq_length,
                            "world": dist.get_world_size(), "device": str(device),
                            "shared_gpu_host_staged": device.type == "cuda" and dist.get_backend() == "gloo",
-                           "median": med, "ratios": ratios, "samples": times})
+                           "median": med, "ratios": ratios, "samples": times, "profile": profiles})
     if owns_group:
         dist.destroy_process_group()
 
@@ -220,6 +254,8 @@ def main(argv=None):
     m.add_argument("--repeats", type=int, default=3)
     m.add_argument("--rounds", type=int, default=1, help="vanilla/consistent builds per mode")
     m.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    m.add_argument("--profile", action="store_true",
+                   help="also print each mode's top kernels by own time in one forward and one step (torch.profiler)")
     m.add_argument("--json")
     for parser in (g, m):
         add_verbose_flag(parser)

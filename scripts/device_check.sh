@@ -9,7 +9,8 @@
 #      T=1.0, dense and MoE;
 #   4. `train-check --device cuda` (2 steps) and `rl-check --device cuda` (3 iterations);
 #   5. with BENCH=1 also benchmarks/gpu_bench.py (GEMM TFLOP/s against cuBLAS, model forward and step
-#      against vanilla at sequence 4096, TP=1 and TP=2): issue 46's numbers, not part of the 8 minutes.
+#      against vanilla at sequence 4096, TP=1 with each mode's top kernels (--profile) and TP=2): issues
+#      46 and 59's numbers, not part of the 8 minutes.
 # Results: JSON (and each step's log) in OUT_DIR; summary.json and the table printed at the end give
 # each step's exit code, time and verdict.
 #
@@ -123,7 +124,7 @@ step rl-check 90 "$py" -m mindspeed_tp.cli rl-check --device "$device" --model t
 if [ "$bench" = 1 ]; then
   step bench-gemm 45 "${gemm_env[@]}" "$py" benchmarks/gpu_bench.py gemm "${gemm_args[@]}" --json "$out/bench-gemm.json"
   step bench-model-tp1 60 "$py" -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/gpu_bench.py \
-    model --layout tp1 "${model_args[@]}" --json "$out/bench-model-tp1.json"
+    model --layout tp1 "${model_args[@]}" --profile --json "$out/bench-model-tp1.json"
   step bench-model-tp2 75 "$py" -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/gpu_bench.py \
     model --layout tp2 "${model_args[@]}" --json "$out/bench-model-tp2.json"
 fi

@@ -55,6 +55,11 @@ def test_torchrun_benchmarks_run_in_one_launch(tmp_path):
     assert "module shares of the logprob forward" in proc.stdout
     model = json.loads((tmp_path / "gpu_model.json").read_text())
     assert model["device"] == "cpu" and set(model["ratios"]) == {"forward_s", "step_s"}
+    # --profile: each mode's top ops (kernels on a GPU) by own time, for a forward and a step
+    assert set(model["profile"]) == {"vanilla", "consistent"}, model.get("profile")
+    for by_pass in model["profile"].values():
+        assert set(by_pass) == {"forward", "step"} and all(rows and rows[0]["ms"] > 0 for rows in by_pass.values())
+    assert "consistent step: top kernels by own time" in proc.stdout
     gemm = json.loads((tmp_path / "gpu_gemm.json").read_text())
     assert [r["gemm"] for r in gemm["rows"]] == ["qkv", "proj", "fc1", "fc2", "lm_head"]
     assert all(r["invariant_tflops"] > 0 and r["cublas_tflops"] > 0 for r in gemm["rows"])

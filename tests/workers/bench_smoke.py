@@ -25,7 +25,7 @@ def main() -> None:
             "--seq-length", "32", "--repeats", "1"]
     module_shares.main(tiny)
     print("BENCH-SMOKE module_shares done", flush=True)
-    gpu_bench.main(["model", "--device", "cpu", *tiny, "--json", os.path.join(out, "gpu_model.json")])
+    gpu_bench.main(["model", "--device", "cpu", *tiny, "--profile", "--json", os.path.join(out, "gpu_model.json")])
     print("BENCH-SMOKE gpu_bench model done", flush=True)
     if dist.get_rank() == 0:
         gpu_bench.main(["gemm", "--device", "cpu", "--model", "tiny-dense", "--tokens", "16", "--warmup", "0",
