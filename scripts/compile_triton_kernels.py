@@ -13,15 +13,20 @@ specialised to constants, divisibility of pointers and integers). Launches with 
 report says which arguments differ and whether the first two variants' TTGIR does. Every numerics goes
 through Triton's full pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin with the wheel's ptxas) and the
 cubin's resource usage (``cuobjdump -res-usage``) must show no stack: a spill is local memory there,
-not in the PTX. What this does not show: that the kernels run or what their bits are (a GPU run:
+not in the PTX. Every product of a bf16 GEMM and of attention's forward and backward must be a
+tensor-core MMA (the TTGIR's dots in an MMA encoding; HGMMA / HMMA counted in ``cuobjdump -sass``).
+Besides the small call sites, users' dimensions run on meta tensors (no memory): Qwen3-8B / 30B-A3B
+at 32k tokens and the LM head at 64k x 151936 (integers past 2**31). ``--table FILE`` writes the
+compiled-code table (registers, shared memory, stack, MMA instructions) docs/DEVICES.md carries.
+What this does not show: that the kernels run, how fast, or what their bits are (a GPU run:
 scripts/device_check.sh).
 
-Models: the bundled head dims (32, 64, 128), bf16 and fp32, the profiles' 128-key blocks;
-``--tests`` adds tests/test_triton_backend.py's small configurations (head dim 16, 16/12-key blocks,
-a split); tests/test_triton_compiled.py runs it with both. The attention tiles depend on the GPU
+Models: the supported head dims (32, 64, 96, 128), bf16 and fp32, the profiles' 128-key blocks;
+``--tests`` adds tests/test_triton_backend.py's small configurations (16/12-key blocks, a split); tests/test_triton_compiled.py runs it with both. The attention tiles depend on the GPU
 generation (``triton_kernels.ATTN_TILES``): each arch is recorded as that GPU's launches. Exit 1
 when a numerics has two variants or a kernel spills. Uses Triton's launch binder
-(``create_function_from_signature``, ``JITFunction._pack_args``; Triton 3.9).
+(``create_function_from_signature``, ``JITFunction._pack_args``; Triton 3.6 and 3.9: put another
+Triton first on PYTHONPATH to compile with it).
 """
 import argparse
 import collections
@@ -39,8 +44,13 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 Launch = collections.namedtuple("Launch", "site kernel args kwargs")
-HEAD_DIMS = (32, 64, 128)  # the bundled models' kv_channels
+HEAD_DIMS = (32, 64, 96, 128)  # the bundled models' kv_channels and the users' (Qwen, Llama, Mistral, ...)
 BLOCK = 128  # the profiles' attention_block_size
+KERNELS = ("gemm_kernel", "row_sum_kernel", "softmax_kernel", "attention_kernel", "attention_delta_kernel",
+           "attention_dkdv_kernel", "attention_dq_kernel")
+# Kernels whose every product must run on tensor cores in bf16 / fp16 (the matmul main loops).
+TENSOR_CORE_KERNELS = ("gemm_kernel", "attention_kernel", "attention_dkdv_kernel", "attention_dq_kernel")
+MMA = {90: "HGMMA", 80: "HMMA"}  # the SASS tensor-core instruction of each architecture
 
 
 def load_backend():
@@ -69,7 +79,7 @@ def recording(backend, kernels, log, site, arch):
     launch recorded under the current ``site[0]``."""
     from mindspeed_tp.kernels import dispatch
 
-    names = ("gemm_kernel", "row_sum_kernel", "softmax_kernel", "attention_kernel")
+    names = KERNELS
     saved = {n: getattr(kernels, n) for n in names}
     check, generation, chosen = backend._check_device, backend._generation, dispatch.selected()
     for n in names:
@@ -123,8 +133,8 @@ def _call_sites(backend, tests):
     configs = [(dtype, name, d, BLOCK, None) for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32"))
                for d in HEAD_DIMS]
     if tests:
-        configs += [(torch.float32, "fp32", 16, 16, None), (torch.float32, "fp32", 16, 16, 32),
-                    (torch.bfloat16, "bf16", 16, 12, None)]
+        configs += [(torch.float32, "fp32", 32, 16, None), (torch.float32, "fp32", 32, 16, 32),
+                    (torch.bfloat16, "bf16", 32, 12, None)]
     for dtype, name, d, block, split in configs:
         sites += _attention_sites(t, dtype, name, d, block, split)
     return sites
@@ -163,6 +173,13 @@ def _attention_sites(t, dtype, name, d, block, split):
                 q[0].transpose(0, 1).contiguous(), k[0].transpose(0, 1).contiguous(),
                 v[0].transpose(0, 1).contiguous(), [0, 13, 40, 70], 0.1, True, **kw)),
         ]
+        sites.append((f"attention {tag} backward, megatron's causal mask", lambda q=q, k=k, v=v, m=causal: _backward(
+            lambda *qkv: attn.consistent_attention(*qkv, 0.1, True, excluded=m, **kw), q, k, v)))
+        sites.append((f"attention {tag} backward, CP local queries", lambda q=q, k=k, v=v: _backward(
+            lambda *qkv: attn.consistent_attention(*qkv, 0.1, True, q_positions=torch.arange(10, 20), **kw),
+            q[:, :, 10:20], k, v)))
+        sites.append((f"attention {tag} backward, key padding", lambda q=q, k=k, v=v, m=pad: _backward(
+            lambda *qkv: attn.consistent_attention(*qkv, 0.1, False, excluded=m, **kw), q, k, v)))
         for page, sq in ((16, 1), (5, 3), (BLOCK, 1)):  # paged decode: the engine's step, a few tokens
             pages = 2 * -(-s // page) + 1
             kc, vc = t(pages, page, hkv, d, dtype=dtype), t(pages, page, hkv, d, dtype=dtype)
@@ -173,11 +190,55 @@ def _attention_sites(t, dtype, name, d, block, split):
     return sites
 
 
+def _backward(fn, q, k, v):
+    """fn(q, k, v) and its backward: the backward kernels' launches."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    fn(*leaves).backward(torch_module().ones(q.shape, dtype=q.dtype, device=q.device))
+
+
+def torch_module():
+    import torch
+
+    return torch
+
+
+def _real_shape_sites(backend):
+    """Launches at users' dimensions, on meta tensors (no memory): Qwen3-8B (hidden 4096, 32 / 8 heads
+    of 128, FFN 12288) and Qwen3-30B-A3B (hidden 2048, 32 / 4 heads, experts of 768) at 32k tokens, the
+    LM head over vocab 151936 at 64k tokens in fp32 (its output's batch stride is past 2**31 in
+    16-byte units: an integer Triton would type i64 by value). Each must be the numerics' one binary."""
+    torch = torch_module()
+    from mindspeed_tp.kernels import attention as attn
+
+    def meta(*shape, dtype=torch.bfloat16):
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    tokens = 32768
+    sites = [
+        ("real linear bf16 qkv 8B", lambda: backend.linear(meta(tokens, 4096), meta(6144, 4096), torch.bfloat16)),
+        ("real linear bf16 fc1 8B", lambda: backend.linear(meta(tokens, 4096), meta(24576, 4096), torch.bfloat16)),
+        ("real linear bf16 expert 30B-A3B", lambda: backend.linear(meta(4096, 2048), meta(1536, 2048),
+                                                                   torch.bfloat16)),
+        ("real lm head fp32 64k x 151936", lambda: backend.linear(meta(65536, 4096, dtype=torch.float32),
+                                                                  meta(151936, 4096, dtype=torch.float32),
+                                                                  torch.float32)),
+        ("real lm head bf16 -> fp32 64k x 151936", lambda: backend.linear(meta(65536, 4096), meta(151936, 4096),
+                                                                          torch.float32)),
+    ]
+    for hq, hkv, label in ((32, 8, "8B"), (32, 4, "30B-A3B")):
+        q, k = meta(1, hq, tokens, 128), meta(1, hkv, tokens, 128)
+        sites.append((f"real attention bf16 d=128 block={BLOCK} {label} 32k",
+                      lambda q=q, k=k: attn.consistent_attention(q, k, k, 0.1, True, block_size=BLOCK)))
+        sites.append((f"real attention bf16 d=128 block={BLOCK} {label} 32k backward", lambda q=q, k=k: _backward(
+            lambda *qkv: attn.consistent_attention(*qkv, 0.1, True, block_size=BLOCK), q, k, k)))
+    return sites
+
+
 def record(backend, kernels, arch, tests=False):
     """Every launch the call sites make on an sm_<arch> GPU, each with its site's name."""
     log, site = [], [None]
     with recording(backend, kernels, log, site, arch):
-        for name, thunk in _call_sites(backend, tests):
+        for name, thunk in _call_sites(backend, tests) + _real_shape_sites(backend):
             site[0] = name
             thunk()
     return log
@@ -223,8 +284,16 @@ def _strip_locations(ir):
     return "\n".join(re.sub(r"\s*loc\(.*?\)\s*$", "", line) for line in ir.splitlines() if not line.startswith("#loc"))
 
 
+def _tool(name):
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
 def compile_variant(fn, options, signature, constexprs, attrs, target):
-    """The full pipeline for one variant: (TTGIR without source locations, {REG, STACK, ...}, seconds)."""
+    """The full pipeline for one variant: a dict with the TTGIR without source locations, the cubin's
+    resource usage ({REG, STACK, SHARED, ...}), the tensor-core MMA instructions in its SASS, the dots
+    in the TTGIR and how many of them are tensor-core MMAs, and the seconds it took."""
     import triton
     from triton.compiler import ASTSource
 
@@ -232,17 +301,46 @@ def compile_variant(fn, options, signature, constexprs, attrs, target):
     out = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs), target=target,
                          options=options.__dict__)
     seconds = time.perf_counter() - t0
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(out.asm["cubin"])
         f.flush()
-        usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True, check=True).stdout
     found = dict(re.findall(r"(\w+(?:\[\d+\])?):(\d+)", usage.split("Resource usage:")[-1]))
-    return _strip_locations(out.asm["ttgir"]), {k: int(v) for k, v in found.items()}, seconds
+    ttgir = _strip_locations(out.asm["ttgir"])
+    dots, mma_dots = _dots(ttgir)
+    mma = MMA.get(target.arch, "MMA")
+    usage = {k: int(v) for k, v in found.items()}
+    usage["SHARED"] = out.metadata.shared  # dynamic shared memory (the operand tiles); -res-usage shows static
+    return dict(ttgir=ttgir, usage=usage, seconds=seconds, dots=dots,
+                mma_dots=mma_dots, mma=len(re.findall(rf"\b{mma}\.", sass)))
 
 
-def check(arch, tests=False, out=print, only=None):
-    """Compile every numerics' variants for sm_<arch>; returns the list of failures (empty: passed)."""
+def _dots(ttgir):
+    """(dot operations, those on tensor cores) in a TTGIR: ``ttng.warp_group_dot`` (sm_90's wgmma) or a
+    ``tt.dot`` whose result has an MMA encoding (sm_80's mma); a ``tt.dot`` into a blocked layout is FMA."""
+    total = mma = 0
+    for line in ttgir.splitlines():
+        if "ttng.warp_group_dot " in line and "warp_group_dot_wait" not in line:
+            total += 1
+            mma += 1
+        elif re.search(r"= tt\.dot ", line):
+            total += 1
+            result = line.rsplit("->", 1)[-1]
+            mma += bool(re.search(r"#mma|nvidia_mma", result))
+    return total, mma
+
+
+def _label(name, consts, pointers):
+    return f"{name} " + " ".join(f"{k}={v}" for k, v in consts if k != "INTERPRETED") + \
+        " " + ",".join(f"{k}:{v}" for k, v in pointers)
+
+
+def check(arch, tests=False, out=print, only=None, table=None):
+    """Compile every numerics' variants for sm_<arch>; returns the list of failures (empty: passed).
+    ``table``: a list the rows of the compiled-code table are appended to."""
+    import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import make_backend
 
@@ -260,24 +358,36 @@ def check(arch, tests=False, out=print, only=None):
         if launch.site not in entry["sites"]:
             entry["sites"].append(launch.site)
     failures = []
-    out(f"triton {__import__('triton').__version__}, sm_{arch}, FP fusion {kernels.FP_FUSION}: {len(launches)} "
+    out(f"triton {triton.__version__}, sm_{arch}, FP fusion {kernels.FP_FUSION}: {len(launches)} "
         f"launches, {len(groups)} numerics")
     for (name, consts, pointers, opts), variants in groups.items():
-        label = f"{name} " + " ".join(f"{k}={v}" for k, v in consts if k != "INTERPRETED") + \
-            " " + ",".join(f"{k}:{v}" for k, v in pointers)
+        label = _label(name, consts, pointers)
         if only and not all(word in label for word in only):
             continue
         entries = list(variants.values())
         irs = []
         for entry in entries[:2]:  # a second variant fails already: compile two to compare their TTGIR
             options, signature, constexprs, attrs = entry["spec"]
-            ir, usage, seconds = compile_variant(entry["fn"], options, signature, constexprs, attrs, target)
-            irs.append(ir)
-            out(f"  {label}: REG {usage.get('REG')} STACK {usage.get('STACK')} ({seconds:.1f}s; "
-                f"{len(entry['sites'])} sites)")
+            result = compile_variant(entry["fn"], options, signature, constexprs, attrs, target)
+            usage = result["usage"]
+            irs.append(result["ttgir"])
+            out(f"  {label}: REG {usage.get('REG')} STACK {usage.get('STACK')} SHARED {usage.get('SHARED')} "
+                f"{MMA[arch]} {result['mma']} dots {result['mma_dots']}/{result['dots']} on tensor cores "
+                f"({result['seconds']:.1f}s; {len(entry['sites'])} sites)")
             if usage.get("STACK", 0):
                 failures.append(f"sm_{arch} {label}: {usage['STACK']} bytes of stack (register spills), "
                                 f"{usage.get('REG')} registers")
+            if name in TENSOR_CORE_KERNELS and _dtype_of(signature) in ("bf16", "fp16"):
+                if result["mma_dots"] != result["dots"] or not result["mma"]:
+                    failures.append(f"sm_{arch} {label}: {result['dots'] - result['mma_dots']} of {result['dots']} "
+                                    f"products off the tensor cores ({result['mma']} {MMA[arch]} in the SASS)")
+            if table is not None and entry is entries[0]:
+                table.append(dict(kernel=name, numerics=" ".join(f"{k}={v}" for k, v in consts
+                                                                 if k not in ("INTERPRETED", "BLOCK_D")),
+                                  dtype=_dtype_of(signature), arch=f"sm_{arch}", triton=triton.__version__,
+                                  reg=usage.get("REG"), shared=usage.get("SHARED"), stack=usage.get("STACK"),
+                                  mma=result["mma"], dots=f"{result['mma_dots']}/{result['dots']}",
+                                  sites=len(entry["sites"])))
         if len(entries) > 1:
             diffs = sorted({d for other in entries[1:]
                             for d in _differences(entries[0]["fn"], entries[0]["spec"][1:], other["spec"][1:])})
@@ -287,16 +397,37 @@ def check(arch, tests=False, out=print, only=None):
     return failures
 
 
+def _dtype_of(signature):
+    first = next((v for v in signature.values() if v.startswith("*")), "*?")
+    return first[1:]
+
+
+def markdown_table(rows):
+    """The compiled-code table (docs/DEVICES.md carries it)."""
+    head = "| kernel | inputs | numerics | arch | Triton | registers | shared memory (B) | stack | MMA instructions | " \
+           "dots on tensor cores | call sites |"
+    lines = [head, "|" + "---|" * 11]
+    for r in rows:
+        mma = f"{r['mma']} {MMA[int(r['arch'][3:])]}" if r["mma"] else "0"
+        lines.append(f"| {r['kernel']} | {r['dtype']} | {r['numerics']} | {r['arch']} | {r['triton']} | {r['reg']} | "
+                     f"{r['shared']} | {r['stack']} | {mma} | {r['dots']} | {r['sites']} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", type=int, nargs="+", default=[90, 80],
                    help="CUDA compute capabilities as integers (90: H100/H200, 80: A100)")
     p.add_argument("--tests", action="store_true", help="also tests/test_triton_backend.py's small configurations")
     p.add_argument("--only", nargs="+", help="only the numerics whose label holds all these words")
+    p.add_argument("--table", help="write the compiled-code table (markdown) to this file")
     args = p.parse_args(argv)
-    failures = []
+    failures, rows = [], []
     for arch in args.arch:
-        failures += check(arch, args.tests, only=args.only)
+        failures += check(arch, args.tests, only=args.only, table=rows)
+    if args.table:
+        with open(args.table, "w") as f:
+            f.write(markdown_table(rows) + "\n")
     for f in failures:
         print("FAIL", f)
     print("one variant per numerics, no spills" if not failures else f"{len(failures)} failures")

@@ -24,12 +24,17 @@ else
 fi
 line="$(echo "$version" | cut -d. -f2)"
 with_verl=""
+# The GPU machines' Triton (torch 2.11 ships 3.6), installed beside the venv's own for
+# tests/test_triton_compiled.py to compile the kernels with (the main line only, MEGATRON_CORE_FULL of
+# scripts/test.sh: the suite that runs it).
+triton_gpu_spec=""
+[ -z "$vllm_spec" ] && [ "$version" = "${MEGATRON_CORE_FULL:-0.16.1}" ] && triton_gpu_spec="${TRITON_GPU_SPEC:-triton==3.6.0}"
 [ -z "$vllm_spec" ] && [ "$line" -ge 16 ] && with_verl="$verl_spec $mbridge_spec"
 # .venv-vllm: verl too (mindspeed-tp rl-check takes GRPO's advantage and loss from it)
 [ -n "$vllm_spec" ] && with_verl="$verl_spec"
 stamp="$venv/.mindspeed-tp-stamp"
 src_hash="$(cd "$root" && cat setup.py mindspeed_tp-autoload.pth mindspeed_tp_autoload.py $(find mindspeed_tp -type f \( -name '*.py' -o -name '*.yaml' \) | sort) | sha256sum | cut -c1-16)"
-want="$torch_spec megatron-core==$version${vllm_spec:+ $vllm_spec}${with_verl:+ $with_verl} $src_hash"
+want="$torch_spec megatron-core==$version${vllm_spec:+ $vllm_spec}${with_verl:+ $with_verl}${triton_gpu_spec:+ gpu-$triton_gpu_spec} $src_hash"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
@@ -64,5 +69,9 @@ pip install -c "$constraints" --force-reinstall --no-deps "$root" && pip install
 if [ -n "$with_verl" ]; then
   pip install --no-deps $with_verl
   pip install -c "$constraints" ray "tensordict>=0.8,<=0.10.0,!=0.9.0" omegaconf codetiming peft datasets einops
+fi
+if [ -n "$triton_gpu_spec" ]; then
+  rm -rf "$venv/triton-3.6"
+  pip install --no-deps --target "$venv/triton-3.6" "$triton_gpu_spec"
 fi
 echo "$want" > "$stamp"

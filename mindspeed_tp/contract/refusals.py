@@ -306,6 +306,11 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "a value head size ({dv}) other than the query / key one ({d}) runs on the torch backend only; the "
             "{backend} backend's kernel does not implement it: set the profile's backend: torch",
             "the Triton and Ascend kernels take one head size for q, k and v"),
+    Refusal("attention_head_dim_backend", ATTENTION, "kv_channels (triton backend)",
+            "head dim {d} is not one the triton backend's attention kernels are compiled and checked for ({dims}): "
+            "set the profile's backend: torch, or use one of those head dims",
+            "each head dim is a compiled variant scripts/compile_triton_kernels.py checks (one binary, no spills, "
+            "tensor-core MMA); an unchecked one could spill or take another code path"),
     Refusal("attention_window_backend", ATTENTION, "window_size (backend)",
             "sliding-window attention runs on the torch backend (and the vllm-cpu profiles' engine kernel) only; "
             "the {backend} backend's kernel does not implement it: set the profile's backend: torch, or unset "

@@ -12,7 +12,9 @@ property of the kernels instead of BLAS luck:
   decode (training passes each sequence as one page), so the three modes run the same per-query
   procedure and agree bit for bit; see ``triton_kernels.attention_kernel``. A mask never reaches
   the kernel: megatron's causal mask is its causal flag, key padding per-sequence key lengths
-  (``_mask_as_lengths``); any other mask is refused.
+  (``_mask_as_lengths``); any other mask is refused. Its backward is three kernels of its own
+  (``_attention_backward``) from the saved output and log-sum-exp; head dims outside
+  ``triton_kernels.ATTN_HEAD_DIMS`` are refused by name.
 
 Every launch compiles to one variant per numerics (``triton_kernels``' docstring): the wrappers
 hand the kernels 16-byte aligned, unit-inner-stride tensors (``_aligned``, a copy otherwise) and
@@ -35,7 +37,6 @@ import torch
 
 from ...contract.refusals import refuse
 from ...errors import ConfigError
-from . import torch as torch_backend
 
 # Explicit attention masks are taken by this backend's attention: causal and key-padding masks,
 # recognised and run without a mask (``_mask_as_lengths``); any other is refused.
@@ -423,13 +424,20 @@ def _mask_as_lengths(excluded: torch.Tensor, positions: torch.Tensor, sk: int, c
     return causal, lengths.to(torch.int32)
 
 
+def _check_head_dim(d: int) -> None:
+    if d not in _kernels().ATTN_HEAD_DIMS:
+        raise refuse("attention_head_dim_backend", d=d, dims=", ".join(map(str, _kernels().ATTN_HEAD_DIMS)))
+
+
 def _attention_launch(q, k_pages, v_pages, page_dims, positions, seqlens, table, scale, causal, block_size,
                       split_size):
     """q (b, hq, sq, d); k/v reachable as pages: ``page_dims`` names (page, offset, head, dim) of
-    k_pages/v_pages (dim last); positions (b, sq); seqlens (b,) keys per entry; table (b, pages)."""
+    k_pages/v_pages (dim last); positions (b, sq); seqlens (b,) keys per entry; table (b, pages).
+    Returns the output (b, hq, sq, d) in q's dtype and each query's log-sum-exp (b, hq, sq) in fp32."""
     b, hq, sq, d = q.shape
     if v_pages.shape[page_dims[3]] != d:  # multi-latent attention's values: the torch backend only
         raise refuse("attention_value_head_backend", dv=v_pages.shape[page_dims[3]], d=d, backend="triton")
+    _check_head_dim(d)
     kernels = _kernels()
     hkv = k_pages.shape[page_dims[2]]
     if hq % hkv:
@@ -440,29 +448,78 @@ def _attention_launch(q, k_pages, v_pages, page_dims, positions, seqlens, table,
         k_pages, v_pages = k_pages.to(q.dtype), v_pages.to(q.dtype)
     _check_device(q, k_pages, v_pages)
     out = torch.empty(b, hq, sq, d, dtype=_store_dtype(q.dtype), device=q.device)
+    lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
-        return out.to(q.dtype)
+        return out.to(q.dtype), lse
     q, k_pages, v_pages = _aligned(q), _aligned(k_pages), _aligned(v_pages)
     o = _aligned(out)
     positions = positions if positions.stride(1) == 1 or sq == 1 else positions.contiguous()
     table = table if table.stride(1) == 1 or table.shape[1] == 1 else table.contiguous()
     page_size = k_pages.shape[page_dims[1]]
-    tiles = ("fp32" if q.dtype == torch.float32 else "half", _generation(q.device))
-    block_q, warps, stages = kernels.ATTN_TILES[tiles]
+    block_q, warps, stages = kernels.tiles_for(kernels.ATTN_TILES, _tiles(q), d)
     grid = (_cdiv(sq, block_q), b * hq)
     kernels.attention_kernel[grid](
-        q, k_pages, v_pages, o, positions, seqlens, table,
+        q, k_pages, v_pages, o, lse, positions, seqlens, table,
         sq, hq, hq // hkv, float(scale), block_size, split_size // block_size if split_size else 1, page_size,
         int(bool(causal)),
         *_units(q, 0, 1, 2), *_units(k_pages, *page_dims[:3]), *_units(v_pages, *page_dims[:3]), *_units(o, 0, 1, 2),
         positions.stride(0), table.stride(0),
         D=d, SPLIT=split_size is not None, INTERPRETED=kernels.INTERPRETED,
         BLOCK_Q=block_q, BLOCK_KEYS=max(16, _next_power_of_2(block_size)),
-        BLOCK_D=max(16, _next_power_of_2(d)), VEC=_vec(q.dtype), O_VEC=_vec(o.dtype), num_warps=warps,
+        BLOCK_D=_block_d(d), VEC=_vec(q.dtype), O_VEC=_vec(o.dtype), num_warps=warps,
         num_stages=stages, **kernels.LAUNCH,
     )
     out = o if o is out else o.contiguous()
-    return out.to(q.dtype)
+    return out.to(q.dtype), lse
+
+
+def _tiles(q: torch.Tensor):
+    """The tile tables' key: ("fp32" | "half", GPU generation)."""
+    return "fp32" if q.dtype == torch.float32 else "half", _generation(q.device)
+
+
+def _block_d(d: int) -> int:
+    return max(16, _next_power_of_2(d))
+
+
+def _attention_backward(q, k, v, out, lse, grad, positions, seqlens, scale, causal):
+    """dQ, dK, dV (fp32) of the training layout's attention (q, out, grad (b, hq, sq, d); k, v
+    (b, hkv, sk, d); positions (b, sq); seqlens (b,)) from the forward's output and log-sum-exp: three
+    launches (``triton_kernels``: delta, dK / dV per key block, dQ per query block)."""
+    kernels = _kernels()
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    grad = grad.to(q.dtype)
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    _check_device(q, k, v, out, grad)
+    q, k, v, out, grad = (_aligned(t) for t in (q, k, v, out, grad))
+    positions = positions if positions.stride(1) == 1 or sq == 1 else positions.contiguous()
+    dq = torch.zeros(b, hq, sq, d, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(b, hkv, sk, d, dtype=torch.float32, device=q.device)
+    dv = torch.zeros_like(dk)
+    if q.numel() == 0 or k.numel() == 0:
+        return dq, dk, dv
+    vec = _vec(q.dtype)
+    tiles = kernels.tiles_for(kernels.ATTN_BWD_TILES, _tiles(q), d)
+    delta = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
+    block_q = tiles["dq"][0]
+    kernels.attention_delta_kernel[(_cdiv(sq, block_q), b * hq)](
+        out, grad, delta, sq, hq, *_units(out, 0, 1, 2), *_units(grad, 0, 1, 2), D=d, BLOCK_Q=block_q,
+        BLOCK_D=_block_d(d), VEC=vec, G_VEC=vec, num_warps=4, **kernels.LAUNCH)
+    strides = (*_units(q, 0, 1, 2), *_units(k, 0, 1, 2), *_units(v, 0, 1, 2), *_units(grad, 0, 1, 2),
+               positions.stride(0))
+    flags = (hq // hkv, float(scale), int(bool(causal)))
+
+    def meta(block_q, block_keys, warps, stages):
+        return dict(D=d, INTERPRETED=kernels.INTERPRETED, BLOCK_Q=block_q, BLOCK_KEYS=block_keys,
+                    BLOCK_D=_block_d(d), VEC=vec, num_warps=warps, num_stages=stages, **kernels.LAUNCH)
+
+    block_keys = tiles["dkdv"][1]
+    kernels.attention_dkdv_kernel[(_cdiv(sk, block_keys), b * hkv)](
+        q, k, v, grad, lse, delta, positions, seqlens, dk, dv, sq, sk, hq, *flags, *strides, **meta(*tiles["dkdv"]))
+    kernels.attention_dq_kernel[(_cdiv(sq, block_q), b * hq)](
+        q, k, v, grad, lse, delta, positions, seqlens, dq, sq, hq, *flags, *strides, **meta(*tiles["dq"]))
+    return dq, dk, dv
 
 
 def attention(
@@ -485,31 +542,39 @@ def attention(
     batch; excluded: bool broadcastable to (b, 1, sq, sk), True hides a key (keys past its last
     column are hidden): a causal and/or key-padding mask, run as the causal flag and key lengths
     (``_mask_as_lengths``), any other refused; split_size: a multiple of block_size, or None. ``row_multiple`` is unused
-    (fixed tiles). Each sequence is one page of the kernel's paged addressing. Backward: the torch
-    reference's (exact attention's gradient recomputed tile by tile from q, k, v).
+    (fixed tiles). Each sequence is one page of the kernel's paged addressing. Backward: the backward
+    kernels (``_attention_backward``), exact attention's gradient from the saved output and log-sum-exp.
     """
     if window is not None:  # sliding-window attention: the torch backend only
         raise refuse("attention_window_backend", backend="triton")
     if sinks is not None:  # attention sinks: the torch backend only
         raise refuse("attention_sinks_backend", backend="triton")
-    args = (scale, causal, q_positions, excluded, block_size, row_multiple, split_size, window)
+    args = (scale, causal, q_positions, excluded, block_size, split_size)
     if _needs_grad(q, k, v):
-        return _TritonRecompute.apply(q, k, v, None, args)
-    return _attention_forward(q, k, v, *args)
+        return _Attention.apply(q, k, v, args)
+    return _attention_forward(q, k, v, *args)[0]
 
 
-class _TritonRecompute(torch_backend._RecomputeBackward):
-    """This backend's forward with the torch reference's recomputing backward."""
+class _Attention(torch.autograd.Function):
+    """The kernel's forward; the backward kernels from the saved output and log-sum-exp (the mask
+    already as the causal flag and key lengths)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, args):  # sinks: None (refused on entry), the torch recompute's slot
-        ctx.save_for_backward(q, k, v, sinks)
-        ctx.args = args
-        return _attention_forward(q, k, v, *args)
+    def forward(ctx, q, k, v, args):
+        out, lse, positions, seqlens, causal = _attention_forward(q, k, v, *args)
+        ctx.save_for_backward(q, k, v, out, lse, positions, seqlens)
+        ctx.scale, ctx.causal = args[0], causal
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse, positions, seqlens = ctx.saved_tensors
+        dq, dk, dv = _attention_backward(q, k, v, out, lse, grad, positions, seqlens, ctx.scale, ctx.causal)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
-def _attention_forward(q, k, v, scale, causal, q_positions, excluded, block_size, row_multiple, split_size,
-                       window=None):  # the torch recompute's arguments; a window was refused on entry
+def _attention_forward(q, k, v, scale, causal, q_positions, excluded, block_size, split_size):
+    """(output, log-sum-exp, positions (b, sq), keys per entry (b,), causal flag) of training's layout."""
     b, _, sq, _ = q.shape
     sk = k.shape[2]
     device = q.device
@@ -524,8 +589,9 @@ def _attention_forward(q, k, v, scale, causal, q_positions, excluded, block_size
         causal, seqlens = _mask_as_lengths(excluded, positions, sk, causal)
     table = torch.arange(b, dtype=torch.int32, device=device).reshape(b, 1)
     # k (b, hkv, sk, d) read as pages (page=b, offset=key, head, dim) of sk keys.
-    return _attention_launch(q, k, v, (0, 2, 1, 3), positions, seqlens, table, scale, causal, block_size,
-                             split_size)
+    out, lse = _attention_launch(q, k, v, (0, 2, 1, 3), positions, seqlens, table, scale, causal, block_size,
+                                 split_size)
+    return out, lse, positions, seqlens, causal
 
 
 def decode_attention(
@@ -557,5 +623,5 @@ def decode_attention(
     positions = seqlens.reshape(b, 1) - sq + torch.arange(sq, dtype=torch.int32, device=device).reshape(1, sq)
     table = page_table.to(device=device, dtype=torch.int32)
     return _attention_launch(q, k_cache, v_cache, (0, 1, 2, 3), positions, seqlens, table, scale, True,
-                             block_size, split_size)
+                             block_size, split_size)[0]
 
