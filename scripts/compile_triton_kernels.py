@@ -22,8 +22,8 @@ What this does not show: that the kernels run, how fast, or what their bits are 
 scripts/device_check.sh).
 
 Models: the supported head dims (32, 64, 96, 128), bf16 and fp32, the profiles' 128-key blocks;
-``--tests`` adds tests/test_triton_backend.py's small configurations (16/12-key blocks, a split); tests/test_triton_compiled.py runs it with both. The attention tiles depend on the GPU
-generation (``triton_kernels.ATTN_TILES``): each arch is recorded as that GPU's launches. Exit 1
+``--tests`` adds tests/test_triton_backend.py's small configurations (16/12-key blocks, a split);
+tests/test_triton_compiled.py runs it with both. The attention tiles depend on the GPU generation (``triton_kernels.ATTN_TILES``): each arch is recorded as that GPU's launches. Exit 1
 when a numerics has two variants or a kernel spills. Uses Triton's launch binder
 (``create_function_from_signature``, ``JITFunction._pack_args``; Triton 3.6 and 3.9: put another
 Triton first on PYTHONPATH to compile with it).
@@ -193,13 +193,8 @@ def _attention_sites(t, dtype, name, d, block, split):
 def _backward(fn, q, k, v):
     """fn(q, k, v) and its backward: the backward kernels' launches."""
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    fn(*leaves).backward(torch_module().ones(q.shape, dtype=q.dtype, device=q.device))
-
-
-def torch_module():
-    import torch
-
-    return torch
+    out = fn(*leaves)
+    out.backward(out.new_ones(out.shape))
 
 
 def _real_shape_sites(backend):
@@ -207,7 +202,7 @@ def _real_shape_sites(backend):
     of 128, FFN 12288) and Qwen3-30B-A3B (hidden 2048, 32 / 4 heads, experts of 768) at 32k tokens, the
     LM head over vocab 151936 at 64k tokens in fp32 (its output's batch stride is past 2**31 in
     16-byte units: an integer Triton would type i64 by value). Each must be the numerics' one binary."""
-    torch = torch_module()
+    import torch
     from mindspeed_tp.kernels import attention as attn
 
     def meta(*shape, dtype=torch.bfloat16):

@@ -505,7 +505,7 @@ def _attention_backward(q, k, v, out, lse, grad, positions, seqlens, scale, caus
     block_q = tiles["dq"][0]
     kernels.attention_delta_kernel[(_cdiv(sq, block_q), b * hq)](
         out, grad, delta, sq, hq, *_units(out, 0, 1, 2), *_units(grad, 0, 1, 2), D=d, BLOCK_Q=block_q,
-        BLOCK_D=_block_d(d), VEC=vec, G_VEC=vec, num_warps=4, **kernels.LAUNCH)
+        BLOCK_D=_block_d(d), VEC=vec, num_warps=4, **kernels.LAUNCH)
     strides = (*_units(q, 0, 1, 2), *_units(k, 0, 1, 2), *_units(v, 0, 1, 2), *_units(grad, 0, 1, 2),
                positions.stride(0))
     flags = (hq // hkv, float(scale), int(bool(causal)))

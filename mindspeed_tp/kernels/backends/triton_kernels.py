@@ -221,6 +221,13 @@ def softmax_kernel(x_ptr, out_ptr, N: I32, stride_x: I64, stride_out: I64, BLOCK
 
 
 @triton.jit
+def in_elements(s0, s1, s2, VEC: tl.constexpr):
+    """Three strides given in 16-byte units (``VEC`` elements) as element strides: the multiplication
+    by a constant is how a kernel knows their alignment from its code, never from a specialisation."""
+    return s0 * VEC, s1 * VEC, s2 * VEC
+
+
+@triton.jit
 def operand(x, like, INTERPRETED: tl.constexpr):
     """fp32 ``x`` as the second product's operand in ``like``'s dtype: rounded to nearest even to
     bf16 / fp16 (a tensor-core operand), fp32 unchanged. Under the interpreter (whose bf16 cast
@@ -280,18 +287,10 @@ def attention_kernel(
     q/k/v/o: unit stride in the head dim, 16-byte aligned bases and strides; positions and the page
     table: unit stride along a row (the wrapper's guarantees).
     """
-    s_qb = s_qb * VEC
-    s_qh = s_qh * VEC
-    s_qs = s_qs * VEC
-    s_kp = s_kp * VEC
-    s_ko = s_ko * VEC
-    s_kh = s_kh * VEC
-    s_vp = s_vp * VEC
-    s_vo = s_vo * VEC
-    s_vh = s_vh * VEC
-    s_ob = s_ob * O_VEC
-    s_oh = s_oh * O_VEC
-    s_os = s_os * O_VEC
+    s_qb, s_qh, s_qs = in_elements(s_qb, s_qh, s_qs, VEC)
+    s_kp, s_ko, s_kh = in_elements(s_kp, s_ko, s_kh, VEC)
+    s_vp, s_vo, s_vh = in_elements(s_vp, s_vo, s_vh, VEC)
+    s_ob, s_oh, s_os = in_elements(s_ob, s_oh, s_os, O_VEC)
     pid_q = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // hq
@@ -370,8 +369,11 @@ _BWD_INTS = ["sq", "hq", "group", "causal", "s_qb", "s_qh", "s_qs", "s_kb", "s_k
             do_not_specialize_on_alignment=["delta_ptr"])
 def attention_delta_kernel(o_ptr, do_ptr, delta_ptr, sq: I32, hq: I32, s_ob: I64, s_oh: I64, s_os: I64, s_gb: I64,
                            s_gh: I64, s_gs: I64, D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
-                           VEC: tl.constexpr, G_VEC: tl.constexpr):
-    """delta[b, h, row] = sum over the head dim of O * dO in fp32, in ``pairwise_row_sum``'s tree."""
+                           VEC: tl.constexpr):
+    """delta[b, h, row] = sum over the head dim of O * dO in fp32, in ``pairwise_row_sum``'s tree
+    (O and dO both in q's dtype: one VEC)."""
+    s_ob, s_oh, s_os = in_elements(s_ob, s_oh, s_os, VEC)
+    s_gb, s_gh, s_gs = in_elements(s_gb, s_gh, s_gs, VEC)
     pid_q = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // hq
@@ -379,10 +381,9 @@ def attention_delta_kernel(o_ptr, do_ptr, delta_ptr, sq: I32, hq: I32, s_ob: I64
     rows = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
     dims = tl.arange(0, BLOCK_D)
     ok = (rows < sq)[:, None] & (dims < D)[None, :]
-    o = tl.load(o_ptr + b * s_ob * VEC + h * s_oh * VEC + rows[:, None] * s_os * VEC + dims[None, :], mask=ok,
-                other=0.0).to(tl.float32)
-    do = tl.load(do_ptr + b * s_gb * G_VEC + h * s_gh * G_VEC + rows[:, None] * s_gs * G_VEC + dims[None, :],
-                 mask=ok, other=0.0).to(tl.float32)
+    o = tl.load(o_ptr + b * s_ob + h * s_oh + rows[:, None] * s_os + dims[None, :], mask=ok, other=0.0).to(tl.float32)
+    do = tl.load(do_ptr + b * s_gb + h * s_gh + rows[:, None] * s_gs + dims[None, :], mask=ok,
+                 other=0.0).to(tl.float32)
     tl.store(delta_ptr + bh * sq + rows, pairwise_row_sum(o * do), mask=rows < sq)
 
 
@@ -406,18 +407,10 @@ def attention_dkdv_kernel(
     over its query blocks in order (a block whose queries all precede the keys adds exactly 0 and is
     skipped). Transposed products (keys x queries), so P^T and dS^T are computed, not transposed.
     dO has q's dtype and strides' alignment; dk / dv: fp32 (b, hkv, sk, D), contiguous."""
-    s_qb = s_qb * VEC
-    s_qh = s_qh * VEC
-    s_qs = s_qs * VEC
-    s_kb = s_kb * VEC
-    s_kh = s_kh * VEC
-    s_ks = s_ks * VEC
-    s_vb = s_vb * VEC
-    s_vh = s_vh * VEC
-    s_vs = s_vs * VEC
-    s_gb = s_gb * VEC
-    s_gh = s_gh * VEC
-    s_gs = s_gs * VEC
+    s_qb, s_qh, s_qs = in_elements(s_qb, s_qh, s_qs, VEC)
+    s_kb, s_kh, s_ks = in_elements(s_kb, s_kh, s_ks, VEC)
+    s_vb, s_vh, s_vs = in_elements(s_vb, s_vh, s_vs, VEC)
+    s_gb, s_gh, s_gs = in_elements(s_gb, s_gh, s_gs, VEC)
     pid_k = tl.program_id(0)
     bhk = tl.program_id(1).to(tl.int64)
     hkv = hq // group
@@ -473,18 +466,10 @@ def attention_dq_kernel(
 ):
     """dQ of BLOCK_Q queries of one (batch, head): its key blocks in order, up to the last one a
     query of the tile sees (causal). dq: fp32 (b, hq, sq, D), contiguous."""
-    s_qb = s_qb * VEC
-    s_qh = s_qh * VEC
-    s_qs = s_qs * VEC
-    s_kb = s_kb * VEC
-    s_kh = s_kh * VEC
-    s_ks = s_ks * VEC
-    s_vb = s_vb * VEC
-    s_vh = s_vh * VEC
-    s_vs = s_vs * VEC
-    s_gb = s_gb * VEC
-    s_gh = s_gh * VEC
-    s_gs = s_gs * VEC
+    s_qb, s_qh, s_qs = in_elements(s_qb, s_qh, s_qs, VEC)
+    s_kb, s_kh, s_ks = in_elements(s_kb, s_kh, s_ks, VEC)
+    s_vb, s_vh, s_vs = in_elements(s_vb, s_vh, s_vs, VEC)
+    s_gb, s_gh, s_gs = in_elements(s_gb, s_gh, s_gs, VEC)
     pid_q = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // hq
