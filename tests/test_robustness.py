@@ -53,6 +53,18 @@ def test_a_checker_process_ends_without_the_interpreters_teardown(module):
     assert "no-such-model" in proc.stderr and "TEARDOWN RAN" not in proc.stdout, explain(proc)
 
 
+def test_a_segfault_in_native_code_prints_every_threads_python_and_native_stack():
+    """A rank dying of SIGSEGV (a native library's bug: gloo's worker threads have no Python frame) leaves
+    its Python stacks (faulthandler) and every thread's C++ frames (torch's fatal-signal handler) in the
+    log, and the check fails with exit 3 naming the rank."""
+    proc = run_cli("check", "--model", "tiny-dense", "--layouts", "tp1", "--seq-length", "16", "--batch-size", "1",
+                   env={FAULT: "segv@start:0"}, timeout=300)
+    assert proc.returncode == 3, explain(proc)
+    assert "Fatal Python error: Segmentation fault" in proc.stderr, explain(proc)
+    assert "SIGSEGV(11), PID:" in proc.stderr and "frame #0:" in proc.stderr, explain(proc)
+    assert "fault_injection.py" in proc.stderr and "exited without a report" in proc.stderr, explain(proc)
+
+
 @full_tier(covered_by="tests/test_robustness.py::test_a_rank_that_hangs_fails_the_others_after_the_timeout",
            why="the same bounded wait for peers that are elsewhere, met by a hang instead of a refusal")
 def test_a_refusal_only_one_rank_meets_exits_2_long_before_the_timeout():

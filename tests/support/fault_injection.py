@@ -8,6 +8,7 @@ checker's diagnostics work on real runs:
   exit@POINT:RANK         rank RANK exits abruptly (``os._exit(17)``) on reaching POINT
   kill@POINT:RANK         rank RANK is killed (SIGKILL: no handler, no report) on reaching POINT
   hang@POINT:RANK         rank RANK sleeps (for an hour) on reaching POINT: a hung rank
+  segv@POINT:RANK         rank RANK reads address 0 on reaching POINT: a segfault in native code
   refuse@POINT:RANK       rank RANK raises a ConfigError on reaching POINT: a refusal only one rank meets
   perturb:PARAM           in every layout except the single-device reference, scale element 0 of the
                           full parameter PARAM (global name, e.g. decoder.layers.2.mlp.linear_fc2.weight)
@@ -45,10 +46,10 @@ def _directives() -> List[Tuple[str, str]]:
 
 
 def at_point(point: str, rank: int) -> None:
-    """exit@POINT / kill@POINT / hang@POINT for this rank."""
+    """exit@POINT / kill@POINT / hang@POINT / refuse@POINT / segv@POINT for this rank."""
     for kind, arg in _directives():
         action, _, where = kind.partition("@")
-        if where != point or action not in ("exit", "kill", "hang", "refuse") or int(arg) != rank:
+        if where != point or action not in ("exit", "kill", "hang", "refuse", "segv") or int(arg) != rank:
             continue
         if action == "refuse":
             from mindspeed_tp.errors import ConfigError
@@ -58,6 +59,10 @@ def at_point(point: str, rank: int) -> None:
             os._exit(17)
         if action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if action == "segv":
+            import ctypes
+
+            ctypes.string_at(0)
         time.sleep(3600)
 
 

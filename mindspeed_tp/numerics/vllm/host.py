@@ -10,9 +10,11 @@ never a re-implementation, and an ISA the host cannot run is refused before any 
 from __future__ import annotations
 
 import functools
+import os
 from typing import Dict
 
 import torch
+from mindspeed_tp_autoload import AMX_SWITCH, ONEDNN_CEILING, amx_off_requested
 
 from ...contract.refusals import refuse
 
@@ -50,18 +52,58 @@ def host_isa() -> str:
     return library
 
 
-def refuse_amx() -> None:
-    """AMX hosts are refused before vLLM's kernels are loaded or the engine starts (``vllm_cpu_amx``):
-    the engine's criterion, torch's AMX-tile test, decides (its attention, GEMM and MoE dispatch read it)."""
-    if torch.cpu._is_amx_tile_supported():
-        from ...devices.cpu_isa import describe
+_HOOK_MISSING = (". The switch is set in this process, but the hook did not run at its start: the package's "
+                 "mindspeed_tp-autoload.pth is missing from this environment (an editable install has none; "
+                 "pip install mindspeed-tp without -e)")
 
-        raise refuse("vllm_cpu_amx", cpu=describe())
+
+def describe_cpu() -> str:
+    from ...devices.cpu_isa import describe
+
+    return describe()
+
+
+def amx_in_hardware() -> bool:
+    """Whether the CPU has AMX tiles, whatever torch is told to report (``hide_amx``)."""
+    capabilities = torch.cpu.get_capabilities
+    return bool((getattr(capabilities, "hardware", None) or capabilities()).get("amx_tile", False))
+
+
+def amx_state() -> str:
+    """absent | hidden (``MINDSPEED_TP_VLLM_AMX=off``: the engine runs its AVX-512-BF16 kernels) | visible."""
+    if not amx_in_hardware():
+        return "absent"
+    return "hidden" if getattr(torch.cpu.get_capabilities, "hardware", None) is not None else "visible"
+
+
+def amx_off_env() -> Dict[str, str]:
+    """What a process running vLLM's kernels needs in its environment at start on this host: on an AMX
+    CPU the switch that hides AMX (``mindspeed_tp_autoload``) and oneDNN's ceiling; nothing elsewhere."""
+    if not amx_in_hardware():
+        return {}
+    name, value = ONEDNN_CEILING
+    return {AMX_SWITCH: "off", name: value}
+
+
+def check_amx_hidden() -> None:
+    """On an AMX host, AMX must be hidden from vLLM's dispatch and oneDNN capped below it in this process
+    (and, by the same environment, in the engine's), before vLLM's kernels are loaded or the engine starts:
+    the profiles model vLLM's AVX-512-BF16 kernels, not its AMX ones."""
+    state = amx_state()
+    if state == "absent":
+        return
+    if state == "visible":
+        raise refuse("vllm_cpu_amx", cpu=describe_cpu(), switch=AMX_SWITCH, hook=_HOOK_MISSING if amx_off_requested()
+                     else "")
+    name, value = ONEDNN_CEILING
+    found = os.environ.get(name, "")
+    if found.strip().upper() != value:
+        raise refuse("vllm_cpu_amx_onednn", name=name, value=value, found=found or "unset")
 
 
 def check_profile_isa(expected: str) -> str:
     """The host's kernel family; a pinned ``engine.cpu_isa`` other than ``auto`` must be it."""
-    refuse_amx()
+    check_amx_hidden()
     found = host_isa()
     if expected != "auto" and found != expected:
         raise refuse("vllm_cpu_isa", found=found, expected=expected)
@@ -127,5 +169,6 @@ def gemm_name(fn) -> str:
 
 
 def kernel_choices() -> Dict[str, str]:
-    """The host-level choices, for the report: the kernel family and the library it was built for."""
-    return {"cpu_isa": host_isa(), "library": engine_library()}
+    """The host-level choices, for the report: the kernel family, the library it was built for, and
+    whether the CPU's AMX tiles were absent or hidden from the engine."""
+    return {"cpu_isa": host_isa(), "library": engine_library(), "amx": amx_state()}
