@@ -32,6 +32,27 @@ def test_engine_gemm_rows_and_columns_do_not_depend_on_the_rest(dtype):
     assert bits_equal(kernels.engine_linear(x, w[cols].contiguous()), full[:, cols])
 
 
+_DISPATCH_PROBE = """
+from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+from vllm.model_executor.layers.utils import check_cpu_sgl_kernel
+print(json.dumps({"attention": _get_attn_isa(torch.bfloat16, 128, 64, "auto"),
+                  "sgl_gemm": check_cpu_sgl_kernel(256, 256, torch.bfloat16)}))
+"""
+
+
+@pytest.mark.parametrize("switch", ["off", None])
+def test_vllms_own_dispatch_takes_no_amx_kernel_under_the_hook(switch):
+    """vLLM's own AMX decisions in a fresh interpreter: with MINDSPEED_TP_VLLM_AMX=off its bf16 attention is
+    the vector kernel and its small-GEMM AMX kernel is off; without the switch they follow the hardware."""
+    from test_vllm_profile import hook_probe
+
+    seen = hook_probe(switch, _DISPATCH_PROBE)
+    if switch:
+        assert seen["attention"] == "vec" and seen["sgl_gemm"] is False, seen
+    else:
+        assert (seen["attention"] == "amx") == seen["hardware"], seen
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
 def test_the_moe_kernel_runs_with_the_experts_class_the_engine_selects_for_the_dtype(dtype):
     """The experts ISA comes from vLLM's MoE oracle for this layer ('amx' for bf16 only where AMX is
