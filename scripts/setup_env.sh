@@ -30,8 +30,9 @@ with_verl=""
 triton_gpu_spec=""
 [ -z "$vllm_spec" ] && [ "$version" = "${MEGATRON_CORE_FULL:-0.16.1}" ] && triton_gpu_spec="${TRITON_GPU_SPEC:-triton==3.6.0}"
 [ -z "$vllm_spec" ] && [ "$line" -ge 16 ] && with_verl="$verl_spec $mbridge_spec"
-# .venv-vllm: verl too (mindspeed-tp rl-check takes GRPO's advantage and loss from it)
-[ -n "$vllm_spec" ] && with_verl="$verl_spec"
+# .venv-vllm: verl and mbridge too (mindspeed-tp rl-check takes GRPO's advantage and loss from verl;
+# scripts/verl_e2e.sh runs verl's own trainer there, with Hydra and its data loader)
+[ -n "$vllm_spec" ] && with_verl="$verl_spec $mbridge_spec"
 stamp="$venv/.mindspeed-tp-stamp"
 src_hash="$(cd "$root" && cat setup.py mindspeed_tp-autoload.pth mindspeed_tp_autoload.py $(find mindspeed_tp -type f \( -name '*.py' -o -name '*.yaml' \) | sort) | sha256sum | cut -c1-16)"
 want="$torch_spec megatron-core==$version${vllm_spec:+ $vllm_spec}${with_verl:+ $with_verl}${triton_gpu_spec:+ gpu-$triton_gpu_spec} $src_hash"
@@ -69,6 +70,9 @@ pip install -c "$constraints" --force-reinstall --no-deps "$root" && pip install
 if [ -n "$with_verl" ]; then
   pip install --no-deps $with_verl
   pip install -c "$constraints" ray "tensordict>=0.8,<=0.10.0,!=0.9.0" omegaconf codetiming peft datasets einops
+  if [ -n "$vllm_spec" ]; then
+    pip install -c "$constraints" hydra-core torchdata accelerate dill pylatexenc tensorboard
+  fi
 fi
 if [ -n "$triton_gpu_spec" ]; then
   rm -rf "$venv/triton-3.6"

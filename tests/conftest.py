@@ -172,7 +172,7 @@ def _hide_amx_from_vllm() -> None:
 if _importlib_util.find_spec("vllm") is not None:
     _hide_amx_from_vllm()
 if _importlib_util.find_spec("verl") is None:
-    collect_ignore += ["test_verl_entry.py", "test_rl_check.py", "test_rl_vllm.py"]
+    collect_ignore += ["test_verl_entry.py", "test_verl_cpu.py", "test_rl_check.py", "test_rl_vllm.py"]
 
 
 pytest_plugins = ["pytester"]  # tests/test_tests_doc.py runs the tier mechanism on a suite of its own

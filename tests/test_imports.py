@@ -102,7 +102,7 @@ LAYERS = [
     ("check",),                 # the checkers (enable the package, drive megatron-core)
     ("registries",),            # names every patch set, the checker's included
     ("cli",),                   # the command line over the checkers and the registries
-    ("verl", "megatron_adaptor"),  # entry points: importing them enables
+    ("verl", "verl_cpu", "megatron_adaptor"),  # entry points: importing them enables (verl_cpu: verl runs on a CPU)
 ]
 
 # The one documented import circle: the package imports its interpreter-start hook

@@ -9,8 +9,8 @@ where its condition holds:
   (each call reads its group's backend, so the group is inert on any other);
 - ``cuda_standins``: CUDA-only calls replaced by their CPU equivalents: only in a process without an
   accelerator that runs megatron-core on the CPU on purpose (the checkers' workers, the tests and
-  benchmarks: ``install_cpu_shims``), never by ``enable()`` (a user's CPU-only driver, verl's for
-  one, keeps ``Tensor.cuda`` and ``torch.cuda``).
+  benchmarks, verl's processes under ``mindspeed_tp.verl_cpu``: ``install_cpu_shims``), never by
+  ``enable()`` (a user's CPU-only driver, verl's for one, keeps ``Tensor.cuda`` and ``torch.cuda``).
 ``enable()`` installs the first two (``enable_groups``); the checkers install by condition
 (``install_checker_shims``); ``install_cpu_shims`` installs all three. docs/CONTRACT.md,
 "megatron-core on CPU", lists the failure each answers.

@@ -118,13 +118,22 @@ def mbridge_true_vocab(original):
     return _model_provider
 
 
+def _local_spec() -> bool:
+    """The local layer spec: while mindspeed-tp is enabled, and in a CPU run of verl without Transformer
+    Engine (``mindspeed_tp.verl_cpu``: there is no other spec to build, the vanilla arm included)."""
+    from .verl_cpu import local_spec_needed
+
+    return state.enabled() or local_spec_needed()
+
+
 def local_decoder_block_spec(original):
-    """get_gpt_decoder_block_spec asking for the local spec while mindspeed-tp is enabled; the
-    original's signature (``vp_stage`` and all) is what callers inspect and what is passed on."""
+    """get_gpt_decoder_block_spec asking for the local spec while mindspeed-tp is enabled (or on a CPU
+    without Transformer Engine); the original's signature (``vp_stage`` and all) is what callers inspect
+    and what is passed on."""
 
     @functools.wraps(original)
     def get_gpt_decoder_block_spec(config, use_transformer_engine=True, *args, **kwargs):
-        if state.enabled():
+        if _local_spec():
             use_transformer_engine = False
         return original(config, use_transformer_engine, *args, **kwargs)
 
@@ -194,7 +203,7 @@ def local_spec_provider(original):
     @functools.wraps(original)
     def provide(self, pre_process=None, post_process=None, vp_stage=None):
         te_specs = tuple(getattr(gpt_provider, n, None) for n in ("default_layer_spec", "transformer_engine_layer_spec"))
-        if state.enabled() and self.transformer_layer_spec in te_specs:
+        if _local_spec() and self.transformer_layer_spec in te_specs:
             self.transformer_layer_spec = gpt_provider.local_layer_spec
         return original(self, pre_process, post_process, vp_stage)
 

@@ -37,11 +37,11 @@ class EngineInfo:
         model's own loader shards them for this TP rank and redoes the post-load processing, e.g.
         the CPU GEMM prepacking)."""
         self.reload_weights(weights_iterator=unpack_tensors(packed), is_checkpoint_format=True)
-        _prepack_cpu_experts_again(self.model_runner.model)
+        prepack_cpu_experts_again(self.model_runner.model)
         return len(packed)
 
 
-def _prepack_cpu_experts_again(model) -> int:
+def prepack_cpu_experts_again(model) -> int:
     """vLLM 0.32: on a weight update its unquantized MoE method skips the experts' own
     ``process_weights_after_loading`` (UnquantizedFusedMoEMethod._setup_kernel runs it on the first
     load only), so the CPU experts keep the reloaded weights unpacked while ``cpu_fused_moe`` reads
