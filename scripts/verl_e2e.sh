@@ -11,11 +11,10 @@
 # megatron-core. Both load mindspeed_tp.verl_cpu, which only makes verl run on a CPU.
 #
 # Status (issue #58, in progress): the --vanilla arm runs verl's trainer end to end here (rollouts by
-# vLLM, weight sync, old log-probs, the update, verl's metrics in OUT/metrics.jsonl). Its rollout
-# log-perplexity is that of a near-uniform policy while the actor's entropy is low: the engine's LM head
-# after the weight sync is the first thing to check. The mindspeed-tp arm (the engine-scoring forward
-# inside verl's actor) is not built yet, and at top-p < 1 verl compares vLLM's processed log-probs with
-# the actor's temperature log-probs (refused by name under mindspeed-tp: verl_processed_logprobs).
+# vLLM, weight sync, old log-probs, the update, verl's metrics in OUT/metrics.jsonl). The mindspeed-tp
+# arm (the engine-scoring forward inside verl's actor) is not built yet, and at top-p < 1 verl compares
+# vLLM's processed log-probs with the actor's temperature log-probs (refused by name under mindspeed-tp:
+# verl_processed_logprobs).
 set -euo pipefail
 out="${1:?usage: verl_e2e.sh OUT [--steps N] [--vanilla] [--pp2]}"
 shift

