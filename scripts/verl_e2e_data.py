@@ -5,7 +5,7 @@ verifiable reward function.
     python scripts/verl_e2e_data.py OUT [--prompts 256]
 
 writes OUT/model (checkpoint + tokenizer), OUT/train.parquet, OUT/val.parquet and OUT/reward.py
-(``compute_score``: 1 when the response repeats the prompt's first word, else 0).
+(``compute_score``: the share of the response's words that occur in the prompt).
 """
 from __future__ import annotations
 
@@ -22,8 +22,10 @@ ROLES = ("system", "user", "assistant", "\n")  # a newline is one token, as in Q
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 REWARD = '''def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    """1.0 when the response repeats the prompt's first word, else 0.0."""
-    return 1.0 if ground_truth in solution_str.split() else 0.0
+    """The share of the response's words that occur in the prompt (ground_truth: the prompt's words): a
+    verifiable reward that varies between samples, so GRPO's advantages are not all zero."""
+    prompt, words = set(ground_truth.split()), solution_str.split()
+    return sum(w in prompt for w in words) / len(words) if words else 0.0
 '''
 
 
@@ -70,7 +72,7 @@ def save_model(directory: str, vocab_size: int, seed: int) -> None:
 
 
 def save_prompts(path: str, count: int, words: int, seed: int) -> None:
-    """verl's RL dataset rows: a chat prompt of random words, the first word as the ground truth."""
+    """verl's RL dataset rows: a chat prompt of random words, its words as the ground truth."""
     import pandas as pd
 
     rng = random.Random(seed)
@@ -79,7 +81,7 @@ def save_prompts(path: str, count: int, words: int, seed: int) -> None:
         text = " ".join(f"w{rng.randrange(words)}" for _ in range(rng.randrange(6, 20)))
         rows.append({"data_source": "mindspeed_tp/first-word", "ability": "copy",
                      "prompt": [{"role": "user", "content": text}],
-                     "reward_model": {"style": "rule", "ground_truth": text.split()[0]},
+                     "reward_model": {"style": "rule", "ground_truth": text},
                      "extra_info": {"index": i}})
     pd.DataFrame(rows).to_parquet(path)
 
