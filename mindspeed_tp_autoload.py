@@ -29,8 +29,9 @@ ONEDNN_CEILING = ("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
 AMX_CAPABILITIES = ("amx_tile", "amx_bf16", "amx_int8", "amx_fp16")
 
 
-def amx_off_requested() -> bool:
-    return os.environ.get(AMX_SWITCH, "").strip().lower() == "off"
+def amx_off_requested(env=None) -> bool:
+    """Whether ``env`` (this process's environment by default) sets ``MINDSPEED_TP_VLLM_AMX=off``."""
+    return (os.environ if env is None else env).get(AMX_SWITCH, "").strip().lower() == "off"
 
 
 def hide_amx(cpu_module) -> None:

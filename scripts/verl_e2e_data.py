@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
+import sys
 
-import torch
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 ROLES = ("system", "user", "assistant", "\n")  # a newline is one token, as in Qwen's ChatML (verl relies on it)
@@ -48,27 +48,12 @@ def save_tokenizer(directory: str, vocab_size: int) -> None:
 
 
 def save_model(directory: str, vocab_size: int, seed: int) -> None:
-    """Qwen3, 2 layers, head dim 32 (a size vLLM's CPU attention has), tied embeddings, weights scaled
-    so that the policy is far from uniform."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    """The tests' tiny sharpened Qwen3 (``tests/hf_models.make_qwen3``, written by transformers) at head dim
+    32 (a size vLLM's CPU attention has), its vocab the tokenizer's, its special tokens the chat ones."""
+    from hf_models import make_qwen3
 
-    torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-                         tie_word_embeddings=True, eos_token_id=vocab_size - 1, pad_token_id=vocab_size - 3,
-                         bos_token_id=None)
-    model = Qwen3ForCausalLM(config)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * noise)
-            elif "embed_tokens" in name:
-                p.copy_(0.25 * noise)
-            else:
-                p.copy_(noise / math.sqrt(p.shape[-1]))
-    model.save_pretrained(directory)
+    make_qwen3(directory, seed=seed, vocab_size=vocab_size, hidden_size=128, intermediate_size=256, head_dim=32,
+               eos_token_id=vocab_size - 1, pad_token_id=vocab_size - 3, bos_token_id=None)
 
 
 def save_prompts(path: str, count: int, words: int, seed: int) -> None:

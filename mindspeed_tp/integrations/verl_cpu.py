@@ -29,6 +29,9 @@ import os
 import types
 from typing import Any, Dict, Optional
 
+_ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
+_VLLM_WORKER_MODULE = "verl.workers.rollout.vllm_rollout.utils"
+_DISTRIBUTED_MODULE = "verl.utils.distributed"
 _installed = False
 
 
@@ -38,9 +41,6 @@ def local_spec_needed() -> bool:
     import importlib.util
 
     return _installed and importlib.util.find_spec("transformer_engine") is None
-_ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
-_VLLM_WORKER_MODULE = "verl.workers.rollout.vllm_rollout.utils"
-_DISTRIBUTED_MODULE = "verl.utils.distributed"
 
 
 def _noop(*_args, **_kwargs) -> None:

@@ -55,7 +55,8 @@ def tied_lm_heads(model):
     """(LM head, embedding) pairs sharing one weight (``tie_word_embeddings``)."""
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
-    embeddings = [m for m in model.modules() if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)]
+    embeddings = [m for m in model.modules()
+                  if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)]
     return [(head, emb) for head in model.modules() if isinstance(head, ParallelLMHead)
             for emb in embeddings if head.weight is emb.weight]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Dict
+from typing import Dict, Mapping, Optional
 
 import torch
 from mindspeed_tp_autoload import AMX_SWITCH, ONEDNN_CEILING, amx_off_requested
@@ -57,23 +57,24 @@ _HOOK_MISSING = (". The switch is set in this process, but the hook did not run 
                  "pip install mindspeed-tp without -e)")
 
 
-def describe_cpu() -> str:
-    from ...devices.cpu_isa import describe
-
-    return describe()
+def _hardware_report():
+    """(the CPU's own capability report, whether torch's answer hides AMX from it: ``hide_amx``)."""
+    capabilities = torch.cpu.get_capabilities
+    hardware = getattr(capabilities, "hardware", None)
+    return (capabilities() if hardware is None else hardware), hardware is not None
 
 
 def amx_in_hardware() -> bool:
     """Whether the CPU has AMX tiles, whatever torch is told to report (``hide_amx``)."""
-    capabilities = torch.cpu.get_capabilities
-    return bool((getattr(capabilities, "hardware", None) or capabilities()).get("amx_tile", False))
+    return bool(_hardware_report()[0].get("amx_tile", False))
 
 
 def amx_state() -> str:
     """absent | hidden (``MINDSPEED_TP_VLLM_AMX=off``: the engine runs its AVX-512-BF16 kernels) | visible."""
-    if not amx_in_hardware():
+    report, hidden = _hardware_report()
+    if not report.get("amx_tile", False):
         return "absent"
-    return "hidden" if getattr(torch.cpu.get_capabilities, "hardware", None) is not None else "visible"
+    return "hidden" if hidden else "visible"
 
 
 def amx_off_env() -> Dict[str, str]:
@@ -85,16 +86,19 @@ def amx_off_env() -> Dict[str, str]:
     return {AMX_SWITCH: "off", name: value}
 
 
-def check_amx_hidden() -> None:
+def check_amx_hidden(engine_env: Optional[Mapping[str, str]] = None) -> None:
     """On an AMX host, AMX must be hidden from vLLM's dispatch and oneDNN capped below it in this process
-    (and, by the same environment, in the engine's), before vLLM's kernels are loaded or the engine starts:
-    the profiles model vLLM's AVX-512-BF16 kernels, not its AMX ones."""
+    and, given ``engine_env``, be switched off in the environment the engine's processes start with,
+    before vLLM's kernels are loaded or the engine starts: the profiles model vLLM's AVX-512-BF16
+    kernels, not its AMX ones."""
     state = amx_state()
     if state == "absent":
         return
-    if state == "visible":
-        raise refuse("vllm_cpu_amx", cpu=describe_cpu(), switch=AMX_SWITCH, hook=_HOOK_MISSING if amx_off_requested()
-                     else "")
+    from ...devices.cpu_isa import describe
+
+    if state == "visible" or (engine_env is not None and not amx_off_requested(engine_env)):
+        hook = _HOOK_MISSING if state == "visible" and amx_off_requested() else ""
+        raise refuse("vllm_cpu_amx", cpu=describe(), switch=AMX_SWITCH, hook=hook)
     name, value = ONEDNN_CEILING
     found = os.environ.get(name, "")
     if found.strip().upper() != value:

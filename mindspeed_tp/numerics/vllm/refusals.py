@@ -37,11 +37,9 @@ def _versions(spec: Optional[str]):
 def check_engine_settings(env: Mapping[str, str], tp: int, prefix_caching: bool = False,
                           enforce_eager: bool = True) -> None:
     """The engine settings the profiles assume; each violation named with the setting to change."""
-    from .host import AMX_SWITCH, amx_in_hardware, check_amx_hidden, describe_cpu
+    from .host import check_amx_hidden
 
-    check_amx_hidden()  # this process; the engine's processes inherit its environment
-    if amx_in_hardware() and env.get(AMX_SWITCH, "").strip().lower() != "off":
-        raise refuse("vllm_cpu_amx", cpu=describe_cpu(), switch=AMX_SWITCH, hook="")
+    check_amx_hidden(env)  # this process, and the environment the engine's processes start with
     threads = int(env.get("OMP_NUM_THREADS", "0") or 0)
     if threads != 1:
         raise refuse("vllm_engine_threads", threads=threads or "unset")
