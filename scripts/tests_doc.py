@@ -7,7 +7,7 @@ built with `conftest.tiered`).
     python scripts/tests_doc.py --json      the collected tests of a tier (--tier ci|full) as JSON
 
 Run it with the main line's venv (.venv-mc0.16.1): the collection is the main line's (the engine
-tests need .venv-vllm and are the same in both tiers)."""
+tests need .venv-vllm; their full_tier marks are read from their source)."""
 import argparse
 import contextlib
 import io
@@ -55,7 +55,8 @@ REFUSAL_GROUP_TESTS = {
 }
 # The engine tests are collected in .venv-vllm only: a reference to them is checked for existence.
 ENGINE_TEST_FILES = ("tests/test_vllm_engine.py", "tests/test_vllm_kernels.py", "tests/test_vllm_profile.py",
-                     "tests/test_rl_vllm.py", "tests/test_vllm_bench.py", "tests/test_vllm_sampling.py")
+                     "tests/test_rl_vllm.py", "tests/test_vllm_bench.py", "tests/test_vllm_sampling.py",
+                     "tests/test_verl_e2e.py")
 
 
 class _Collector:
@@ -209,7 +210,8 @@ def render(full, ci) -> str:
         "  before a change to numerics is called done ([DEVELOPING.md](DEVELOPING.md#tests)).",
         "",
         "Both tiers run the same megatron-core lines (0.16.x whole, 0.19.x and 0.12.x their `version_lines`",
-        "subsets) and the same engine tests in `.venv-vllm` (not collected here: they need vLLM). The CI tier",
+        "subsets) and the same engine tests in `.venv-vllm` (not collected here: they need vLLM; their",
+        "full-tier-only tests, `tests/test_verl_e2e.py` among them, are in the table below). The CI tier",
         "runs `tests/test_verl_entry.py` and `tests/test_packed.py` on 0.19.x only, the line verl 0.9 tracks",
         "(`scripts/test.sh`).",
         "",

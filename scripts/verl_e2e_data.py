@@ -5,7 +5,7 @@ verifiable reward function.
     python scripts/verl_e2e_data.py OUT [--prompts 256]
 
 writes OUT/model (checkpoint + tokenizer), OUT/train.parquet, OUT/val.parquet and OUT/reward.py
-(``compute_score``: the share of the response's words that occur in the prompt).
+(``compute_score``: the share of the response's words with an even index).
 """
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ ROLES = ("system", "user", "assistant", "\n")  # a newline is one token, as in Q
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 REWARD = '''def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    """The share of the response's words that occur in the prompt (ground_truth: the prompt's words): a
-    verifiable reward that varies between samples, so GRPO's advantages are not all zero."""
-    prompt, words = set(ground_truth.split()), solution_str.split()
-    return sum(w in prompt for w in words) / len(words) if words else 0.0
+    """The share of the response's words with an even index (w0, w2, ...): a verifiable reward that varies
+    between samples of the tiny random policy, so GRPO's advantages and the update are not zero."""
+    words = [w for w in solution_str.split() if w[:1] == "w" and w[1:].isdigit()]
+    return sum(int(w[1:]) % 2 == 0 for w in words) / len(words) if words else 0.0
 '''
 
 
@@ -64,7 +64,7 @@ def save_prompts(path: str, count: int, words: int, seed: int) -> None:
     rows = []
     for i in range(count):
         text = " ".join(f"w{rng.randrange(words)}" for _ in range(rng.randrange(6, 20)))
-        rows.append({"data_source": "mindspeed_tp/first-word", "ability": "copy",
+        rows.append({"data_source": "mindspeed_tp/even-words", "ability": "parity",
                      "prompt": [{"role": "user", "content": text}],
                      "reward_model": {"style": "rule", "ground_truth": text},
                      "extra_info": {"index": i}})

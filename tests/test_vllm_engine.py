@@ -86,6 +86,18 @@ def test_response_logprobs_bitwise_equal_to_vllm_in_every_layout(name, tmp_path_
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_packed_sequences_are_scored_as_the_engines_requests(name, tmp_path_factory):
+    """Packed (thd, verl's use_remove_padding): each packed sequence is one engine request (its prompt a
+    prefill, its response decode steps), bitwise vLLM's in every layout without CP (CP: refused)."""
+    (name, model, dtype, etp, layouts, *_), res = engine_run(name, tmp_path_factory)
+    plain = [x for x in layouts.split(",") if "cp" not in x]
+    assert plain and set(plain) == {x for x, row in res["sets"]["t1"].items() if "packed" in row}
+    for layout in plain:
+        packed = res["sets"]["t1"][layout]["packed"]
+        assert packed["tokens"] >= 40 and packed["bitwise"] == 1.0 and packed["max_abs"] == 0.0, (layout, packed)
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_vanilla_and_canonical_differ_from_vllm(name, tmp_path_factory):
     (name, model, dtype, etp, layouts, *_), res = engine_run(name, tmp_path_factory)
     for layout in layouts.split(","):

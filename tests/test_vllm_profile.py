@@ -239,7 +239,7 @@ def test_checker_engine_flags_are_checked_before_anything_starts(argv, word, cap
 
 def test_the_engine_rope_and_scoring_plan_belong_to_their_model_and_thread():
     """Two models built under a vllm-cpu profile keep their own RoPE base; a scoring plan is the
-    engine_scoring block's of the thread that opened it."""
+    engine_scoring block's of the thread that opened it; a pipelined model's stages exchange fp32."""
     import threading
 
     from mindspeed_tp.contract.profile import load_profile
@@ -273,6 +273,15 @@ def test_the_engine_rope_and_scoring_plan_belong_to_their_model_and_thread():
         thread.join()
         assert scoring.current_plan(2).prompt_lens == (3, 4)
     assert seen == [None]
+
+    # at PP > 1 the stages exchange the engine's fp32 residual stream: megatron's schedule sizes its
+    # send / recv buffers by pipeline_dtype (bf16 buffers would receive half of each fp32 message)
+    staged, single = Config(), Config()
+    staged.pipeline_model_parallel_size, staged.pipeline_dtype = 2, torch.bfloat16
+    single.pipeline_model_parallel_size, single.pipeline_dtype = 1, torch.bfloat16
+    engine.model_init(gpt_init, object(), (staged, None, 1024, 256), {})
+    engine.model_init(gpt_init, object(), (single, None, 1024, 256), {})
+    assert (staged.pipeline_dtype, single.pipeline_dtype) == (torch.float32, torch.bfloat16)
 
 
 def test_an_engine_on_another_kernel_family_than_the_training_host_is_refused(monkeypatch):

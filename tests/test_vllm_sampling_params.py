@@ -45,6 +45,7 @@ values.pop("watermarking")
 # verl 0.9's request (vLLMHttpServer.generate) and the project's engine requests are accepted
 SamplingParams(max_tokens=8, temperature=0.8, top_p=0.95, top_k=20, repetition_penalty=1.0, logprobs=0,
                ignore_eos=False, seed=3)
+SamplingParams(temperature=0.8, top_p=0.95, watermarking=False)  # off, as vLLM's workers receive verl's requests
 SamplingParams(temperature=1.0, top_k=-1, top_p=1.0, max_tokens=4, ignore_eos=True, logprobs=-1, seed=1,
                detokenize=False, stop_token_ids=[2])
 print("ACCEPTED")

@@ -331,10 +331,11 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "the sinks' gradient across CP ranks is not folded in a fixed order yet"),
     Refusal("attention_dropout", ATTENTION, "attention_dropout",
             "attention_dropout must be 0 " + _T + " (dropout makes the forward random)", "random"),
-    Refusal("packed_sequences_engine", ATTENTION, "packed_seq_params with a vllm-cpu profile",
-            "packed sequences (thd) are not supported with an engine profile (vllm-cpu-*): the engine's attention "
-            "scores one request at a time; use use_remove_padding=False or a canonical_tree / rollout-tp profile",
-            "the engine-kernel forward is written for padded (bshd) batches"),
+    Refusal("packed_sequences_engine", ATTENTION, "packed_seq_params with context parallelism (vllm-cpu profiles)",
+            "packed sequences (thd) under context parallelism are not supported with an engine profile (vllm-cpu-*): "
+            "the engine scores each request whole; use padded (bshd) batches under CP (verl: "
+            "actor_rollout_ref.model.use_remove_padding=False) or context_parallel_size=1",
+            "a CP rank's share of a packed sequence is not mapped to the engine's whole request"),
     Refusal("packed_qkv_format", ATTENTION, "packed_seq_params.qkv_format",
             "packed_seq_params.qkv_format={value!r} is not supported " + _T + "; use 'thd'",
             "only one packed row (thd) is implemented"),
@@ -424,12 +425,37 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "actor_rollout_ref.model.use_fused_kernels=True (also ref.*/critic.*): verl's fused logprob kernel "
             "bypasses mindspeed-tp's vocab reduction; set use_fused_kernels=False",
             "the fused kernel computes logprobs in its own order"),
-    Refusal("verl_processed_logprobs", VERL, "profile logprob_semantics (verl: temperature)",
-            "the profile's logprob_semantics is processed, but verl's actor computes log_softmax(logits / T) "
-            "(temperature semantics): it does not renormalise over the rollout's top-k / top-p. Set "
-            "logprob_semantics: temperature, and for bitwise rollout logprobs sample with rollout top_p=1.0, "
-            "top_k=-1 (vLLM's processed_logprobs are then the same logprobs)",
-            "verl's actor never applies the rollout's top-k / top-p mask"),
+    Refusal("verl_processed_logprobs", VERL, "profile logprob_semantics (verl, profiles without an engine)",
+            "the profile's logprob_semantics is processed, but under a profile without an engine verl's actor computes "
+            "log_softmax(logits / T) (temperature semantics): it does not renormalise over the rollout's top-k / "
+            "top-p. Set logprob_semantics: temperature (and sample with rollout top_p=1.0, top_k=-1 for the two to "
+            "be one logprob), or use a real-engine profile (vllm-cpu-*), under which verl's actor scores the "
+            "rollout's own logprob",
+            "only a real-engine profile knows the engine's top-k / top-p mask"),
+    Refusal("verl_rollout_logprobs", VERL, "actor_rollout_ref.rollout.logprobs_mode / temperature",
+            "actor_rollout_ref.rollout.logprobs_mode={mode} at temperature {temperature}: verl's actor divides the "
+            "logits by the temperature and takes their log-softmax, which matches vLLM's processed_logprobs (verl's "
+            "default, with the rollout's top-k / top-p applied by mindspeed-tp) or raw_logprobs at temperature 1.0 "
+            "only; set logprobs_mode=processed_logprobs and a temperature > 0",
+            "verl's actor cannot compute logits or pre-temperature logprobs at T != 1"),
+    Refusal("verl_rollout_setting", VERL, "actor_rollout_ref.rollout.* (real-engine profiles)",
+            "actor_rollout_ref.rollout.{key}={value}: {why}; set actor_rollout_ref.rollout.{key}={want} for the "
+            "{profile} profile",
+            "the profile reproduces the engine only under the settings it was built for"),
+    Refusal("verl_logprob_semantics", VERL, "profile logprob_semantics (verl, real-engine profiles)",
+            "the profile's logprob_semantics is {semantics!r}, but verl's rollout returns {rollout}: leave "
+            "logprob_semantics unset (verl's actor then scores the rollout's logprob) or change the rollout's "
+            "logprobs_mode / top_k / top_p",
+            "verl compares the actor's logprob with the rollout's"),
+    Refusal("verl_multi_turn_scoring", VERL, "actor_rollout_ref.rollout.multi_turn / agent loop",
+            "verl's batch cannot be scored as the engine computed it: {why}; a real-engine profile scores "
+            "single-turn rollouts (prompt prefilled, response decoded in one piece): use the single-turn agent loop",
+            "a later turn is prefilled by the engine, not decoded"),
+    Refusal("verl_rollout_unknown", VERL, "verl worker (real-engine profiles)",
+            "verl's Megatron actor ran a forward under a real-engine profile without verl's rollout settings: "
+            "mindspeed-tp reads them when verl's ActorRolloutRefWorker starts (verl.workers.engine_workers); run "
+            "the actor in that worker, or use a profile without an engine (default)",
+            "which logprob the rollout returned is not known"),
     Refusal("mbridge_local_experts_parallel", VERL, "tensor/expert/expert-tensor parallel size with mbridge MoE",
             "mbridge with the local spec's SequentialMLP experts ({sizes}): mbridge splits and scatters expert weights "
             "by its grouped-GEMM names only, so with mindspeed-tp it loads MoE checkpoints at tensor/expert/"

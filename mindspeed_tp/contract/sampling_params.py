@@ -40,7 +40,7 @@ REFUSED: Dict[str, Tuple[Callable[[Any], bool], str]] = {
     "allowed_token_ids": (lambda v: v is None, "unset"),
     "bad_words": (lambda v: not v, "[]"),
     "structured_outputs": (lambda v: v is None, "unset (guided decoding masks the logits)"),
-    "watermarking": (lambda v: v is None, "unset (a watermark biases the logits)"),
+    "watermarking": (lambda v: v in (None, False), "unset or False (a watermark biases the logits)"),
     "thinking_token_budget": (lambda v: v is None, "unset (the engine forces tokens past the budget)"),
     "extra_args": (lambda v: not v, "unset (custom logits processors read it)"),
     "logprob_token_ids": (lambda v: v is None, "unset (the sampled token's logprob is what is compared)"),

@@ -48,9 +48,11 @@ from ..contract.refusals import refuse
 from ..kernels.collectives import group_size
 from ..models.marks import TRUE_VOCAB_ATTR, mark_true_vocab
 from ..numerics import ACTIVE
+from ..numerics.vllm.forward import is_vllm
 from ..numerics.vocab import true_vocab_size
 from ..numerics.weight_caches import invalidating
 from ..patching import Patch, PatchRegistry
+from . import verl_rollout_match
 
 VERL_LOGPROB = "verl.utils.megatron.tensor_parallel:vocab_parallel_log_probs_from_logits"
 VERL_LOGITS_PROCESSOR = ("verl.workers.engine.megatron.transformer_impl:"
@@ -80,8 +82,8 @@ def _verl_logprob(original):
         numerics = ACTIVE.current()
         if numerics is None:
             return original(logits, labels)
-        if numerics.profile.logprob_semantics == "processed":  # the active strategy's profile
-            raise refuse("verl_processed_logprobs")
+        if numerics.profile.logprob_semantics == "processed" and not is_vllm(numerics.profile):
+            raise refuse("verl_processed_logprobs")  # real-engine profiles follow the rollout (verl_rollout_match)
         group = compat.tp_group_of()
         vocab = true_vocab_size(logits.shape[-1] * group_size(group), from_model=getattr(logits, TRUE_VOCAB_ATTR, None))
         return numerics.logprob(logits, labels, group, vocab)
@@ -93,13 +95,20 @@ def temperature_in_fp32(original):
     """verl's LM-head logits processor divides the logits by the per-token fp32 temperature in place,
     in the logits' dtype; the engine divides fp32 logits (vLLM: ``logits.to(float32)``, then
     ``Sampler.apply_temperature``). Logits in another dtype (a real engine's bf16 LM head) are widened
-    first -- exact -- so verl's division is the engine's; every argument is passed on as given."""
+    first -- exact -- so verl's division is the engine's; every argument is passed on as given. The true
+    vocab size is the engine's Hugging Face config's (``model_config.hf_config.vocab_size``)."""
 
     @functools.wraps(original)
     def _lm_head_logits_processor(self, logits, *args, **kwargs):
-        if state.enabled() and logits.dtype != torch.float32:
+        if not state.enabled():
+            return original(self, logits, *args, **kwargs)
+        if logits.dtype != torch.float32:
             logits = logits.float()
-        return original(self, logits, *args, **kwargs)
+        # the processor copies the logits (entropy) and the widening above makes new ones, neither keeping the
+        # model's vocab mark: the logprob learns the true vocab from the engine's Hugging Face config
+        hf_config = getattr(getattr(self, "model_config", None), "hf_config", None)
+        with state.model_vocab_size(getattr(hf_config, "vocab_size", None)):
+            return original(self, logits, *args, **kwargs)
 
     return _lm_head_logits_processor
 
@@ -211,6 +220,7 @@ def local_spec_provider(original):
 
 
 def register(reg: PatchRegistry) -> None:
+    verl_rollout_match.register(reg)
     spec_reason = ("builds the local layer spec while mindspeed-tp is enabled (the Transformer Engine layers it asks "
                    "for are not covered by the patches); megatron's signature (vp_stage) kept")
     reg.add(Patch(target=VERL_LOGPROB, replacement=_verl_logprob, wraps=True, on_import=True,

@@ -158,7 +158,9 @@ def _platform_class():
             from .vllm.engine import ENGINE_ENV
             from ..numerics.vllm.host import amx_off_env
 
-            return {**ENGINE_ENV, **amx_off_env()}
+            # one OpenMP thread per engine worker, as the profiles assume: vLLM's automatic core binding would
+            # give each worker its share of the cores (OMP_NUM_THREADS > 1); the TP size is not known here
+            return {**ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": "nobind", **amx_off_env()}
 
         def cudart(self) -> Any:
             return None

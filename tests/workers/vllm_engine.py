@@ -125,6 +125,9 @@ def main():
                 run_at = layout.without_cp() if vanilla else layout
                 lp, _ = layout_logprobs(spec, run_at, dtype, prof, SEED, batch, vanilla, weights=weights)
                 row[mode] = compare(lp, ref, batch.scored)
+            if name == "t1" and layout.cp == 1:  # packed (thd) as verl's use_remove_padding, prompts as requests
+                lp, _ = layout_logprobs(spec, layout, dtype, profile, SEED, batch, False, weights=weights, packed=True)
+                row["packed"] = compare(lp, ref, batch.scored)
     out["score_seconds"] = round(time.time() - began, 1)
     if args.tokenizer_entries:
         out["tokenizer"] = tokenizer_sized(spec, layouts[0], dtype, profile, weights, batches["t1"],

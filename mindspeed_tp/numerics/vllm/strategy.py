@@ -6,6 +6,8 @@ from __future__ import annotations
 import functools
 import inspect
 
+import torch
+
 from ... import compat
 from ...contract.refusals import refuse
 from ..base import attention_sinks, attention_window
@@ -48,6 +50,10 @@ class VllmEngine(RolloutLayout):
         if head_dim:
             check_head_dim(head_dim)
         config = a["config"]
+        if getattr(config, "pipeline_model_parallel_size", 1) > 1:
+            # the stages exchange the residual stream as the engine carries it, fp32 (its unrounded fused-add
+            # sum): megatron's schedule sizes its send / recv buffers by the config's pipeline_dtype
+            config.pipeline_dtype = torch.float32
         check_swiglu(glu_of(config))
         check_activation_widths(activation_widths(config), self.profile.rollout_tp, config.params_dtype)
         forward.set_rope(a["config"], a.get("rotary_base", 10000), a["max_sequence_length"],
@@ -63,11 +69,15 @@ class VllmEngine(RolloutLayout):
         return forward.norm(x, module.weight, module.eps, module.normalization)
 
     def rope(self, t, freqs, config, interleaved, cu_seqlens, mscale=1.0):
-        """The engine's cos/sin cache (the model's base and max positions) and rotary kernel."""
-        if cu_seqlens is not None:
-            raise refuse("packed_sequences_engine")
+        """The engine's cos/sin cache (the model's base and max positions) and rotary kernel; packed
+        (``cu_seqlens``, t [tokens, heads, dim]): each sequence from its own position 0 (the kernel
+        rotates each token at its own position, as the engine's one request at a time)."""
         _refuse_mscale(mscale)
-        return forward.rope(t, config, interleaved)
+        if cu_seqlens is None:
+            return forward.rope(t, config, interleaved)
+        bounds = [int(x) for x in cu_seqlens.tolist()]
+        positions = torch.cat([torch.arange(b - a) for a, b in zip(bounds[:-1], bounds[1:])])
+        return forward.rope(t.unsqueeze(1), config, interleaved, positions).squeeze(1)
 
     def attention(self, module, query, key, value, attention_mask, mask_name, causal):
         """The engine's paged attention: prompt prefill, then decode steps."""
@@ -80,11 +90,30 @@ class VllmEngine(RolloutLayout):
         return forward.attention(query, key, value, compat.attention_scale(module), causal, attention_window(module))
 
     def packed_attention(self, module, query, key, value, bounds, causal):
-        raise refuse("packed_sequences_engine")
+        """Packed (thd) sequences as the engine's requests: each one padded at its end into a batch row,
+        scored by ``attention`` (the scoring plan's prompt lengths, one per packed sequence, in order),
+        its real rows taken back. A causal row never reads the padding after it."""
+        spans = list(zip(bounds[:-1], bounds[1:]))
+        longest = max(b - a for a, b in spans)
+
+        def rows(t):
+            padded = t.new_zeros(longest, len(spans), *t.shape[1:])
+            for i, (a, b) in enumerate(spans):
+                padded[: b - a, i] = t[a:b]
+            return padded
+
+        context = self.attention(module, rows(query), rows(key), rows(value), None, "causal", causal)
+        return torch.cat([context[: b - a, i] for i, (a, b) in enumerate(spans)], dim=0)
 
     # Context parallelism: the engine's paged attention scores whole requests (prefill, then decode
     # steps), so every CP rank runs it on the whole sequence and keeps its own chunks' rows.
     cp_whole_queries = True
+
+    def check_context_parallel(self, packed=False):
+        """Packed (thd) batches under CP: not modelled (each rank's tokens of a packed sequence would
+        need the engine's whole request); refused at the first such attention call."""
+        if packed:
+            raise refuse("packed_sequences_engine")
 
     def cp_rope(self, t, freqs, config, interleaved, positions, mscale=1.0):
         """The engine's rotary kernel at this rank's chunk positions."""
