@@ -128,3 +128,68 @@ def test_a_response_with_gaps_in_its_loss_mask_is_refused():
     batch = verl_micro_batch([5, 2], [4, 2], response_mask=gapped)
     with pytest.raises(ConfigError, match="loss mask has gaps"):
         match.prompt_lengths(batch)
+
+
+_WRAPPED = r'''
+import json, torch
+import mindspeed_tp
+from mindspeed_tp import state
+from mindspeed_tp.errors import ConfigError
+from omegaconf import OmegaConf
+mindspeed_tp.enable("PROFILE")
+from verl.workers.engine.megatron import transformer_impl  # (verl's engine_workers needs uvicorn: the e2e's venv)
+out = {"wrapped": hasattr(transformer_impl.MegatronEngineWithLMHead.forward_step, "__wrapped__")}
+
+def seen_by_verls_forward(self, batch_iter, *args):
+    next(batch_iter)
+    mask = state.sampling_mask()
+    return None if mask is None else [mask.semantics, mask.top_p]
+
+class Worker:
+    pass
+
+class Engine:
+    class model_config:
+        class hf_config:
+            vocab_size = 512
+
+config = OmegaConf.create({"actor": {"megatron": {"dtype": "bfloat16"}}, "rollout": json.loads(ROLLOUT)})
+try:  # the wrappers the registry puts on verl's worker __init__ and forward_step, around stand-ins
+    from mindspeed_tp.integrations import verl_rollout_match as match
+    match.record_rollout(lambda self, config, *a, **k: None)(Worker(), config)
+    out["before_forward"] = match.rollout_known()
+    out["forward_sees"] = match.engine_scored_forward_step(seen_by_verls_forward)(Engine(), iter([BATCH]), None, None, None)
+except ConfigError as e:
+    out["refused"] = str(e)
+print("OUT " + json.dumps(out))
+'''
+
+
+def run_wrapped(profile, rollout, batch="None"):
+    import json
+
+    from conftest import explain, run_python
+
+    code = _WRAPPED.replace("PROFILE", profile).replace("ROLLOUT", repr(json.dumps(rollout))).replace("BATCH", batch)
+    proc = run_python(code)
+    assert proc.returncode == 0, explain(proc)
+    return json.loads(proc.stdout.split("OUT ", 1)[1])
+
+
+ROLLOUT = {"name": "vllm", "temperature": 0.8, "top_p": 0.95, "top_k": -1, "logprobs_mode": "processed_logprobs",
+           "tensor_model_parallel_size": 1, "enforce_eager": True, "enable_prefix_caching": False,
+           "enable_chunked_prefill": False, "dtype": "bfloat16"}
+
+
+def test_under_an_emulated_engines_profile_verls_forward_applies_the_rollouts_cut():
+    """rollout-tp1 (a batch-invariant engine, emulated): verl's forward scores with the rollout's top-p cut
+    (the reference engine's mask), no scoring plan needed; the forward patch sits on verl's own class."""
+    out = run_wrapped("rollout-tp1", ROLLOUT)
+    assert out["wrapped"] is True and out["before_forward"] is True
+    assert out["forward_sees"] == ["processed", 0.95]
+    assert run_wrapped("rollout-tp1", dict(ROLLOUT, top_p=1.0))["forward_sees"] is None  # no cut: verl's own
+
+
+def test_the_canonical_profile_keeps_verls_own_logprob():
+    out = run_wrapped("default", ROLLOUT)
+    assert out["before_forward"] is False and out["forward_sees"] is None

@@ -425,13 +425,14 @@ _ENTRIES: Tuple[Refusal, ...] = (
             "actor_rollout_ref.model.use_fused_kernels=True (also ref.*/critic.*): verl's fused logprob kernel "
             "bypasses mindspeed-tp's vocab reduction; set use_fused_kernels=False",
             "the fused kernel computes logprobs in its own order"),
-    Refusal("verl_processed_logprobs", VERL, "profile logprob_semantics (verl, profiles without an engine)",
-            "the profile's logprob_semantics is processed, but under a profile without an engine verl's actor computes "
-            "log_softmax(logits / T) (temperature semantics): it does not renormalise over the rollout's top-k / "
-            "top-p. Set logprob_semantics: temperature (and sample with rollout top_p=1.0, top_k=-1 for the two to "
-            "be one logprob), or use a real-engine profile (vllm-cpu-*), under which verl's actor scores the "
-            "rollout's own logprob",
-            "only a real-engine profile knows the engine's top-k / top-p mask"),
+    Refusal("verl_processed_logprobs", VERL, "profile logprob_semantics (verl, rollout settings unread)",
+            "the profile's logprob_semantics is processed, but verl's rollout settings were not read (a profile that "
+            "reproduces no engine, or a forward outside verl's ActorRolloutRefWorker), so verl's actor computes "
+            "log_softmax(logits / T) (temperature semantics) without the rollout's top-k / top-p cut. Set "
+            "logprob_semantics: temperature (and sample with rollout top_p=1.0, top_k=-1 for the two to be one "
+            "logprob), or use a profile that reproduces the engine (vllm-cpu-*, rollout-tp*), under which verl's "
+            "actor scores the rollout's own logprob",
+            "which top-k / top-p cut the rollout made is not known"),
     Refusal("verl_rollout_logprobs", VERL, "actor_rollout_ref.rollout.logprobs_mode / temperature",
             "actor_rollout_ref.rollout.logprobs_mode={mode} at temperature {temperature}: verl's actor divides the "
             "logits by the temperature and takes their log-softmax, which matches vLLM's processed_logprobs (verl's "

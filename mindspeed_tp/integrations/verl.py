@@ -48,7 +48,6 @@ from ..contract.refusals import refuse
 from ..kernels.collectives import group_size
 from ..models.marks import TRUE_VOCAB_ATTR, mark_true_vocab
 from ..numerics import ACTIVE
-from ..numerics.vllm.forward import is_vllm
 from ..numerics.vocab import true_vocab_size
 from ..numerics.weight_caches import invalidating
 from ..patching import Patch, PatchRegistry
@@ -82,8 +81,8 @@ def _verl_logprob(original):
         numerics = ACTIVE.current()
         if numerics is None:
             return original(logits, labels)
-        if numerics.profile.logprob_semantics == "processed" and not is_vllm(numerics.profile):
-            raise refuse("verl_processed_logprobs")  # real-engine profiles follow the rollout (verl_rollout_match)
+        if numerics.profile.logprob_semantics == "processed" and not verl_rollout_match.rollout_known():
+            raise refuse("verl_processed_logprobs")  # which cut the rollout made is unknown
         group = compat.tp_group_of()
         vocab = true_vocab_size(logits.shape[-1] * group_size(group), from_model=getattr(logits, TRUE_VOCAB_ATTR, None))
         return numerics.logprob(logits, labels, group, vocab)

@@ -8,7 +8,8 @@ how the engine computed it:
   the unpadded ``input_ids``), set around verl's forward by ``engine_scoring`` with the Hugging Face
   vocab size -- old, ref and the loss's logprobs alike, every pipeline stage;
 - which logprob the rollout returned: verl's ``rollout.logprobs_mode`` with its temperature, top-k and
-  top-p (``rollout_sampling``). vLLM's ``processed_logprobs`` (verl's default) at top-k / top-p are
+  top-p (``rollout_sampling``; under the emulated engines' profiles, ``rollout-tp*``, too, with the
+  reference engine's mask, which is vLLM's CPU algorithm op for op). vLLM's ``processed_logprobs`` (verl's default) at top-k / top-p are
   renormalised over the kept set, so verl's actor, which divides the logits by T, then takes the
   engine's own top-k / top-p mask of each row before its log-softmax (``processed`` semantics): its
   logprob is the one of the distribution the token was sampled from, the rollout's, bit for bit.
@@ -35,10 +36,22 @@ VERL_FORWARD_STEP = "verl.workers.engine.megatron.transformer_impl:MegatronEngin
 _rollout: Optional[Sampling] = None  # the logprob this process's verl rollout returns (set at the worker's start)
 
 
+def rollout_known() -> bool:
+    """Whether this process's verl worker read its rollout's logprob settings (engine-reproducing profiles)."""
+    return _rollout is not None
+
+
 def _is_engine_profile(profile) -> bool:
+    """A real engine's profile (vllm-cpu-*): its kernels, its scoring plan, its settings."""
     from ..numerics.vllm.forward import is_vllm
 
     return is_vllm(profile)
+
+
+def _reproduces_an_engine(profile) -> bool:
+    """A profile that reproduces a rollout engine (real or emulated: ``reduction: rollout_layout``), whose
+    logprob is therefore the rollout's semantics; the canonical tree keeps verl's own."""
+    return getattr(profile, "reduction", None) == "rollout_layout"
 
 
 def rollout_sampling(rollout) -> Sampling:
@@ -105,6 +118,12 @@ def check_rollout_config(rollout, profile, model_dtype=None) -> Sampling:
         if value != want:
             shown = rollout.get("enable_chunked_prefill") if key == "enable_chunked_prefill" else value
             raise refuse("verl_rollout_setting", key=key, value=shown, want=want, why=why, profile=profile.name)
+    return check_semantics(rollout, profile)
+
+
+def check_semantics(rollout, profile) -> Sampling:
+    """The logprob verl's rollout returns (``rollout_sampling``), which a profile's own
+    ``logprob_semantics``, if set, must give (``verl_logprob_semantics``)."""
     sampling = rollout_sampling(rollout)
     if profile.logprob_semantics is not None:
         asked = Sampling(sampling.temperature, sampling.top_k, sampling.top_p, profile.logprob_semantics)
@@ -120,10 +139,13 @@ def record_rollout(original):
     @functools.wraps(original)
     def __init__(self, config, *args, **kwargs):
         global _rollout
-        if state.enabled() and _is_engine_profile(state.profile()):
+        profile = state.profile() if state.enabled() else None
+        if profile is not None and _is_engine_profile(profile):
             role = "actor" if "actor" in config else "ref"
             model_dtype = ((config.get(role) or {}).get("megatron") or {}).get("dtype")
-            _rollout = check_rollout_config(config.rollout, state.profile(), model_dtype)
+            _rollout = check_rollout_config(config.rollout, profile, model_dtype)
+        elif profile is not None and _reproduces_an_engine(profile):
+            _rollout = check_semantics(config.rollout, profile)
         return original(self, config, *args, **kwargs)
 
     return __init__
@@ -160,8 +182,12 @@ def engine_scored_forward_step(original):
     @functools.wraps(original)
     def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
         numerics = ACTIVE.current()
-        if numerics is None or not _is_engine_profile(numerics.profile):
-            return original(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func)
+        args = (model, logits_processor_func, postprocess_micro_batch_func)
+        if numerics is None or not _reproduces_an_engine(numerics.profile):
+            return original(self, batch_iter, *args)
+        if not _is_engine_profile(numerics.profile):  # an emulated engine: its logprob semantics only
+            with state.scoring_sampling(_rollout):  # None (no worker read the rollout): verl's own
+                return original(self, batch_iter, *args)
         from ..numerics.vllm.scoring import engine_scoring
 
         if _rollout is None:
@@ -169,7 +195,7 @@ def engine_scored_forward_step(original):
         batch = next(batch_iter)
         vocab = int(self.model_config.hf_config.vocab_size)
         with engine_scoring(prompt_lengths(batch), vocab), state.scoring_sampling(_rollout):
-            return original(self, iter([batch]), model, logits_processor_func, postprocess_micro_batch_func)
+            return original(self, iter([batch]), *args)
 
     return forward_step
 
