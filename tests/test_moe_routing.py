@@ -60,3 +60,19 @@ def test_tied_groups_keep_the_lower_group_id():
     masked = group_limited(select, topk=4, num_groups=4, group_topk=2)
     kept = torch.isfinite(masked[0]).tolist()
     assert kept == [True, True, True, True, False, False, False, False], kept
+
+
+def test_a_router_with_a_routing_replay_attached_is_refused_by_name():
+    """verl's R2 / R3 router replay (actor_rollout_ref.actor.megatron.router_replay.mode) patches
+    TopKRouter.routing and attaches ``router.router_replay``; the strategies route themselves and would
+    ignore it silently, so the MoE forward refuses such a router, naming verl's setting. (A stand-in layer:
+    the check is the forward's first; verl's own patch attaching the attribute is verl 0.9.1's
+    ``router_replay_patch.patched_init``.)"""
+    from types import SimpleNamespace
+
+    from mindspeed_tp.errors import ConfigError
+    from mindspeed_tp.patches.moe import moe_forward
+
+    layer = SimpleNamespace(router=SimpleNamespace(router_replay=object()))
+    with pytest.raises(ConfigError, match="router_replay.mode=disabled"):
+        moe_forward(layer, torch.zeros(2, 1, 4))

@@ -281,6 +281,12 @@ _ENTRIES: Tuple[Refusal, ...] = (
     Refusal("moe_router_force_load_balancing", MOE, "moe_router_force_load_balancing",
             "moe_router_force_load_balancing={value!r} is not supported " + _T + ": forced load balancing makes "
             "routing random; unset it", "random routing", "moe_router_force_load_balancing", _set),
+    Refusal("moe_router_replay", MOE, "router replay (verl: actor_rollout_ref.actor.megatron.router_replay.mode)",
+            "the MoE router has a routing replay attached (verl's actor_rollout_ref.actor.megatron.router_replay.mode "
+            "R2 / R3, also ref.*; megatron's moe_enable_routing_replay): mindspeed-tp's MoE computes its own routing "
+            "and would silently ignore the replayed one; set router_replay.mode=disabled (the routes are the "
+            "rollout's bit for bit without it under a real-engine profile)",
+            "the strategy's router is not the TopKRouter.routing the replay patches"),
     Refusal("moe_enable_routing_replay", MOE, "moe_enable_routing_replay",
             "moe_enable_routing_replay={value!r} is not supported " + _T + ": routing replay is not supported; unset it",
             "not implemented", "moe_enable_routing_replay", _set),

@@ -43,6 +43,8 @@ def moe_forward(self, hidden_states, intermediate_tensors=None, padding_mask=Non
         raise refuse("moe_partial_forward")
     if getattr(self, "moe_layer_recompute", False):
         raise refuse("moe_layer_recompute")
+    if getattr(getattr(self, "router", None), "router_replay", None) is not None:
+        raise refuse("moe_router_replay")  # verl's R2 / R3 replay patches a routing the strategy never calls
     if padding_mask is not None:
         padding_mask = padding_mask.transpose(0, 1).bool()  # [s, b], as hidden_states (megatron does the same)
     return ACTIVE.strategy.moe(self, hidden_states, padding_mask, _publish_routing), None
