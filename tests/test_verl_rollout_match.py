@@ -75,7 +75,8 @@ def test_chunked_prefill_is_accepted_when_the_budget_prefills_every_prompt_whole
     match.check_rollout_config(rollout, load_profile("vllm-cpu-tp1"))
     rollout = verl_rollout_config(**dict(RECIPE, enable_chunked_prefill=True, max_num_seqs=8, prompt_length=32,
                                          max_num_batched_tokens=255))
-    assert "enable_chunked_prefill=True" in refusal(rollout)
+    message = refusal(rollout)
+    assert "enable_chunked_prefill=True" in message and "set actor_rollout_ref.rollout.enable_chunked_prefill=False" in message
 
 
 def test_without_a_cut_the_actor_scores_verls_own_temperature_logprob():
@@ -131,7 +132,7 @@ def test_a_response_with_gaps_in_its_loss_mask_is_refused():
 
 
 _WRAPPED = r'''
-import json, torch
+import json
 import mindspeed_tp
 from mindspeed_tp import state
 from mindspeed_tp.errors import ConfigError

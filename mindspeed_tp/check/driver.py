@@ -291,16 +291,14 @@ RECOMPUTE = {
 }
 
 
-def build_ddp_chunks(spec, layout, dtype, profile, settings, **config_overrides):
-    """The model chunks in megatron's DDP; ``config_overrides``: TransformerConfig fields on top
-    (rl-check: pipeline_dtype under a real-engine profile)."""
+def build_ddp_chunks(spec, layout, dtype, profile, settings):
+    """The model chunks in megatron's DDP."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     # perform_initialization: what a training run does; it also tags the TP-sharded weights
     # (tensor_model_parallel, partition_dim), which the gradient norm and clipping read. The seeded
     # weights overwrite the values.
-    overrides = dict(RECOMPUTE[settings.recompute], calculate_per_token_loss=True, perform_initialization=True,
-                     **config_overrides)
+    overrides = dict(RECOMPUTE[settings.recompute], calculate_per_token_loss=True, perform_initialization=True)
     if layout.vpp > 1:
         # Megatron-LM's settings for the interleaved schedule. With batched p2p and pp=2 the previous
         # and next stage are one rank, and a forward activation and a backward gradient of the same

@@ -95,29 +95,32 @@ def check_rollout_config(rollout, profile, model_dtype=None) -> Sampling:
     engine_kwargs = (rollout.get("engine_kwargs") or {}).get("vllm") or {}
     multi_turn = rollout.get("multi_turn") or {}
     dtype = _dtype_name(rollout.get("dtype", "bfloat16"))
-    wanted = (
-        ("dtype", dtype, _dtype_name(model_dtype) if model_dtype is not None else dtype,
+    model = _dtype_name(model_dtype) if model_dtype is not None else dtype
+    eager, cached = bool(rollout.get("enforce_eager")), bool(rollout.get("enable_prefix_caching"))
+    block = engine_kwargs.get("block_size", profile.engine.block_size)
+    # (verl key, its value, whether the profile models it, the value to set, why)
+    settings = (
+        ("dtype", dtype, dtype == model, model,
          "the engine computes in the dtype the actor's model has (actor_rollout_ref.actor.megatron.dtype)"),
-        ("name", rollout.get("name"), "vllm", "the profile models vLLM's kernels"),
-        ("tensor_model_parallel_size", rollout.get("tensor_model_parallel_size"), profile.rollout_tp,
+        ("name", rollout.get("name"), rollout.get("name") == "vllm", "vllm", "the profile models vLLM's kernels"),
+        ("tensor_model_parallel_size", rollout.get("tensor_model_parallel_size"),
+         rollout.get("tensor_model_parallel_size") == profile.rollout_tp, profile.rollout_tp,
          f"the {profile.name} profile models the engine at tensor_parallel_size={profile.rollout_tp}"),
-        ("expert_parallel_size", rollout.get("expert_parallel_size", 1) or 1, 1,
-         "the profile models no engine expert parallelism"),
-        ("enforce_eager", bool(rollout.get("enforce_eager")), True, "compiled graphs reorder the engine's arithmetic"),
-        ("enable_prefix_caching", bool(rollout.get("enable_prefix_caching")), False,
-         "a cached prefix skips the prefill the actor scores"),
-        ("enable_chunked_prefill", _budget_prefills_whole_prompts(rollout), True,
-         "a prompt split across engine steps is scored as one prefill (set enable_chunked_prefill=False, or "
-         "max_num_batched_tokens >= max_num_seqs * prompt_length)"),
-        ("engine_kwargs.vllm.block_size", engine_kwargs.get("block_size", profile.engine.block_size),
-         profile.engine.block_size, "the engine's attention tiles by its KV block"),
-        ("multi_turn.enable", bool(multi_turn.get("enable", False)), False,
+        ("expert_parallel_size", rollout.get("expert_parallel_size"), (rollout.get("expert_parallel_size") or 1) == 1,
+         1, "the profile models no engine expert parallelism"),
+        ("enforce_eager", eager, eager, True, "compiled graphs reorder the engine's arithmetic"),
+        ("enable_prefix_caching", cached, not cached, False, "a cached prefix skips the prefill the actor scores"),
+        ("enable_chunked_prefill", rollout.get("enable_chunked_prefill"), _budget_prefills_whole_prompts(rollout), False,
+         "a prompt split across engine steps is scored as one prefill (or keep it with max_num_batched_tokens >= "
+         "max_num_seqs * prompt_length)"),
+        ("engine_kwargs.vllm.block_size", block, block == profile.engine.block_size, profile.engine.block_size,
+         "the engine's attention tiles by its KV block"),
+        ("multi_turn.enable", bool(multi_turn.get("enable", False)), not multi_turn.get("enable", False), False,
          "each turn is prefilled again by the engine, not decoded"),
     )
-    for key, value, want, why in wanted:
-        if value != want:
-            shown = rollout.get("enable_chunked_prefill") if key == "enable_chunked_prefill" else value
-            raise refuse("verl_rollout_setting", key=key, value=shown, want=want, why=why, profile=profile.name)
+    for key, value, modelled, want, why in settings:
+        if not modelled:
+            raise refuse("verl_rollout_setting", key=key, value=value, want=want, why=why, profile=profile.name)
     return check_semantics(rollout, profile)
 
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from ... import disable, enable
 from .. import hooks
-from ..driver import build_ddp_chunks, make_optimizer, release_models, setup_parallel_state, stage_dtype, wire_config
+from ..driver import build_ddp_chunks, make_optimizer, release_models, setup_parallel_state, wire_config
 from ..rollout import rollout_batch, rollout_prompts
 from ..settings import RLSettings
 from ..train.state_file import load_state, save_state
@@ -41,10 +41,8 @@ def run_arm(spec, layout, dtype, profile, settings: RLSettings, vanilla: bool, e
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     setup_parallel_state(layout, settings.seed, training=True)
-    # Pipeline stages send what the forward's residual stream holds: fp32 under a real-engine profile
-    # (the engine's unrounded fused-add sum), the model dtype otherwise.
-    chunks, wrapped, ddp_config = build_ddp_chunks(spec, layout, dtype, profile, settings,
-                                                   pipeline_dtype=stage_dtype(profile, vanilla, dtype))
+    # (a real-engine profile's model sets its own fp32 pipeline_dtype: the stages exchange its residual stream)
+    chunks, wrapped, ddp_config = build_ddp_chunks(spec, layout, dtype, profile, settings)
     optimizer = make_optimizer(wrapped, dtype, settings)
     if load_state_path:
         load_state(load_state_path, spec, layout, chunks, optimizer)
