@@ -183,14 +183,13 @@ def engine_scored_forward_step(original):
     the Hugging Face vocab) and the rollout's top-k / top-p mask, under a real-engine profile."""
 
     @functools.wraps(original)
-    def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
+    def forward_step(self, batch_iter, *args, **kwargs):  # every other argument passed on as given
         numerics = ACTIVE.current()
-        args = (model, logits_processor_func, postprocess_micro_batch_func)
         if numerics is None or not _reproduces_an_engine(numerics.profile):
-            return original(self, batch_iter, *args)
+            return original(self, batch_iter, *args, **kwargs)
         if not _is_engine_profile(numerics.profile):  # an emulated engine: its logprob semantics only
             with state.scoring_sampling(_rollout):  # None (no worker read the rollout): verl's own
-                return original(self, batch_iter, *args)
+                return original(self, batch_iter, *args, **kwargs)
         from ..numerics.vllm.scoring import engine_scoring
 
         if _rollout is None:
@@ -198,7 +197,7 @@ def engine_scored_forward_step(original):
         batch = next(batch_iter)
         vocab = int(self.model_config.hf_config.vocab_size)
         with engine_scoring(prompt_lengths(batch), vocab), state.scoring_sampling(_rollout):
-            return original(self, iter([batch]), *args)
+            return original(self, iter([batch]), *args, **kwargs)
 
     return forward_step
 
