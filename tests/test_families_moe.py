@@ -281,3 +281,18 @@ def test_glms_group_limited_routing_matches_transformers(tmp_path):
     broken = ReferenceModel.from_source(ungrouped, profile, weights, torch.float32).score(_sequences())
     assert _worst(broken, theirs) > 100 * SEMANTICS_ATOL
     assert spec_from_hf_config(hf_config_from_spec(spec, "float32"), spec.name) == spec
+
+
+def test_deepseek_v3_checkpoints_name_their_router_as_deepseeks_own_config_does():
+    """transformers' deepseek_v3 always runs the sigmoid router with the expert bias and ignores
+    ``scoring_func`` / ``topk_method``; vLLM reads them (without them: softmax scores, no bias). Export
+    writes DeepSeek-V3's values; import refuses any other by name."""
+    from mindspeed_tp.families import deepseek_v3
+    from mindspeed_tp.models.spec import load_model_spec
+
+    cfg = deepseek_v3.hf_config(load_model_spec("tiny-deepseek-v3-mla576"), "bfloat16")
+    assert (cfg["scoring_func"], cfg["topk_method"]) == ("sigmoid", "noaux_tc")
+    assert deepseek_v3.spec_fields(cfg, "DeepseekV3ForCausalLM", "m", "config.json")["moe_router_enable_expert_bias"]
+    for key, value in (("scoring_func", "softmax"), ("topk_method", "greedy")):
+        with pytest.raises(ConfigError, match=f"{key}='{value}' is not supported"):
+            deepseek_v3.spec_fields(dict(cfg, **{key: value}), "DeepseekV3ForCausalLM", "m", "config.json")

@@ -25,6 +25,10 @@ MODEL_TYPES = ("deepseek_v3", "kimi_k2")  # Kimi-K2 writes its own model_type fo
 FIXED = dict(DEEPSEEK_ROUTER, multi_latent_attention=True, qk_layernorm=True)  # import sets, export checks
 EXPERT_NAMES = DEEPSEEK_EXPERT_NAMES
 MTP_LAYERS_KEY = "num_nextn_predict_layers"
+# DeepSeek-V3's config.json names its router; transformers ignores these keys and always runs it,
+# vLLM reads them (without them: softmax scores and no expert bias), so export writes them and
+# import refuses other values.
+ROUTER_KEYS = {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}
 
 
 def _rope(cfg: Dict[str, Any], where: str) -> Dict[str, Any]:
@@ -55,6 +59,10 @@ def spec_fields(cfg: Dict[str, Any], architecture: str, name: str, where: str) -
         raise refuse("hf_attention_bias", where=where, family="DeepSeek-V3")
     if cfg.get("rope_interleave", True) is False:
         raise refuse("hf_rope_interleave", where=where)
+    for key, value in ROUTER_KEYS.items():
+        if cfg.get(key, value) != value:
+            raise refuse("hf_moe_routing", where=where, key=key, value=repr(cfg[key]),
+                         why=f"DeepSeek-V3's router is {key}={value!r} (transformers' deepseek_v3 runs only that one)")
     fields = dict(decoder_fields(cfg, name, where), **_rope(cfg, where), family=NAME, **FIXED)
     nope, rope = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
     q_lora = cfg.get("q_lora_rank")
@@ -72,5 +80,5 @@ def hf_config(spec, dtype: str) -> Dict[str, Any]:
     del cfg["head_dim"]
     cfg.update(q_lora_rank=spec.q_lora_rank, kv_lora_rank=spec.kv_lora_rank, qk_nope_head_dim=spec.qk_head_dim,
                qk_rope_head_dim=spec.qk_pos_emb_head_dim, v_head_dim=spec.v_head_dim, attention_bias=False,
-               rope_interleave=True, **moe)
+               rope_interleave=True, **moe, **ROUTER_KEYS)
     return cfg
