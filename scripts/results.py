@@ -529,6 +529,16 @@ REPORTS = [
            CLI + ["check", "--engine", "vllm", "--profile", "vllm-cpu-tp2", "--model", "tiny-moe", "--tp", "2",
                   "--sp", "--ep", "2", "--rollout", "8", "--temperature", "1.0", "--json", OUT], render_check,
            needs="vllm", cost="needs .venv-vllm; starting vLLM takes minutes here"),
+    Report("vllm-deepseek-v3", "The real vLLM at TP=2, DeepSeek-V3 (multi-latent attention) in three layouts",
+           "tiny-deepseek-v3-mla576 (MLA with vLLM's CPU latent shape: kv latent 512 + rope 64, YaRN; DeepSeek-V3's "
+           "router and shared expert), bf16: vllm-cpu at TP=2 on its CPU MLA backend samples at T=0.8, top-p 0.95; "
+           "the training forward under vllm-cpu-tp2 scores its processed logprobs at tp2-sp-ep2, tp1-ep2 and "
+           "tp2-sp-ep2-etp2; vanilla and the canonical-tree profile alongside.",
+           CLI + ["check", "--engine", "vllm", "--profile", "vllm-cpu-tp2", "--model", "tiny-deepseek-v3-mla576",
+                  "--dtype", "bf16", "--layouts", "tp2-sp-ep2,tp1-ep2,tp2-sp-ep2-etp2", "--rollout", "8",
+                  "--max-new-tokens", "16", "--temperature", "0.8", "--top-p", "0.95", "--logprob-semantics",
+                  "processed", "--json", OUT], render_check,
+           needs="vllm", cost="needs .venv-vllm; starting vLLM takes minutes here"),
     Report("vllm-dense-tp2", "The real vLLM at TP=2, dense trained at tp2-sp-pp2",
            "tiny-dense, engine at TP=2 (vllm-cpu-tp2), training at tp2-sp-pp2.",
            CLI + ["check", "--engine", "vllm", "--profile", "vllm-cpu-tp2", "--model", "tiny-dense", "--tp", "2",
@@ -568,6 +578,14 @@ REPORTS = [
            "As above with vllm-cpu at TP=1 (vllm-cpu-tp1) as the engine, started once, weights synced in memory.",
            CLI + ["rl-check", "--engine", "vllm", "--profile", "vllm-cpu-tp1", "--model", "tiny-dense", "--layout",
                   "tp2-sp-pp2", "--iterations", "10", "--compare-vanilla", "--json", OUT], render_rl,
+           needs="vllm", cost="needs .venv-vllm; starting vLLM takes minutes here"),
+    Report("rl-check-vllm-deepseek-v3", "The RL loop against the real vLLM at TP=1, DeepSeek-V3 (MLA) trained at "
+           "tp2-sp-ep2",
+           "tiny-deepseek-v3-mla576, bf16, engine at TP=1 (vllm-cpu-tp1, its CPU MLA backend), T=0.8 top-p 0.95 with "
+           "processed logprobs, training at tp2-sp-ep2, weights synced into the engine in memory after every step.",
+           CLI + ["rl-check", "--engine", "vllm", "--profile", "vllm-cpu-tp1", "--model", "tiny-deepseek-v3-mla576",
+                  "--dtype", "bf16", "--layout", "tp2-sp-ep2", "--iterations", "3", "--temperature", "0.8", "--top-p",
+                  "0.95", "--logprob-semantics", "processed", "--compare-vanilla", "--json", OUT], render_rl,
            needs="vllm", cost="needs .venv-vllm; starting vLLM takes minutes here"),
     Report("rl-check-vllm-moe", "The RL loop against the real vLLM at TP=2, MoE trained at tp2-sp-ep2",
            "tiny-moe, engine at TP=2 (vllm-cpu-tp2), training at tp2-sp-ep2.",

@@ -129,3 +129,27 @@ def test_mla_inference_fields_are_refused_naming_them(field):
     setattr(config, field, True)
     with pytest.raises(ConfigError, match=f"multi_latent_attention with {field}"):
         check_model_config(config)
+
+
+def test_what_the_vllm_profiles_mla_does_not_model_is_named_from_the_spec():
+    """The vllm-cpu profiles model vLLM's CPU MLA as it runs DeepSeek-V3 (numerics/vllm/mla.py): the bundled
+    tiny-deepseek-v3-mla576 in bf16 has nothing to name; each departure is named (fp32, another latent or rope
+    width, plain RoPE, no query latent), and the launch check refuses with the profile's name."""
+    from dataclasses import replace
+
+    from mindspeed_tp.contract.model_config import check_mla_profile
+    from mindspeed_tp.contract.profile import load_profile
+    from mindspeed_tp.models.spec import load_model_spec
+    from mindspeed_tp.numerics.vllm.mla import problems
+
+    spec = load_model_spec("tiny-deepseek-v3-mla576")
+    assert problems(spec, torch.bfloat16) == []
+    for changed, named in ((None, "in fp32"), (dict(kv_lora_rank=256), "kv_lora_rank / qk_pos_emb_head_dim = 256 / 64"),
+                           (dict(qk_pos_emb_head_dim=32, kv_channels=64), "= 512 / 32"), (dict(rope_type="rope"), "rope_type 'rope'"),
+                           (dict(q_lora_rank=None), "without a query latent")):
+        found = problems(spec if changed is None else replace(spec, **changed),
+                         torch.float32 if changed is None else torch.bfloat16)
+        assert len(found) == 1 and named in found[0], found
+    check_mla_profile(load_profile("vllm-cpu-tp2"), spec, torch.bfloat16)
+    with pytest.raises(ConfigError, match="multi_latent_attention with profile='vllm-cpu-tp2'.*in fp32"):
+        check_mla_profile(load_profile("vllm-cpu-tp2"), spec, torch.float32)

@@ -416,3 +416,114 @@ def test_the_grouped_router_is_the_engines_sigmoid_top_k_on_score_plus_bias():
     chosen = scores.gather(1, ids.long())
     assert bits_equal(w, chosen / chosen.sum(-1, keepdim=True))
     assert not torch.equal(ids.long().sort(-1).values, scores.topk(2, dim=-1)[1].sort(-1).values)  # the bias mattered
+
+
+# ---------------------------------------------------------------- multi-latent attention (DeepSeek-V3)
+
+def _mla_isa_limits():
+    """The ISA limits this host can emulate under which the profiles run MLA: not AMX (hidden from the
+    engine) and not AVX-512 without BF16, whose bf16 bmm is row-variant (refused: mla.ROW_VARIANT_FAMILIES;
+    measured on an Intel Xeon under ONEDNN_MAX_CPU_ISA=AVX512_CORE: DeepSeek-V3's 16 heads a rank at one row)."""
+    from mindspeed_tp.devices import cpu_isa
+
+    return [lim for lim in cpu_isa.isa_levels() if lim[0] in ("AVX2", "AVX512_CORE_BF16")]
+
+
+@pytest.mark.parametrize("limit", _mla_isa_limits(), ids=lambda lim: lim[0])
+def test_mla_products_are_independent_of_batch_rows_and_heads_under_each_isa_limit(limit, tmp_path):
+    """What the profile's MLA rests on (numerics/vllm/mla.py), in a fresh process per ISA limit: vLLM's
+    absorbed-decode bmm (q_nope x W_UK_T, latent x W_UV on its strided views) gives a token the same bits
+    whether 1 or 256 decode tokens and 1 or all of a rank's heads share the call, and kv_b_proj's F.linear
+    a row / a head shard's columns the same bits whatever the rest (bf16; the tiny test model's shapes and
+    DeepSeek-V3's 16 heads a rank)."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA=limit[0], MKL_ENABLE_INSTRUCTIONS=limit[1])
+    out = tmp_path / "sweep.json"
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "mla_products_sweep.py")
+    proc = subprocess.run([sys.executable, worker, str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["cases"] > 400 and report["bad"] == [], report
+
+
+def test_the_engines_mla_decode_kernel_gives_a_request_the_same_bits_in_any_batch():
+    """``mla_decode_kvcache_cpu`` (512 + 64 latent rows, blocks of 16): a decode request's output alone
+    equals its row in a batch of requests of other lengths, bit for bit."""
+    from mindspeed_tp.numerics.vllm.mla import BLOCK_SIZE, LATENT_WIDTH, ROPE_WIDTH
+    import vllm._custom_ops as ops
+
+    heads, blocks = 4, 6
+    cache = _randn(5 * blocks, BLOCK_SIZE, LATENT_WIDTH + ROPE_WIDTH, seed=21, dtype=torch.bfloat16)
+    q = _randn(5, heads, LATENT_WIDTH + ROPE_WIDTH, seed=22, dtype=torch.bfloat16)
+    table = torch.arange(5 * blocks, dtype=torch.int32).view(5, blocks)
+    lens = torch.tensor([1, 17, 40, 95, 64], dtype=torch.int32)
+    batch = torch.zeros(5, heads, LATENT_WIDTH, dtype=torch.bfloat16)
+    ops.mla_decode_kvcache_cpu(batch, q, cache, 0.1, table, lens)
+    for i in range(5):
+        alone = torch.zeros(1, heads, LATENT_WIDTH, dtype=torch.bfloat16)
+        ops.mla_decode_kvcache_cpu(alone, q[i:i + 1].contiguous(), cache, 0.1, table[i:i + 1].contiguous(), lens[i:i + 1])
+        assert bits_equal(alone[0], batch[i]), i
+
+
+def test_mla_rope_is_vllms_deepseek_yarn_in_megatrons_channel_order():
+    """The engine's RoPE (DeepseekScalingRotaryEmbedding.forward_static on interleaved channel pairs, its
+    own mscale-scaled bf16 cache) returned de-interleaved: its even channels then its odd ones, bit for bit."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.rotary_embedding.deepseek_scaling_rope import DeepseekScalingRotaryEmbedding
+
+    from mindspeed_tp.numerics.vllm import mla
+
+    config = SimpleNamespace(original_max_position_embeddings=64, rotary_base=10000.0, rotary_scaling_factor=4.0,
+                             beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
+    t = _randn(40, 3, 4, 64, seed=23, dtype=torch.bfloat16)
+    got = mla.rope(t, config)
+    cache = mla._yarn_cache(64, 64, 10000.0, 4.0, 32.0, 1.0, 1.0, 1.0, torch.bfloat16)
+    assert cache.shape == (256, 64)  # the engine's cache: original positions x factor
+    x = t.reshape(120, 4, 64)
+    want, _ = DeepseekScalingRotaryEmbedding.forward_static(torch.arange(40).repeat_interleave(3), x, x, 64, 64,
+                                                            cache, False)
+    want = want.reshape(40, 3, 4, 64)
+    assert bits_equal(got, torch.cat([want[..., 0::2], want[..., 1::2]], dim=-1))
+    assert bits_equal(mla._interleave(got), want)
+
+
+def test_mla_attention_backward_is_plain_attention_with_narrower_values(monkeypatch):
+    """A semantics check (the engine's forward is never differentiated): the MLA attention's gradient is
+    fp32 autograd of causal softmax attention whose values are narrower than its queries / keys."""
+    from mindspeed_tp.numerics.vllm import mla
+
+    monkeypatch.setattr(kernels, "BACKWARD_BLOCK", 16)
+    b, s, h, d, dv = 2, 40, 2, 96, 32
+    q = _randn(b, s, h, d, seed=31).requires_grad_()
+    k = _randn(b, s, h, d, seed=32).requires_grad_()
+    v = _randn(b, s, h, dv, seed=33).requires_grad_()
+    go = _randn(b, s, h, dv, seed=34)
+    ctx = SimpleNamespaceCtx(q, k, v, 0.1)
+    dq, dk, dvv = mla._MlaAttention.backward(ctx, go)[:3]
+    qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    scores = torch.einsum("bqhd,bkhd->bhqk", qr, kr) * 0.1
+    scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
+    torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), vr).backward(go)
+    for got, want in ((dq, qr), (dk, kr), (dvv, vr)):
+        assert got.shape == want.shape and torch.allclose(got, want.grad, atol=1e-5), (got - want.grad).abs().max()
+
+
+class SimpleNamespaceCtx:
+    """What _MlaAttention.backward reads of its autograd context."""
+
+    def __init__(self, q, k, v, scale):
+        self.saved_tensors, self.scale = (q, k, v), scale
+
+
+def test_mla_on_an_engine_family_whose_bf16_bmm_is_row_variant_is_refused_by_name(monkeypatch):
+    from mindspeed_tp.errors import ConfigError
+    from mindspeed_tp.numerics.vllm import mla
+
+    monkeypatch.setattr(host, "host_isa", lambda: "avx512")
+    with pytest.raises(ConfigError, match="multi-latent attention on a host whose engine kernels are 'avx512'"):
+        mla.check_host()
+    monkeypatch.setattr(host, "host_isa", lambda: "avx2")
+    mla.check_host()

@@ -32,8 +32,11 @@ def test_a_head_size_the_engines_cpu_attention_lacks_is_refused_before_it_starts
 
 
 @pytest.mark.parametrize("model,named,dtype", [
-    ("tiny-moe-shared", "a sigmoid router is GLM-4.5's MoE block in the engine: family glm4_moe", "fp32"),
-    ("tiny-mla", "multi_latent_attention with profile='vllm-cpu-tp1'", "fp32"),
+    ("tiny-moe-shared", "a sigmoid router is GLM-4.5's or DeepSeek-V3's MoE block in the engine: family glm4_moe "
+     "or deepseek_v3", "fp32"),
+    # Moonlight's shape: no query latent, a 56-wide kv latent (vLLM's CPU MLA decodes 512 + 64 only), plain RoPE
+    ("tiny-mla", "multi_latent_attention with profile='vllm-cpu-tp1' is not supported", "bf16"),
+    ("tiny-deepseek-v3-mla576", "multi-latent attention in fp32", "fp32"),
     ("tiny-glm45", "partial RoPE (rotary_percent=0.5) in fp32", "fp32"),
     # gpt-oss' GLU on a Qwen3 model: named from the model spec before the checkpoint is exported (a model
     # built in the user's own process meets the profile's check_swiglu: tests/test_gated_mlp.py)
@@ -45,7 +48,7 @@ def test_a_head_size_the_engines_cpu_attention_lacks_is_refused_before_it_starts
 def test_a_model_the_engine_profiles_do_not_model_exits_2_before_an_engine_starts(model, named, dtype, tmp_path):
     """DeepSeek-style routing (sigmoid, expert bias, shared expert) on a family whose checkpoint the
     engine runs as another architecture (Qwen3-MoE: no shared experts, softmax), multi-latent
-    attention (vLLM's CPU MLA is not modelled yet) and a partial-RoPE model in fp32 (GLM-4.5 matches
+    attention beyond what vLLM's CPU MLA is modelled for (numerics/vllm/mla.py) and a partial-RoPE model in fp32 (GLM-4.5 matches
     in bf16 only), gpt-oss' clamped quick-GEGLU (vLLM computes it with its own kernel) and its biases are not what
     the vllm-cpu profiles model: refused by name before a worker or the engine starts."""
     if model.endswith(":gpt-oss-glu"):

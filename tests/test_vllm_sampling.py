@@ -40,6 +40,11 @@ CONFIGS = [
     # (its shared expert 128 wide: 64 per engine rank, whole vector steps of the engine's bf16 SiLU-and-mul)
     ("glm45-bf16-e2", "tiny-glm45:shared128", "bf16", 2, "tp2-sp-ep2,tp1-ep2", 2, "processed"),
     ("glm45-bf16-e1", "tiny-glm45:shared128", "bf16", 1, "tp2-sp-ep2,tp1-ep2", 2, "processed"),
+    # DeepSeek-V3 (issue #57): vLLM's DeepseekV3ForCausalLM on its CPU MLA -- the fused q / kv latent GEMM,
+    # its YaRN RoPE on interleaved channels, each prompt one SDPA prefill request, every later token one
+    # absorbed decode on the 512 + 64 latent cache; GLM-4.5's MoE block with the gate in the model dtype
+    ("deepseek-v3-bf16-e2", "tiny-deepseek-v3-mla576", "bf16", 2, "tp2-sp-ep2,tp1-ep2", 2, "processed"),
+    ("deepseek-v3-bf16-e1", "tiny-deepseek-v3-mla576", "bf16", 1, "tp2-sp-ep2,tp1-ep2", 2, "processed"),
 ]
 _BY_NAME = {c[0]: c for c in CONFIGS}
 FAMILY_FULL = full_tier(
@@ -60,6 +65,7 @@ MIXTRAL_FULL = full_tier(
     why="the engine's Mixtral block runs the GateLinear and FusedMoE (renormalised top-k) the CI tier's Qwen3-MoE "
         "run (moe-bf16-e2) exercises at engine TP 2; Mixtral's attention is vLLM's standard attention (glm45-bf16-e2)")
 FAMILY_CONFIGS = ["glm45-bf16-e2", pytest.param("glm45-bf16-e1", marks=FAMILY_FULL),
+                  "deepseek-v3-bf16-e2", pytest.param("deepseek-v3-bf16-e1", marks=FAMILY_FULL),
                   pytest.param("qwen2-bf16-e2", marks=QWEN2_FULL), pytest.param("llama-fp32-e1", marks=ENGINE_FAMILY_FULL),
                   pytest.param("mistral-bf16-e2", marks=ENGINE_FAMILY_FULL),
                   pytest.param("mixtral-bf16-e2", marks=MIXTRAL_FULL), pytest.param("qwen2-fp32-e1", marks=FAMILY_FULL),

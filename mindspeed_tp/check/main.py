@@ -104,13 +104,18 @@ def check_engine_and_device(ns: argparse.Namespace, spec, profile) -> None:
     if spec.multi_latent_attention:  # before the engine's own checks: its MLA is another attention
         from ..contract.model_config import check_mla_profile
 
-        check_mla_profile(profile)
+        check_mla_profile(profile, spec, DTYPES[ns.dtype])
     if ns.engine == "vllm":
         from ..numerics.vllm.refusals import (activation_widths, check_activation_widths, check_engine_architecture,
                                               check_head_dim, check_partial_rope_dtype)
 
         check_engine_architecture(spec)
-        check_head_dim(spec.kv_channels)
+        if spec.multi_latent_attention:  # the engine's MLA backend, not its attention kernel
+            from ..numerics.vllm.mla import check_host
+
+            check_host()
+        else:
+            check_head_dim(spec.kv_channels)
         check_partial_rope_dtype(spec.rotary_percent, DTYPES[ns.dtype])
         check_activation_widths(activation_widths(spec), profile.rollout_tp, DTYPES[ns.dtype])
         if spec.is_moe:

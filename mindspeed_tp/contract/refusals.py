@@ -392,7 +392,9 @@ _ENTRIES: Tuple[Refusal, ...] = (
     Refusal("multi_latent_attention", ATTENTION, "multi_latent_attention with {setting}",
             "multi_latent_attention with {setting}={value!r} is not supported " + _T + " ({fix})",
             "not covered yet: MLA runs with the canonical / bitwise-training profiles on bshd batches without "
-            "CP, on the torch backend, with its latents recomputed (no inference cache or fused down projection)"),
+            "CP, on the torch backend, with its latents recomputed (no inference cache or fused down projection), "
+            "and with the vllm-cpu profiles as vLLM's CPU MLA runs DeepSeek-V3 (bf16, a 512 + 64 latent cache "
+            "row, YaRN, a query latent; not on an AVX-512 host without BF16)"),
     Refusal("backend_not_invariant", BACKEND, "backend (profile)",
             "the {backend} kernel backend is not batch-invariant on {device} tensors (its invariance is a property "
             "of the CPU BLAS libraries; the device's GEMMs change algorithm and split-K with the shape): set the "

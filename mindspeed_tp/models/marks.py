@@ -5,6 +5,8 @@ at construction (GPTModel, the norm patch) for any strategy that needs them:
 - ``TIED_HEAD_ATTR``: the word embedding whose weight the LM head shares on this stage (PP=1);
 - ``PER_TOKEN_PARAM_ATTR``: a parameter of a per-token layer (RMSNorm / LayerNorm, QK-norm), a MoE
   router or a row-parallel layer's bias, whose gradient is a sum over tokens (bitwise training folds it across TP in the backward);
+- ``MLA_KV_UP_ATTR``: multi-latent attention's kv up projection (vLLM multiplies it by plain
+  ``F.linear``, outside its CPU GEMM dispatch);
 - ``TRUE_VOCAB_ATTR``: the true (unpadded) vocabulary of a GPTModel whose builder knows it (mbridge
   pads to ``make_vocab_size_divisible_by``), and of the logits its forward returns, so a logprob
   computed outside the model's loss (verl) excludes the padded columns.
@@ -13,6 +15,7 @@ OUTPUT_PARTS_ATTR = "_mindspeed_tp_output_parts"
 TIED_HEAD_ATTR = "_mindspeed_tp_tied_head"
 PER_TOKEN_PARAM_ATTR = "_mindspeed_tp_per_token_param"
 TRUE_VOCAB_ATTR = "_mindspeed_tp_true_vocab"
+MLA_KV_UP_ATTR = "_mindspeed_tp_mla_kv_up"
 
 
 def mark_gated_fc1(model) -> None:
@@ -22,6 +25,12 @@ def mark_gated_fc1(model) -> None:
         # by the MoE path itself
         if name.endswith(("mlp.linear_fc1", "shared_experts.linear_fc1")) and getattr(config, "gated_linear_unit", False):
             setattr(module.weight, OUTPUT_PARTS_ATTR, 2)
+
+
+def mark_mla_kv_up(model) -> None:
+    for name, module in model.named_modules():
+        if name.endswith("self_attention.linear_kv_up_proj"):
+            setattr(module.weight, MLA_KV_UP_ATTR, True)
 
 
 def mark_tied_head(model) -> None:

@@ -96,13 +96,17 @@ class Numerics:
         YaRN's concentration factor, cos and sin times it."""
         raise NotImplementedError
 
-    def mla_rope(self, t: torch.Tensor, freqs: torch.Tensor, mscale: float) -> torch.Tensor:
+    def mla_rope(self, t: torch.Tensor, freqs: torch.Tensor, mscale: float, config) -> torch.Tensor:
         """Multi-latent attention's RoPE: the rope channels de-interleaved (even, then odd), rotated by
-        halves, cos and sin times YaRN's ``mscale``."""
+        halves, cos and sin times YaRN's ``mscale``; ``config``: the model's."""
         from ..contract.refusals import refuse
 
         raise refuse("multi_latent_attention", setting="profile", value=self.name,
                      fix="score with a canonical_tree or bitwise_training profile")
+
+    def mla_tensors(self, module, tensors: tuple) -> None:
+        """What MLASelfAttention.get_query_key_value_tensors returned for ``module`` this forward
+        (megatron-core 0.16+: query, key, value, the normed q latent, the normed kv latent)."""
 
     def attention(self, module, query, key, value, attention_mask, mask_name: str, causal: bool) -> torch.Tensor:
         """query [sq, b, np, hn], key/value [sk, b, ng, hn] -> [sq, b, np*hn]."""

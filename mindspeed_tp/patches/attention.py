@@ -124,7 +124,7 @@ def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group
         if cu_seqlens is not None:
             raise refuse("multi_latent_attention", setting="packed sequences (thd)", value="cu_seqlens",
                          fix="pass padded (bshd) batches")
-        return ACTIVE.strategy.mla_rope(t, freqs, mscale)
+        return ACTIVE.strategy.mla_rope(t, freqs, mscale, config)
     # mscale: YaRN's concentration factor (position_embedding_type yarn), cos and sin times it
     interleaved = bool(getattr(config, "rotary_interleaved", False))
     if cp_group is not None and cp_group.size() > 1:
@@ -141,6 +141,10 @@ def register(reg: PatchRegistry) -> None:
         "core attention through one consistent kernel: fixed KV blocks aligned to absolute positions, "
         "fp32 online softmax, masked keys excluded by select",
     )(attention_forward)
+    reg.register(
+        "megatron.core.transformer.multi_latent_attention:MLASelfAttention.get_query_key_value_tensors",
+        "MLA's latent shown to the active strategy (an engine's absorbed decode reads it)", wraps=True,
+    )(mla.get_query_key_value_tensors)
     reg.register(
         "megatron.core.models.common.embeddings.rope_utils:apply_rotary_pos_emb",
         "RoPE computed in fp32 with one cast (Megatron casts cos/sin to the activation dtype first)",

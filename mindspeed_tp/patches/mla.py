@@ -15,6 +15,7 @@ the whole gradient, whichever rank's slice the rope columns fall in, at every TP
 import torch
 
 from .. import compat
+from ..numerics import ACTIVE
 from ..contract.tree import padded_tree_fold
 from ..kernels.collectives import gather_along_rank
 
@@ -43,3 +44,15 @@ def shared_rope_key(module, key: torch.Tensor) -> torch.Tensor:
     if not (torch.is_grad_enabled() and key.requires_grad):
         return key
     return _SharedRopeKeyGrad.apply(key, module.config.qk_head_dim, compat.tp_group_of(module))
+
+
+def get_query_key_value_tensors(original):
+    """MLASelfAttention.get_query_key_value_tensors, its result shown to the active strategy (an engine
+    that decodes from the normed kv latent, as vLLM's MLA does, needs it at the core attention)."""
+
+    def wrapper(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        ACTIVE.strategy.mla_tensors(self, out)
+        return out
+
+    return wrapper

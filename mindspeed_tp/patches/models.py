@@ -10,7 +10,7 @@ from ..contract.model_config import check_model_config
 from ..contract.refusals import refuse
 from ..errors import ConfigError
 from .. import state
-from ..models.marks import (TRUE_VOCAB_ATTR, mark_expert_biases, mark_gated_fc1, mark_routers,
+from ..models.marks import (TRUE_VOCAB_ATTR, mark_expert_biases, mark_gated_fc1, mark_mla_kv_up, mark_routers,
                             mark_row_parallel_biases, mark_tied_head, true_vocab_of)
 from ..numerics import ACTIVE
 from ..patching import PatchRegistry
@@ -72,6 +72,7 @@ def gpt_model_init(original, registry: PatchRegistry):
         if head is not None:
             head._mindspeed_tp_logits = True
         mark_gated_fc1(self)
+        mark_mla_kv_up(self)
         mark_routers(self)
         mark_row_parallel_biases(self)
         mark_expert_biases(self)

@@ -27,6 +27,8 @@ from ...contract.sampling import Sampling
 from ...errors import ConfigError
 
 from ...numerics.vllm.host import check_engine_family
+from ...numerics.vllm.kernels import BLOCK_SIZE
+from ...numerics.vllm.mla import BLOCK_SIZE as MLA_BLOCK_SIZE
 from ...numerics.vllm.refusals import check_engine_settings, check_head_dim, require_vllm
 
 # One OpenMP thread per engine worker (what the profiles were measured with); KV split off so
@@ -162,11 +164,14 @@ def temperature_logprobs(steps, tokens: List[int], temperature: float) -> List[f
     return lp.gather(-1, torch.tensor(tokens, dtype=torch.long).unsqueeze(-1)).squeeze(-1).tolist()
 
 
-def _head_dim(model_dir: str) -> int:
-    """The attention head size the engine will run, as vLLM's model classes read config.json."""
+def _head_dim(model_dir: str) -> Optional[int]:
+    """The attention head size the engine's attention kernel will run, as vLLM's model classes read
+    config.json; None for multi-latent attention (its own backend, vLLM's CPU MLA)."""
     from ...hf.config import read_hf_config
 
     cfg = read_hf_config(model_dir)
+    if cfg.get("kv_lora_rank"):
+        return None
     return int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
 
 
@@ -178,7 +183,9 @@ def start_engine(model_dir: str, tp: int, dtype: str, max_model_len: int, max_nu
     load_tokenizer: load ``model_dir``'s tokenizer as a serving engine does (the logprobs still span
     config.json's ``vocab_size``, which may exceed the tokenizer's entries)."""
     require_vllm()
-    check_head_dim(_head_dim(model_dir))  # else the engine starts and dies in its attention kernel
+    head_dim = _head_dim(model_dir)
+    if head_dim is not None:
+        check_head_dim(head_dim)  # else the engine starts and dies in its attention kernel
     with _engine_environment(tp):
         check_engine_settings(os.environ, tp)
         from vllm import LLM
@@ -190,7 +197,8 @@ def start_engine(model_dir: str, tp: int, dtype: str, max_model_len: int, max_nu
                   max_model_len=int(max_model_len),
                   max_num_batched_tokens=int(max_num_batched_tokens), max_num_seqs=int(max_num_seqs),
                   seed=int(seed), distributed_executor_backend="mp" if tp > 1 else None,
-                  logprobs_mode=mode, max_logprobs=-1 if mode == "raw_logits" else 20, block_size=128,
+                  logprobs_mode=mode, max_logprobs=-1 if mode == "raw_logits" else 20,
+                  block_size=BLOCK_SIZE if head_dim is not None else MLA_BLOCK_SIZE,
                   worker_extension_cls="mindspeed_tp.integrations.vllm.worker.EngineInfo")
         elapsed = time.time() - began
     engine = Engine(llm=llm, tp=int(tp), dtype=dtype, start_seconds=elapsed, info=_engine_info(llm), logprobs_mode=mode,

@@ -134,7 +134,7 @@ class CanonicalTree(Numerics):
                  for a, b in zip(bounds[:-1], bounds[1:])]
         return torch.cat(parts, dim=0) if parts else t
 
-    def mla_rope(self, t, freqs, mscale):
+    def mla_rope(self, t, freqs, mscale, config):
         return apply_rope(t, freqs, deinterleave=True, mscale=mscale)
 
     def attention(self, module, query, key, value, attention_mask, mask_name, causal):

@@ -177,9 +177,9 @@ def moe_problems(model, prof) -> list:
     scaling = getattr(model, "moe_router_topk_scaling_factor", None)
     if grouped_router(model):
         family = getattr(model, "family", None)  # a model spec's: the architecture its checkpoint exports as
-        if family is not None and family != "glm4_moe":
-            problems.append(f"a sigmoid router is GLM-4.5's MoE block in the engine: family glm4_moe (family "
-                            f"{family!r} exports an architecture without it)")
+        if family is not None and family not in ("glm4_moe", "deepseek_v3"):
+            problems.append(f"a sigmoid router is GLM-4.5's or DeepSeek-V3's MoE block in the engine: family "
+                            f"glm4_moe or deepseek_v3 (family {family!r} exports an architecture without it)")
         if not getattr(model, "moe_router_enable_expert_bias", False):
             problems.append("a sigmoid router needs the expert bias (moe_router_enable_expert_bias: the engine's "
                             "GLM-4.5 block always adds its e_score_correction_bias)")
@@ -220,20 +220,25 @@ def check_moe(layer, prof) -> None:
 
 def _route(layer, h):
     """The engine's router logits and routing for tokens ``h``: Qwen3-MoE's / Mixtral's gate in the
-    model dtype and softmax top-k, or GLM-4.5's fp32 gate (its GateLinear holds an fp32 copy of the
-    weight; the input cast exactly) and grouped sigmoid top-k."""
+    model dtype and softmax top-k, or the grouped sigmoid top-k after GLM-4.5's fp32 gate (its
+    GateLinear holds an fp32 copy of the weight; the input cast exactly) or DeepSeek-V3's gate in the
+    model dtype (deepseek_v2.py's GateLinear without ``moe_router_dtype``; the family with multi-latent
+    attention, which GLM-4.5 has not)."""
     config = layer.config
     weight = layer.router.weight
     if not grouped_router(config):
         logits = kernels.engine_linear(h, weight.to(h.dtype))
         return kernels.route(logits, config.moe_router_topk, not bool(getattr(config, "moe_router_pre_softmax", False)))
-    logits = kernels.engine_linear(h.float(), weight.float(), source=weight)
+    if getattr(config, "multi_latent_attention", False):
+        logits = kernels.engine_linear(h, weight.to(h.dtype))
+    else:
+        logits = kernels.engine_linear(h.float(), weight.float(), source=weight)
     return kernels.grouped_route(logits, config.moe_router_topk, True, config.moe_router_num_groups or 1,
                                  config.moe_router_group_topk or 1, layer.router.expert_bias)
 
 
 def moe(layer, hidden_states, prof, publish_routing) -> torch.Tensor:
-    """MoELayer as the engine's Qwen3MoeSparseMoeBlock / MixtralMoE / Glm4MoE: its router (``_route``),
+    """MoELayer as the engine's Qwen3MoeSparseMoeBlock / MixtralMoE / Glm4MoE / DeepseekV2MoE: its router (``_route``),
     its fused MoE kernel per engine rank's intermediate slice of every expert, each engine rank's
     output (with GLM-4.5's routed scaling and its shared experts' partial: ``shared_expert_partials``)
     added as its all-reduce does. Under expert (tensor) parallelism the expert group's ranks split

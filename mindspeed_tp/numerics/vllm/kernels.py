@@ -288,21 +288,21 @@ def _attention_backward(q, k, v, grad, scale: float, block: int, sliding_window:
     to its last row are its whole softmax (causal), so nothing of size s x s is ever held.
     The same math as differentiating ``softmax(q k^T * scale, causal) v`` densely (tested against it)."""
     b, s, hq, d = q.shape
-    hk = k.shape[2]
+    hk, dv_dim = k.shape[2], v.shape[-1]  # values may be narrower than queries / keys (MLA)
     rep = hq // hk
     # Queries as (b, hk, s, rep, d): a block of rows x the rep heads of one KV head is one matrix
     # (rows * rep, d) against that KV head's (s, d) keys -- no repeated K/V, one GEMM per KV head.
     qf = q.float().reshape(b, s, hk, rep, d).permute(0, 2, 1, 3, 4).contiguous()
-    gf = grad.float().reshape(b, s, hk, rep, d).permute(0, 2, 1, 3, 4).contiguous()
+    gf = grad.float().reshape(b, s, hk, rep, dv_dim).permute(0, 2, 1, 3, 4).contiguous()
     kf = k.float().permute(0, 2, 1, 3)
     vf = v.float().permute(0, 2, 1, 3)
     dq = torch.empty_like(qf)
     dk = torch.zeros(b, hk, s, d, dtype=torch.float32)
-    dv = torch.zeros(b, hk, s, d, dtype=torch.float32)
+    dv = torch.zeros(b, hk, s, dv_dim, dtype=torch.float32)
     for start in range(0, s, block):
         end = min(start + block, s)
         n = (end - start) * rep
-        qb, gb = qf[:, :, start:end].reshape(b, hk, n, d), gf[:, :, start:end].reshape(b, hk, n, d)
+        qb, gb = qf[:, :, start:end].reshape(b, hk, n, d), gf[:, :, start:end].reshape(b, hk, n, dv_dim)
         kb, vb = kf[:, :, :end], vf[:, :, :end]
         scores = (qb @ kb.transpose(-1, -2)).mul_(scale)  # (b, hk, rows * rep, end)
         row_pos = (start + torch.arange(n) // rep).unsqueeze(-1)

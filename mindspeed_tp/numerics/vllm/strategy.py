@@ -12,11 +12,12 @@ from ... import compat
 from ...contract.refusals import refuse
 from ..base import attention_sinks, attention_window
 from ..rollout_layout.strategy import RolloutLayout
-from . import forward, kernels
+from . import forward, kernels, mla
 from ...contract.model_config import glu_of
 from .refusals import (activation_widths, check_activation_widths, check_head_dim, check_partial_rope_dtype,
                        check_swiglu)
 from .kernels import engine_partial_linear
+from ...models.marks import MLA_KV_UP_ATTR
 
 
 def _refuse_mscale(mscale: float) -> None:
@@ -61,7 +62,13 @@ class VllmEngine(RolloutLayout):
                          float(a.get("rotary_percent", 1.0)))
 
     def column_gemm(self, x, weight, bias):
-        """The engine's GEMM; its logits stay in the model dtype."""
+        """The engine's GEMM; its logits stay in the model dtype. MLA's kv up projection: the plain
+        ``F.linear`` the engine runs for its kv_b_proj (marked at construction)."""
+        if getattr(weight, MLA_KV_UP_ATTR, False):
+            if bias is not None:
+                raise refuse("vllm_model_shape", what="a bias on MLA's kv up projection", engine="none",
+                             fix="unset add_bias_linear")
+            return torch.nn.functional.linear(x, weight)
         return forward.column_linear(x, weight, bias)
 
     def norm(self, module, x):
@@ -79,8 +86,27 @@ class VllmEngine(RolloutLayout):
         positions = torch.cat([torch.arange(b - a) for a, b in zip(bounds[:-1], bounds[1:])])
         return forward.rope(t.unsqueeze(1), config, interleaved, positions).squeeze(1)
 
+    def mla_tensors(self, module, tensors):
+        """The normed kv latent and the kv up weight, for the engine's absorbed decode (``mla.attention``)."""
+        if not isinstance(tensors, tuple) or len(tensors) != 5:
+            raise refuse("vllm_model_shape", what="multi-latent attention on this megatron-core line (its "
+                         "get_query_key_value_tensors returns no kv latent)", engine="vLLM's CPU MLA",
+                         fix="use megatron-core 0.16 or later")
+        mla.record_latent(module.core_attention, tensors[4], module.linear_kv_up_proj.weight)
+
+    def mla_rope(self, t, freqs, mscale, config):
+        """vLLM's DeepSeek YaRN RoPE (its own cos / sin cache; megatron's ``mscale`` is folded in it)."""
+        mla.check(config)
+        return mla.rope(t, config)
+
     def attention(self, module, query, key, value, attention_mask, mask_name, causal):
-        """The engine's paged attention: prompt prefill, then decode steps."""
+        """The engine's paged attention: prompt prefill, then decode steps (MLA: vLLM's CPU MLA)."""
+        if getattr(module.config, "multi_latent_attention", False):
+            if not causal:
+                raise refuse("vllm_model_shape", what="non-causal attention", engine="causal decoder attention",
+                             fix="use attn_mask_type causal")
+            mla.check(module.config)
+            return mla.attention(module, query, key, value)
         if getattr(module.config, "window_attn_skip_freq", None) is not None:
             raise refuse("vllm_model_shape", what="alternating windowed and full layers (window_attn_skip_freq)",
                          engine="one window for every layer (Mistral)", fix="unset window_attn_skip_freq")
