@@ -526,4 +526,22 @@ def test_mla_on_an_engine_family_whose_bf16_bmm_is_row_variant_is_refused_by_nam
     with pytest.raises(ConfigError, match="multi-latent attention on a host whose engine kernels are 'avx512'"):
         mla.check_host()
     monkeypatch.setattr(host, "host_isa", lambda: "avx2")
-    mla.check_host()
+    mla.check_host()  # this host's vLLM selects the modelled prefill (no zentorch here)
+    from vllm.platforms import current_platform
+
+    assert mla._prefill_backend(current_platform).__name__ == mla.MODELLED_PREFILL
+
+
+def test_mla_with_another_prefill_backend_is_refused_by_name(monkeypatch):
+    """Where zentorch is installed vLLM prefills MLA with ZenCPUSDPAMLAPrefillBackend: not modelled."""
+    from mindspeed_tp.errors import ConfigError
+    from mindspeed_tp.numerics.vllm import mla
+
+    monkeypatch.setattr(host, "host_isa", lambda: "avx2")
+    monkeypatch.setattr(mla, "_prefill_backend", lambda platform: type("ZenCPUSDPAMLAPrefillBackend", (), {}))
+    with pytest.raises(ConfigError, match="vLLM's MLA prefill ZenCPUSDPAMLAPrefillBackend"):
+        mla.check_host()
+    mla.check_engine(None)  # a started engine without MLA layers
+    mla.check_engine("CPUMLAImpl / CPUSDPAMLAPrefillBackend")
+    with pytest.raises(ConfigError, match="multi-latent attention on the engine's AMXMLAImpl"):
+        mla.check_engine("AMXMLAImpl / CPUSDPAMLAPrefillBackend")

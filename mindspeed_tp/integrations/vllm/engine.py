@@ -28,7 +28,7 @@ from ...errors import ConfigError
 
 from ...numerics.vllm.host import check_engine_family
 from ...numerics.vllm.kernels import BLOCK_SIZE
-from ...numerics.vllm.mla import BLOCK_SIZE as MLA_BLOCK_SIZE
+from ...numerics.vllm.mla import BLOCK_SIZE as MLA_BLOCK_SIZE, check_engine as check_mla_engine
 from ...numerics.vllm.refusals import check_engine_settings, check_head_dim, require_vllm
 
 # One OpenMP thread per engine worker (what the profiles were measured with); KV split off so
@@ -205,6 +205,7 @@ def start_engine(model_dir: str, tp: int, dtype: str, max_model_len: int, max_nu
                     semantics=sampling.semantics if sampling is not None else "raw")
     try:  # the process that drives the engine computes the training side's kernels
         check_engine_family(engine.info.get("cpu_isa"))
+        check_mla_engine(engine.info.get("mla"))
     except Exception:
         engine.shutdown()
         raise

@@ -489,6 +489,8 @@ def describe_engine_model(model, vllm_config=None) -> Dict[str, object]:
         isa = getattr(module, "isa", None)
         if isinstance(isa, str) and "attention_isa" not in info and hasattr(module, "num_kv_heads"):
             info["attention_isa"] = isa
+        if hasattr(module, "prefill_backend") and hasattr(module, "impl") and "mla" not in info:
+            info["mla"] = f"{type(module.impl).__name__} / {type(module.prefill_backend).__name__}"
         experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
         if experts is not None and "moe_isa" not in info:
             info["moe_isa"] = getattr(experts, "isa", type(experts).__name__)

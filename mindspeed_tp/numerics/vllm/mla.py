@@ -71,19 +71,43 @@ def problems(model, dtype) -> List[str]:
 ROW_VARIANT_FAMILIES = ("avx512",)
 
 
+MODELLED_PREFILL = "CPUSDPAMLAPrefillBackend"  # vLLM's CPU prefill; ZenCPUSDPAMLAPrefillBackend (zentorch) is not
+MODELLED_ENGINE = f"CPUMLAImpl / {MODELLED_PREFILL}"  # what a started engine reports (kernels.describe_engine_model)
+
+
+def check_engine(reported) -> None:
+    """A started engine's MLA backends (its worker's report; None: no MLA layer) are the modelled ones."""
+    if reported is not None and reported != MODELLED_ENGINE:
+        from ...contract.refusals import refuse
+
+        raise refuse("vllm_model_shape", what=f"multi-latent attention on the engine's {reported}",
+                     engine=f"{MODELLED_ENGINE} modelled", fix="start the engine with AMX hidden and without zentorch")
+
+
 def check_host() -> None:
     """Before an engine starts and at each MLA forward: this host's engine family decodes MLA the same
-    whatever the batch (``ROW_VARIANT_FAMILIES``)."""
+    whatever the batch (``ROW_VARIANT_FAMILIES``), and vLLM's own selector picks the modelled prefill."""
+    from vllm.platforms import current_platform
+
+    from ...contract.refusals import refuse
     from .host import host_isa
 
     family = host_isa()
     if family in ROW_VARIANT_FAMILIES:
-        from ...contract.refusals import refuse
-
         raise refuse("vllm_model_shape", what=f"multi-latent attention on a host whose engine kernels are {family!r} "
                      "(its bf16 bmm gives a one-request decode step other bits than a batched one)",
                      engine="no batch-independent MLA decode on this CPU",
                      fix="score this model with the default profile, or on an AVX2 or AVX-512-BF16 host")
+    prefill = _prefill_backend(current_platform).__name__
+    if prefill != MODELLED_PREFILL:
+        raise refuse("vllm_model_shape", what=f"multi-latent attention with vLLM's MLA prefill {prefill}",
+                     engine=f"{MODELLED_PREFILL} modelled", fix="uninstall zentorch from the engine's environment")
+
+
+@functools.lru_cache(maxsize=None)
+def _prefill_backend(platform):
+    """The MLA prefill class vLLM's platform selects on this host (its selector reads no config on CPU)."""
+    return platform.get_mla_prefill_backend_cls(None)
 
 
 def check(config) -> None:
