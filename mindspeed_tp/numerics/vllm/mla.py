@@ -184,14 +184,12 @@ def _absorbed_weights(kv_up: torch.Tensor, heads: int, nope: int, v_dim: int):
 
 
 def _prefill(ops_self, q, k, v, prompt_lens):
-    """Each sequence's prompt as one request of ``_ragged_sdpa`` (q / k / v [b, s, heads, d])."""
-    rows = [(q[i, :p], k[i, :p], v[i, :p]) for i, p in enumerate(prompt_lens) if p > 0]
-    if not rows:
-        return []
-    cu = torch.tensor([0] + [int(p) for p in prompt_lens if p > 0], dtype=torch.int64).cumsum(0)
-    out = ops_self._ragged_sdpa(torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows]),
-                                torch.cat([r[2] for r in rows]), cu, cu, causal=True, return_softmax_lse=False)
-    return list(out.split([int(p) for p in prompt_lens if p > 0]))
+    """Each sequence's prompt (at least one token: engine_scoring) as one request of ``_ragged_sdpa``
+    (q / k / v [b, s, heads, d]) -> each prompt's [p, heads, v] rows."""
+    cu = torch.tensor([0] + list(prompt_lens), dtype=torch.int64).cumsum(0)
+    out = ops_self._ragged_sdpa(*(torch.cat([t[i, :p] for i, p in enumerate(prompt_lens)]) for t in (q, k, v)),
+                                cu, cu, causal=True, return_softmax_lse=False)
+    return out.split(list(prompt_lens))
 
 
 def _decode(q, latent, k_pe, w_uk_t, w_uv, prompt_lens, scale):
@@ -204,21 +202,22 @@ def _decode(q, latent, k_pe, w_uk_t, w_uv, prompt_lens, scale):
     cache = torch.zeros(b * blocks * BLOCK_SIZE, LATENT_WIDTH + ROPE_WIDTH, dtype=q.dtype)
     cache.view(b, blocks * BLOCK_SIZE, -1)[:, :s] = torch.cat([latent, k_pe], dim=-1)
     cache = cache.view(b * blocks, BLOCK_SIZE, -1)
-    seqs = [(i, t) for i in range(b) for t in range(int(prompt_lens[i]), s)]
-    if not seqs:
+    seq = torch.cat([torch.full((s - p,), i, dtype=torch.int64) for i, p in enumerate(prompt_lens)])
+    pos = torch.cat([torch.arange(p, s) for p in prompt_lens])
+    if not len(seq):
         return None
-    rows = torch.stack([q[i, t] for i, t in seqs])  # (B, heads, nope + rope)
+    rows = q[seq, pos]  # (B, heads, nope + rope), token-major as the engine's decode slice of q
+    n = rows.shape[0]
     q_nope, q_pe = rows[..., :nope].transpose(0, 1), rows[..., nope:]
-    ql_nope = q.new_empty((len(seqs), h, LATENT_WIDTH))
+    ql_nope = q.new_empty((n, h, LATENT_WIDTH))
     torch.bmm(q_nope, w_uk_t, out=ql_nope.transpose(0, 1))
     query = torch.cat([ql_nope, q_pe], dim=-1).contiguous()
-    out = torch.zeros(len(seqs), h, LATENT_WIDTH, dtype=q.dtype)
-    block_table = torch.arange(b * blocks, dtype=torch.int32).view(b, blocks)[[i for i, _ in seqs]].contiguous()
-    seq_lens = torch.tensor([t + 1 for _, t in seqs], dtype=torch.int32)
-    ops.mla_decode_kvcache_cpu(out, query, cache, scale, block_table, seq_lens)
-    context = q.new_empty((len(seqs), h, w_uv.shape[-1]))
+    out = torch.zeros(n, h, LATENT_WIDTH, dtype=q.dtype)
+    block_table = torch.arange(b * blocks, dtype=torch.int32).view(b, blocks)[seq].contiguous()
+    ops.mla_decode_kvcache_cpu(out, query, cache, scale, block_table, (pos + 1).to(torch.int32))
+    context = q.new_empty((n, h, w_uv.shape[-1]))
     torch.bmm(out.transpose(0, 1), w_uv, out=context.transpose(0, 1))
-    return seqs, context
+    return seq, pos, context
 
 
 class _MlaAttention(torch.autograd.Function):
@@ -238,8 +237,8 @@ class _MlaAttention(torch.autograd.Function):
         w_uk_t, w_uv = _absorbed_weights(kv_up, h, q.shape[-1] - ROPE_WIDTH, v_dim)
         decoded = _decode(q.detach(), latent, k_pe.detach(), w_uk_t, w_uv, prompt_lens, scale)
         if decoded is not None:
-            for (i, t), row in zip(*decoded):
-                out[i, t] = row
+            seq, pos, context = decoded
+            out[seq, pos] = context
         return out
 
     @staticmethod
