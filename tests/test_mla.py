@@ -140,7 +140,7 @@ def test_what_the_vllm_profiles_mla_does_not_model_is_named_from_the_spec():
     from mindspeed_tp.contract.model_config import check_mla_profile
     from mindspeed_tp.contract.profile import load_profile
     from mindspeed_tp.models.spec import load_model_spec
-    from mindspeed_tp.numerics.vllm.mla import problems
+    from mindspeed_tp.numerics.vllm.mla import check_model, problems
 
     spec = load_model_spec("tiny-deepseek-v3-mla576")
     assert problems(spec, torch.bfloat16) == []
@@ -150,6 +150,9 @@ def test_what_the_vllm_profiles_mla_does_not_model_is_named_from_the_spec():
         found = problems(spec if changed is None else replace(spec, **changed),
                          torch.float32 if changed is None else torch.bfloat16)
         assert len(found) == 1 and named in found[0], found
-    check_mla_profile(load_profile("vllm-cpu-tp2"), spec, torch.bfloat16)
+    check_mla_profile(load_profile("vllm-cpu-tp2"))
+    check_model(spec, torch.bfloat16, "vllm-cpu-tp2")
     with pytest.raises(ConfigError, match="multi_latent_attention with profile='vllm-cpu-tp2'.*in fp32"):
-        check_mla_profile(load_profile("vllm-cpu-tp2"), spec, torch.float32)
+        check_model(spec, torch.float32, "vllm-cpu-tp2")
+    with pytest.raises(ConfigError, match="multi_latent_attention with profile='rollout-tp2'"):
+        check_mla_profile(load_profile("rollout-tp2"))

@@ -104,7 +104,11 @@ def check_engine_and_device(ns: argparse.Namespace, spec, profile) -> None:
     if spec.multi_latent_attention:  # before the engine's own checks: its MLA is another attention
         from ..contract.model_config import check_mla_profile
 
-        check_mla_profile(profile, spec, DTYPES[ns.dtype])
+        check_mla_profile(profile)
+        if profile.engine_name == "vllm":
+            from ..numerics.vllm.mla import check_model
+
+            check_model(spec, DTYPES[ns.dtype], profile.name)
     if ns.engine == "vllm":
         from ..numerics.vllm.refusals import (activation_widths, check_activation_widths, check_engine_architecture,
                                               check_head_dim, check_partial_rope_dtype)

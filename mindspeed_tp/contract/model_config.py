@@ -140,21 +140,14 @@ def check_mla(config: Any, profile: Optional[Any]) -> None:
     if getattr(config, "rope_type", "rope") not in ("rope", "yarn"):
         raise refuse(mla, setting="rope_type", value=config.rope_type, fix="use rope or yarn")
     if profile is not None:
-        check_mla_profile(profile, config)
+        check_mla_profile(profile)
 
 
-def check_mla_profile(profile: Any, model: Any = None, dtype: Any = None) -> None:
+def check_mla_profile(profile: Any) -> None:
     """MLA under the profiles that model it: the canonical and bitwise-training profiles, and the real
-    vLLM's (its CPU MLA: ``numerics/vllm/mla.py``, for what ``model`` / ``dtype`` it covers); not the
-    rollout-layout emulation. Also before the checkers launch (models/layout.py, check/main.py)."""
+    vLLM's (its CPU MLA: what of a model it covers is the strategy's check, ``numerics/vllm/mla.py``);
+    not the rollout-layout emulation. Also before the checkers launch (models/layout.py, check/main.py)."""
     if profile.engine_name == "vllm":
-        if model is not None:
-            from ..numerics.vllm.mla import problems
-
-            found = problems(model, dtype if dtype is not None else model.params_dtype)
-            if found:
-                raise refuse("multi_latent_attention", setting="profile", value=profile.name,
-                             fix="; ".join(found) + ": score it with the default profile")
         return
     if profile.engine_name is not None or profile.rollout_layout:
         raise refuse("multi_latent_attention", setting="profile", value=profile.name,

@@ -281,7 +281,7 @@ def _paged_attention(q, k, v, plan, scale: float, sliding_window: int = -1) -> t
 BACKWARD_BLOCK = 256  # query rows per block of the attention backward: memory (b, h, block, s) fp32
 
 
-def _attention_backward(q, k, v, grad, scale: float, block: int, sliding_window: int = -1):
+def attention_backward(q, k, v, grad, scale: float, block: int, sliding_window: int = -1):
     """Gradients of plain causal attention in fp32 (with ``sliding_window`` W > 0: each query over
     itself and the W - 1 keys before it) (GQA: query head j reads KV head j // (hq/hk)),
     recomputed from q/k/v one block of query rows at a time: a block's scores against the keys up
@@ -330,7 +330,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # plain causal attention in fp32, recomputed block by block
         q, k, v = ctx.saved_tensors
-        dq, dk, dv = _attention_backward(q.detach(), k.detach(), v.detach(), grad, ctx.scale, BACKWARD_BLOCK,
+        dq, dk, dv = attention_backward(q.detach(), k.detach(), v.detach(), grad, ctx.scale, BACKWARD_BLOCK,
                                          ctx.window)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 

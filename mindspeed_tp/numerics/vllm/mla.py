@@ -110,15 +110,21 @@ def _prefill_backend(platform):
     return platform.get_mla_prefill_backend_cls(None)
 
 
-def check(config) -> None:
-    """At each MLA layer's forward: ``problems`` of the model's config and the host, refused by name."""
+def check(config, profile_name: str) -> None:
+    """At each MLA layer's forward: the host and ``problems`` of the model's config, refused by name."""
     check_host()
-    found = problems(config, config.params_dtype)
+    check_model(config, config.params_dtype, profile_name)
+
+
+def check_model(model, dtype, profile_name: str) -> None:
+    """``problems`` of a model spec or config refused by name: before the checkers launch
+    (check/main.py), at GPTModel construction (the strategy's model_init) and at each MLA forward."""
+    found = problems(model, dtype)
     if found:
         from ...contract.refusals import refuse
 
-        raise refuse("vllm_model_shape", what="; ".join(found), engine="vLLM's CPU MLA (bf16, a 512 + 64 latent "
-                     "cache row, YaRN, a query latent)", fix="score this model with the default profile")
+        raise refuse("multi_latent_attention", setting="profile", value=profile_name,
+                     fix="; ".join(found) + ": score it with the default profile")
 
 
 # ---------------------------------------------------------------- RoPE
@@ -243,10 +249,10 @@ class _MlaAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # the same function as plain causal attention: its gradient in fp32
-        from .kernels import BACKWARD_BLOCK, _attention_backward
+        from .kernels import BACKWARD_BLOCK, attention_backward
 
         q, k, v = ctx.saved_tensors
-        dq, dk, dv = _attention_backward(q.detach(), k.detach(), v.detach(), grad, ctx.scale, BACKWARD_BLOCK)
+        dq, dk, dv = attention_backward(q.detach(), k.detach(), v.detach(), grad, ctx.scale, BACKWARD_BLOCK)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 

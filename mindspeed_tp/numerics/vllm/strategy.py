@@ -51,6 +51,8 @@ class VllmEngine(RolloutLayout):
         if head_dim:
             check_head_dim(head_dim)
         config = a["config"]
+        if getattr(config, "multi_latent_attention", False):
+            mla.check_model(config, config.params_dtype, self.profile.name)
         if getattr(config, "pipeline_model_parallel_size", 1) > 1:
             # the stages exchange the residual stream as the engine carries it, fp32 (its unrounded fused-add
             # sum): megatron's schedule sizes its send / recv buffers by the config's pipeline_dtype
@@ -96,7 +98,7 @@ class VllmEngine(RolloutLayout):
 
     def mla_rope(self, t, freqs, mscale, config):
         """vLLM's DeepSeek YaRN RoPE (its own cos / sin cache; megatron's ``mscale`` is folded in it)."""
-        mla.check(config)
+        mla.check(config, self.profile.name)
         return mla.rope(t, config)
 
     def attention(self, module, query, key, value, attention_mask, mask_name, causal):
@@ -105,7 +107,7 @@ class VllmEngine(RolloutLayout):
             if not causal:
                 raise refuse("vllm_model_shape", what="non-causal attention", engine="causal decoder attention",
                              fix="use attn_mask_type causal")
-            mla.check(module.config)
+            mla.check(module.config, self.profile.name)
             return mla.attention(module, query, key, value)
         if getattr(module.config, "window_attn_skip_freq", None) is not None:
             raise refuse("vllm_model_shape", what="alternating windowed and full layers (window_attn_skip_freq)",
