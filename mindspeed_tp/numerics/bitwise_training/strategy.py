@@ -115,13 +115,14 @@ class BitwiseTraining(CanonicalTree):
                          c=self.profile.canonical_shards)
         return leaves
 
-    def expert_up_proj(self, x, weight, bias, etp_group, gated, rows):
-        """dx by canonical leaves folded across expert TP; dW (and the bias's gradient) per micro-batch."""
+    def expert_up_proj(self, x, weight, bias, etp_group, gated, rows, product=None):
+        """dx by canonical leaves folded across expert TP; dW (and the bias's gradient) per micro-batch
+        (``product``: the forward GEMM's value, computed already)."""
         parts = 2 if gated else 1
         rm = self.row_multiple
 
         def compute(a, w):
-            return invariant_linear(a, w, row_multiple=rm)
+            return invariant_linear(a, w, row_multiple=rm) if product is None else product
 
         out = experts.ExpertUpProj.apply(x, weight, etp_group, self._expert_leaves(weight.shape[0], etp_group, parts),
                                          parts, rows, compute, rm)
