@@ -137,6 +137,20 @@ class BitwiseTraining(CanonicalTree):
         out = experts.FoldToOwner.apply(partial, etp_group, dtype)
         return out if bias is None else experts.ExpertBias.apply(out, bias, rows, self.row_multiple)
 
+    def expert_down_projs(self, acts, weights, biases, etp_group, dtypes, rows):
+        """Every local expert's ``expert_down_proj``, the leaves' dx of all of them computed together in
+        backward (``experts.ExpertDownProjLeavesTogether``)."""
+        for bias in biases:
+            check_expert_bias(bias, etp_group)
+        if not acts:
+            return []
+        leaves = self.profile.canonical_shards // group_size(etp_group)
+        partials = experts.ExpertDownProjLeavesTogether.apply(leaves, rows, self.row_multiple, len(acts), *acts,
+                                                              *weights)
+        outs = [experts.FoldToOwner.apply(p, etp_group, dtype) for p, dtype in zip(partials, dtypes)]
+        return [out if bias is None else experts.ExpertBias.apply(out, bias, r, self.row_multiple)
+                for out, bias, r in zip(outs, biases, rows)]
+
     def norm(self, module, x):
         """Parameter gradients as canonical token sums (``token_sums``)."""
         x_hat = normalized(x, module.eps, module.normalization)

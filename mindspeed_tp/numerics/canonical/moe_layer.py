@@ -32,19 +32,18 @@ def _groups():
 
 
 def _experts_forward(numerics, experts, inputs, etp_group, config, rows) -> list:
-    """The local expert MLPs on their rows: the strategy's fc1 shards (computed together), activation,
-    the strategy's fc2 across expert TP, each with its bias where the model has them (``rows``: the
-    strategy's record of where each expert's rows come from, or None). The routing weight multiplies
-    the whole output, fc2's bias included, at the combine: megatron's experts scale fc2's bias by it too."""
+    """The local expert MLPs on their rows: the strategy's fc1 shards, activation, the strategy's fc2
+    across expert TP (all experts' at once, for strategies that compute them together), each with its
+    bias where the model has them (``rows``: the strategy's record of where each expert's rows come
+    from, or None). The routing weight multiplies the whole output, fc2's bias included, at the
+    combine: megatron's experts scale fc2's bias by it too."""
     fc1s = [e.linear_fc1 for e in experts]
     ups = numerics.expert_up_projs(inputs, [f.weight for f in fc1s], [f.bias for f in fc1s], etp_group,
                                    config.gated_linear_unit, rows)
-    outputs = []
-    for expert, x, a, r in zip(experts, inputs, ups, rows):
-        fc2 = expert.linear_fc2
-        a = numerics.mlp_activation(a, config)
-        outputs.append(numerics.expert_down_proj(a, fc2.weight, fc2.bias, etp_group, x.dtype, r))
-    return outputs
+    acts = [numerics.mlp_activation(a, config) for a in ups]
+    fc2s = [e.linear_fc2 for e in experts]
+    return numerics.expert_down_projs(acts, [f.weight for f in fc2s], [f.bias for f in fc2s], etp_group,
+                                      [x.dtype for x in inputs], rows)
 
 
 def _run_forward_pre_hooks(module) -> None:

@@ -121,6 +121,11 @@ class CanonicalTree(Numerics):
             out = with_plain_backward(x, weight, lambda a, w: product)
         return out if bias is None else out + bias
 
+    def expert_down_projs(self, acts, weights, biases, etp_group, dtypes, rows):
+        """Every local expert's ``expert_down_proj`` (a strategy may compute them together)."""
+        return [self.expert_down_proj(a, w, b, etp_group, d, r)
+                for a, w, b, d, r in zip(acts, weights, biases, dtypes, rows)]
+
     def expert_down_proj(self, a, weight, bias, etp_group, dtype, rows):
         """An expert's fc2 on its rows: leaves folded across expert TP, then its bias added in the model
         dtype; only one expert-TP rank's copy goes back to the token (``moe_layer``)."""
