@@ -815,6 +815,22 @@ def test_a_tp_reduction_through_another_collective_api_is_refused_not_passed(mon
         tp_norm_allreduce(other.reduce)([model], None)
 
 
+def test_the_dry_runs_gradient_digest_is_the_whole_tensors_sums_in_chunks():
+    """The digest the dry run compares (``patches._bit_sums``) is computed a chunk at a time (no
+    int64 copy of a whole LM-head gradient): the same integer sums as over the whole tensor at once,
+    the squares' sum wrapping alike, and a write past the first chunk shows."""
+    from mindspeed_tp.numerics.bitwise_training import patches
+
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(patches._BITS_CHUNK * 2 + 7, generator=g) * 1e30  # bit patterns near 2^31: squares wrap
+    for t in (big, torch.randn(300, 700, generator=g).bfloat16(), torch.randn(5, generator=g), torch.empty(0)):
+        bits = t.contiguous().view(-1).view(patches._INT_OF[t.element_size()]).long()
+        assert patches._bit_sums(t) == (int(bits.sum()), int((bits * bits).sum()))
+    before = patches._bit_sums(big)
+    big[-1] = -big[-1]
+    assert patches._bit_sums(big) != before
+
+
 def test_a_subtree_missing_its_sibling_is_added_to_the_zero_subtree():
     """The trees over a non-power-of-two number of leaves (the LM head's vocab leaves per shard, a
     rank's blocks) are the perfect tree with zero leaves appended: a node whose sibling is empty gets

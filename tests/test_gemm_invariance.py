@@ -153,6 +153,42 @@ def test_row_parallel_leaves_do_not_depend_on_the_rank_rows_or_threads(dtype, m,
     assert bad == [], f"M={m} K={k} N={n} {dtype}: {bad} on {host_cpu()}"
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_products_in_shared_tiles_are_each_products_own_bits(dtype):
+    """A MoE layer's expert fc1 GEMMs computed together (``invariant_linear_values``: weights side by side
+    in a column tile, their rows stacked in row tiles) give each product's own ``invariant_linear`` bits,
+    whatever the rows per product (none, a tile's worth and more), the widths and the thread count; a
+    weight wider than a column tile runs alone. The same calls as one product's (the spy test below)."""
+    from mindspeed_tp.kernels.linear import invariant_linear_values
+
+    k = 1552
+    counts = [3, 0, 128, 45, 200, 1, 64, 129, 17, 9]
+    widths = [128, 128, 96, 200, 128, 400, 7, 128, 384, 50]
+    xs = [_randn(c, k, seed=i, dtype=dtype) for i, c in enumerate(counts)]
+    ws = [_randn(n, k, seed=20 + i, dtype=dtype, scale=k ** -0.5) for i, n in enumerate(widths)]
+    with torch_threads(1):
+        want = [invariant_linear(x, w) for x, w in zip(xs, ws)]
+    bad = []
+    for threads in (1, 3):
+        with torch_threads(threads):
+            got = invariant_linear_values(xs, ws)
+        bad += [(threads, i) for i, (g, w) in enumerate(zip(got, want)) if g.shape != w.shape or not _same(g, w)]
+    with torch_threads(1):
+        fp32 = invariant_linear_values(xs, ws, out_dtype=torch.float32)
+    bad += [("fp32 out", i) for i, (x, w) in enumerate(zip(xs, ws))
+            if not _same(fp32[i], invariant_linear(x, w, out_dtype=torch.float32))]
+    assert bad == [], f"{dtype}: products (threads, index) differ from their own GEMM: {bad} on {host_cpu()}"
+
+
+def test_a_transposed_operand_is_copied_in_blocks_to_the_same_values():
+    """The row-major copy of a transposed right operand (a row-parallel leaf's weight columns), made in
+    blocks of source rows when large, holds the values of a plain copy."""
+    w = _randn(1200, 3000, seed=5, dtype=torch.float32)
+    view = w[:, 1000:2000].t()  # (1000, 1200), row stride 1
+    got = torch_backend._whole(view)
+    assert got.is_contiguous() and got.data_ptr() % 64 == 0 and torch.equal(got, view.contiguous())
+
+
 def test_every_library_call_is_one_shape_in_one_thread(monkeypatch):
     """What the construction promises: every library call a linear or a matmul makes is (ROW_TILE, K)
     times (K, COLUMN_TILE) -- or (K, N) for a matmul's fixed N -- on aligned operands, in a thread that
@@ -177,6 +213,12 @@ def test_every_library_call_is_one_shape_in_one_thread(monkeypatch):
                 assert out.shape == (m, n)
                 tiles = -(-m // torch_backend.ROW_TILE) * -(-n // torch_backend.COLUMN_TILE)
                 assert calls == [(tile, (96, torch_backend.COLUMN_TILE), 1, True, True)] * tiles, (m, n, calls[:3])
+            calls.clear()  # products in shared tiles: widths 100 + 200 + 50 in one column tile, 136 rows in two
+            xs = [_randn(m + 1, 96, seed=m, dtype=torch.float32)[1:] for m in (5, 130, 1)]
+            outs = torch_backend.grouped_linear(xs, [_randn(n, 96, seed=n, dtype=torch.float32) for n in (100, 200, 50)],
+                                                torch.float32, 16)
+            assert [o.shape for o in outs] == [(5, 100), (130, 200), (1, 50)]
+            assert calls == [(tile, (96, torch_backend.COLUMN_TILE), 1, True, True)] * 2, calls
             calls.clear()
             torch_backend.matmul(_randn(3, 200, 64, seed=1, dtype=torch.float32),
                                  _randn(3, 64, 40, seed=2, dtype=torch.float32), 16)

@@ -76,3 +76,37 @@ def test_a_router_with_a_routing_replay_attached_is_refused_by_name():
     layer = SimpleNamespace(router=SimpleNamespace(router_replay=object()))
     with pytest.raises(ConfigError, match="router_replay.mode=disabled"):
         moe_forward(layer, torch.zeros(2, 1, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_slot_combine_and_its_gradient_are_the_per_slot_products(dtype):
+    """``combine_slots`` reads the k slots by one unbind: its output and both gradients are those of
+    indexing each slot (whose backward adds k - 1 zero tensors: -0.0 turned +0.0), zeros of either
+    sign and zero routing weights included."""
+    from mindspeed_tp.kernels.moe import combine_slots
+
+    g = torch.Generator().manual_seed(3)
+    out = torch.randn(40, 8, 24, generator=g).to(dtype)
+    out[3, 2], out[4, 1] = 0.0, -0.0
+    probs = torch.rand(40, 8, generator=g)
+    probs[5, 3] = 0.0
+    dy = torch.randn(40, 24, generator=g)
+    dy[7], dy[8, :5] = -0.0, 0.0
+    results = []
+    for combine in (combine_slots, _indexed_combine):
+        e, p = out.clone().requires_grad_(True), probs.clone().requires_grad_(True)
+        y = combine(e, p)
+        y.backward(dy)
+        results.append((y.detach(), e.grad, p.grad))
+    assert (results[1][1] == 0).any() and not torch.signbit(results[1][1][results[1][1] == 0]).any()
+    for got, want in zip(*results):
+        assert got.dtype == want.dtype and bits_equal(got.view(torch.int16 if got.dtype == torch.bfloat16 else torch.int32),
+                                                      want.view(torch.int16 if want.dtype == torch.bfloat16 else torch.int32))
+
+
+def _indexed_combine(expert_out, probs):
+    """The slot combine as written before: each slot indexed (x[:, j])."""
+    acc = probs[:, 0:1].float() * expert_out[:, 0].float()
+    for j in range(1, expert_out.shape[1]):
+        acc = acc + probs[:, j:j + 1].float() * expert_out[:, j].float()
+    return acc

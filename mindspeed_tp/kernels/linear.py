@@ -119,6 +119,20 @@ def invariant_linear(
     return (out + bias.float()).to(out_dtype).reshape(*lead, weight.shape[0])
 
 
+def invariant_linear_values(xs, weights, out_dtype: Optional[torch.dtype] = None, row_multiple: int = 16):
+    """``[invariant_linear(x, w, out_dtype=...) for ...]``'s values for 2-D ``xs`` (no bias, no autograd: wrap
+    each with ``with_plain_backward`` or the strategy's Function): by the backend's ``grouped_linear``
+    where it has one (many small products in shared tiles, the same bits), else one ``linear`` each."""
+    if not xs:
+        return []
+    out_dtype = out_dtype or xs[0].dtype
+    grouped = dispatch.backend_attribute(xs[0], "grouped_linear")
+    with torch.no_grad():
+        if grouped is not None:
+            return grouped(list(xs), list(weights), out_dtype, row_multiple)
+        return [dispatch.kernel("linear", x)(x, w, out_dtype, row_multiple) for x, w in zip(xs, weights)]
+
+
 def leaf_partials(
     x: torch.Tensor, weight: torch.Tensor, num_leaves: int, row_multiple: int = 16
 ) -> torch.Tensor:

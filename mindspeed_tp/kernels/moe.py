@@ -94,9 +94,28 @@ def route(
     return idx, probs
 
 
+class _ZeroSignedGrad(torch.autograd.Function):
+    """Identity; backward adds +0.0 to the gradient (-0.0 becomes +0.0, every other value stays).
+    ``combine_slots`` reads its k slots by ``unbind``, whose backward stacks the k slot gradients
+    into one tensor; indexing each slot (``x[:, j]``) made autograd build k zero tensors of the
+    whole (T, k, H) and add them, so each gradient element was its slot's value plus k - 1 zeros:
+    the same value with -0.0 turned +0.0, which this keeps."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad + 0.0
+
+
 def combine_slots(expert_out: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     """sum_j probs[t, j] * expert_out[t, j] in fp32, slot order. expert_out: (T, k, H)."""
-    acc = probs[:, 0:1].float() * expert_out[:, 0].float()
-    for j in range(1, expert_out.shape[1]):
-        acc = acc + probs[:, j : j + 1].float() * expert_out[:, j].float()
+    if torch.is_grad_enabled() and expert_out.requires_grad:
+        expert_out = _ZeroSignedGrad.apply(expert_out)
+    slots = expert_out.unbind(1)
+    acc = probs[:, 0:1].float() * slots[0].float()
+    for j in range(1, len(slots)):
+        acc = acc + probs[:, j : j + 1].float() * slots[j].float()
     return acc

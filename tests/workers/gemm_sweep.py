@@ -8,7 +8,8 @@ What it reaches: every M from 1 to 512 against M = 512 (the row counts at which 
 kernels: small-M paths, AMX past 17-33 rows), K from 24 to 8192 with non-powers of two, column tails
 (N mod 128 from 8 to 120), column shards starting at every offset 1-24 (a column at every position of
 a library's micro-kernel panel), rows shifted within a row tile, threads 1, 2, 4 and 8 against 1, fp32 and
-bf16, and the gradient GEMMs of bitwise training (dx over the tokens, dW of a rank's column shard).
+bf16, the gradient GEMMs of bitwise training (dx over the tokens, dW of a rank's column shard), and
+many small products in shared tiles (``invariant_linear_values``: a MoE layer's experts) against one call each.
 """
 import json
 import os
@@ -17,7 +18,7 @@ import sys
 import torch
 
 from mindspeed_tp.kernels import invariant_linear
-from mindspeed_tp.kernels.linear import invariant_input_grad, invariant_weight_grad
+from mindspeed_tp.kernels.linear import invariant_input_grad, invariant_linear_values, invariant_weight_grad
 
 BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
 
@@ -102,6 +103,19 @@ def sweep(quick: bool):
                 cases += 1
                 if not _same(invariant_weight_grad(dy, x[:, cols].contiguous(), dtype, 16), dw[:, cols]):
                     bad.append(f"{name} dW: TP={tp} rank {rank}'s columns differ from the full dW")
+        # many small products in shared tiles (a MoE layer's experts, ``grouped_linear``) against one
+        # ``linear`` each: rows and columns at other positions of a tile, a product past a tile's rows
+        for k, n in ((1040, 128), (3088, 96), (576, 200)):
+            counts = [0, 1, 33, 17, 129, 200, 5, 64, 31, 2]
+            xs = [_randn(c, k, seed=10 + i, dtype=dtype) for i, c in enumerate(counts)]
+            ws = [_randn(n, k, seed=40 + i, dtype=dtype, scale=k ** -0.5) for i in range(len(counts))]
+            for t in (1, 2):
+                _threads(t)
+                got = invariant_linear_values(xs, ws)
+                for i, (x, w) in enumerate(zip(xs, ws)):
+                    cases += 1
+                    if not _same(got[i], invariant_linear(x, w)):
+                        bad.append(f"{name} grouped K={k} N={n}: product {i} ({counts[i]} rows, {t} threads) differs")
     return cases, bad
 
 

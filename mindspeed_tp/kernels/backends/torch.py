@@ -22,6 +22,7 @@ These define the primitives' semantics; other backends (``npu.py``) implement th
   stops early at the last visible block -- a decode step -- gets the same bits as training.
 """
 import math
+import threading
 from typing import Optional
 
 import torch
@@ -51,11 +52,23 @@ COLUMN_TILE = 384
 _ALIGN = 64
 
 
+# Rows of a transposed operand copied per block (``_whole``): a plain copy of a (K, N) view with row
+# stride 1 walks the source a stride apart per element (230 ms for a row-parallel leaf's 2048 x 7168,
+# 95 ms in blocks of 64 source rows); a copy moves values, whatever its order, the same bits.
+_TRANSPOSE_BLOCK = 64
+_BLOCKED_FROM = 1 << 20  # elements: below, the plain copy is as fast
+
+
 def _whole(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a contiguous, 64-byte-aligned matrix (a copy only where it is not one)."""
     if t.is_contiguous() and t.data_ptr() % _ALIGN == 0:
         return t
     out = torch.empty(t.shape, dtype=t.dtype)
+    if t.dim() == 2 and t.stride(0) == 1 and t.numel() >= _BLOCKED_FROM:
+        rows = t.t()  # (N, K), its rows strided: each block gathered contiguous, then transposed into place
+        for start in range(0, rows.shape[0], _TRANSPOSE_BLOCK):
+            out[:, start:start + _TRANSPOSE_BLOCK].copy_(rows[start:start + _TRANSPOSE_BLOCK].contiguous().t())
+        return out
     return out.copy_(t)
 
 
@@ -95,13 +108,39 @@ def matmul(a: torch.Tensor, b: torch.Tensor, row_multiple: int = 16) -> torch.Te
     tiles = a3.shape[1] // ROW_TILE
     lhs = a3.view(entries, tiles, ROW_TILE, a3.shape[-1])
     rhs = [_operand(b3[i]) for i in range(entries)]
-    # Each tile's product lands in place: a (ROW_TILE, n) block of a contiguous output is laid out
-    # as a fresh one (leading dimension n), so the call is the same as into its own buffer.
-    out = a3.new_empty(entries, tiles, ROW_TILE, n)
-    one_thread_pieces.run_pieces(lambda p: torch.mm(lhs[p[0], p[1]], rhs[p[0]], out=out[p[0], p[1]]),
-                                 [(i, j) for i in range(entries) for j in range(tiles)])
-    out = out.view(entries, tiles * ROW_TILE, n)
-    return (out if tiles * ROW_TILE == rows else out[:, :rows]).reshape(*batch, rows, n)
+    # Each whole tile's product lands in place: a (ROW_TILE, n) block of a contiguous output is laid
+    # out as a fresh one (leading dimension n), so the call is the same as into its own buffer. The
+    # last, zero-padded tile lands in the thread's scratch block of that layout and only its real
+    # rows are kept: a MoE expert's few dozen rows need no fresh (ROW_TILE, n) buffer per call (the
+    # first touch of its pages cost more than the product).
+    out = a3.new_empty(entries, rows, n)
+    full = rows // ROW_TILE
+
+    def piece(p):
+        i, j = p
+        if j < full:
+            torch.mm(lhs[i, j], rhs[i], out=out[i, j * ROW_TILE:(j + 1) * ROW_TILE])
+        else:
+            block = _scratch(n, a3.dtype)
+            torch.mm(lhs[i, j], rhs[i], out=block)
+            out[i, j * ROW_TILE:].copy_(block[:rows - j * ROW_TILE])
+
+    one_thread_pieces.run_pieces(piece, [(i, j) for i in range(entries) for j in range(tiles)])
+    return out.reshape(*batch, rows, n)
+
+
+_scratch_blocks = threading.local()
+
+
+def _scratch(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """This thread's (ROW_TILE, n) output block, contiguous and aligned, kept for reuse."""
+    blocks = getattr(_scratch_blocks, "by_shape", None)
+    if blocks is None:
+        blocks = _scratch_blocks.by_shape = {}
+    block = blocks.get((n, dtype))
+    if block is None:
+        block = blocks[(n, dtype)] = torch.empty((ROW_TILE, n), dtype=dtype)
+    return block
 
 
 def _operand(b: torch.Tensor) -> torch.Tensor:
@@ -140,6 +179,58 @@ def linear(x2d: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype, row_
 
     one_thread_pieces.run_pieces(tile, [(r, c) for r in range(0, rows, ROW_TILE) for c in range(len(tiles))])
     return out
+
+
+def grouped_linear(xs, weights, out_dtype: torch.dtype, row_multiple: int = 16):
+    """``[linear(x, w, out_dtype) for x, w in zip(xs, weights)]``, the same bits, in fewer library calls:
+    weights of at most COLUMN_TILE rows are packed side by side into shared column tiles and their
+    products' rows stacked into shared row tiles, so many small products (a MoE layer's experts: 128
+    output rows, a few dozen token rows each) fill the (ROW_TILE, K) x (K, COLUMN_TILE) calls that
+    ``linear`` would mostly pad with zeros. Every call has ``linear``'s one shape, layout and
+    alignment; only a row's or a column's position inside its tile changes, which does not change its
+    bits (tests/test_gemm_invariance.py: shards starting mid-tile, rows shifted within a tile)."""
+    pairs = list(zip(xs, weights))
+    results = [None] * len(pairs)
+    groups, group, width = [], [], 0
+    for i, (x, w) in enumerate(pairs):
+        _check_call(row_multiple, x, w)
+        same = (x.dtype, w.dtype, x.shape[1]) == (pairs[0][0].dtype, pairs[0][1].dtype, pairs[0][0].shape[1])
+        if w.shape[0] > COLUMN_TILE or not same or x.shape[0] == 0 or w.shape[0] == 0:
+            results[i] = linear(x, w, out_dtype, row_multiple)  # its own calls, as before
+            continue
+        if width + w.shape[0] > COLUMN_TILE:
+            groups.append(group)
+            group, width = [], 0
+        group.append(i)
+        width += w.shape[0]
+    if group:
+        groups.append(group)
+    if not groups:
+        return results
+    first_x, first_w = pairs[groups[0][0]]
+    native_bf16 = first_x.dtype == first_w.dtype == out_dtype == torch.bfloat16 and first_x.device.type == "cpu"
+    dtype = first_x.dtype if native_bf16 else torch.float32
+    k = first_x.shape[1]
+
+    def group_calls(members):  # one group's operands packed (zero-padded, aligned) only while it runs
+        rows = sum(pairs[i][0].shape[0] for i in members)
+        a = torch.zeros((-(-rows // ROW_TILE) * ROW_TILE, k), dtype=dtype)
+        tile = torch.zeros((COLUMN_TILE, k), dtype=dtype)
+        places, r, c = [], 0, 0
+        for i in members:
+            x, w = pairs[i]
+            a[r:r + x.shape[0]].copy_(x)
+            tile[c:c + w.shape[0]].copy_(w)
+            places.append((i, r, c))
+            r, c = r + x.shape[0], c + w.shape[0]
+        out = torch.empty((a.shape[0], COLUMN_TILE), dtype=out_dtype)
+        for r in range(0, a.shape[0], ROW_TILE):
+            out[r:r + ROW_TILE].copy_(torch.mm(a[r:r + ROW_TILE], tile.t()))
+        for i, r, c in places:
+            results[i] = out[r:r + pairs[i][0].shape[0], c:c + pairs[i][1].shape[0]].clone()
+
+    one_thread_pieces.run_pieces(group_calls, groups)
+    return results
 
 
 def grad_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -115,13 +115,14 @@ class BitwiseTraining(CanonicalTree):
                          c=self.profile.canonical_shards)
         return leaves
 
-    def expert_up_proj(self, x, weight, bias, etp_group, gated, rows):
-        """dx by canonical leaves folded across expert TP; dW (and the bias's gradient) per micro-batch."""
+    def expert_up_proj(self, x, weight, bias, etp_group, gated, rows, product=None):
+        """dx by canonical leaves folded across expert TP; dW (and the bias's gradient) per micro-batch
+        (``product``: the forward GEMM's value, computed already)."""
         parts = 2 if gated else 1
         rm = self.row_multiple
 
         def compute(a, w):
-            return invariant_linear(a, w, row_multiple=rm)
+            return invariant_linear(a, w, row_multiple=rm) if product is None else product
 
         out = experts.ExpertUpProj.apply(x, weight, etp_group, self._expert_leaves(weight.shape[0], etp_group, parts),
                                          parts, rows, compute, rm)
@@ -135,6 +136,20 @@ class BitwiseTraining(CanonicalTree):
         partial = experts.ExpertDownProjLeaves.apply(a, weight, leaves, rows, self.row_multiple)
         out = experts.FoldToOwner.apply(partial, etp_group, dtype)
         return out if bias is None else experts.ExpertBias.apply(out, bias, rows, self.row_multiple)
+
+    def expert_down_projs(self, acts, weights, biases, etp_group, dtypes, rows):
+        """Every local expert's ``expert_down_proj``, the leaves' dx of all of them computed together in
+        backward (``experts.ExpertDownProjLeavesTogether``)."""
+        for bias in biases:
+            check_expert_bias(bias, etp_group)
+        if not acts:
+            return []
+        leaves = self.profile.canonical_shards // group_size(etp_group)
+        partials = experts.ExpertDownProjLeavesTogether.apply(leaves, rows, self.row_multiple, len(acts), *acts,
+                                                              *weights)
+        outs = [experts.FoldToOwner.apply(p, etp_group, dtype) for p, dtype in zip(partials, dtypes)]
+        return [out if bias is None else experts.ExpertBias.apply(out, bias, r, self.row_multiple)
+                for out, bias, r in zip(outs, biases, rows)]
 
     def norm(self, module, x):
         """Parameter gradients as canonical token sums (``token_sums``)."""

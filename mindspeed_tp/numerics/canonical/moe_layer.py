@@ -31,15 +31,19 @@ def _groups():
     )
 
 
-def _expert_forward(numerics, expert, x: torch.Tensor, etp_group, config, rows) -> torch.Tensor:
-    """One expert MLP on its rows: the strategy's fc1 shard, activation, the strategy's fc2 across
-    expert TP, each with its bias where the model has them (``rows``: the strategy's record of where the
-    rows come from, or None). The routing weight multiplies the whole output, fc2's bias included, at
-    the combine: megatron's experts scale fc2's bias by it too."""
-    fc1, fc2 = expert.linear_fc1, expert.linear_fc2
-    a = numerics.expert_up_proj(x, fc1.weight, fc1.bias, etp_group, config.gated_linear_unit, rows)
-    a = numerics.mlp_activation(a, config)
-    return numerics.expert_down_proj(a, fc2.weight, fc2.bias, etp_group, x.dtype, rows)
+def _experts_forward(numerics, experts, inputs, etp_group, config, rows) -> list:
+    """The local expert MLPs on their rows: the strategy's fc1 shards, activation, the strategy's fc2
+    across expert TP (all experts' at once, for strategies that compute them together), each with its
+    bias where the model has them (``rows``: the strategy's record of where each expert's rows come
+    from, or None). The routing weight multiplies the whole output, fc2's bias included, at the
+    combine: megatron's experts scale fc2's bias by it too."""
+    fc1s = [e.linear_fc1 for e in experts]
+    ups = numerics.expert_up_projs(inputs, [f.weight for f in fc1s], [f.bias for f in fc1s], etp_group,
+                                   config.gated_linear_unit, rows)
+    acts = [numerics.mlp_activation(a, config) for a in ups]
+    fc2s = [e.linear_fc2 for e in experts]
+    return numerics.expert_down_projs(acts, [f.weight for f in fc2s], [f.bias for f in fc2s], etp_group,
+                                      [x.dtype for x in inputs], rows)
 
 
 def _run_forward_pre_hooks(module) -> None:
@@ -116,8 +120,7 @@ def canonical_moe(numerics, layer, hidden_states, padding_mask, publish_routing)
     rows = numerics.expert_rows(plan, tp_ep, experts)
     # Also an expert no token chose runs (on zero rows), as megatron's experts do: its weights get
     # a (zero) gradient, so DDP's per-bucket gradient-ready count completes (overlap_grad_reduce).
-    outputs = [_expert_forward(numerics, expert, x, etp_group, config, r)
-               for expert, x, r in zip(experts, inputs, rows)]
+    outputs = _experts_forward(numerics, experts, inputs, etp_group, config, rows)
     mine = moe_dispatch.combine(outputs, plan, tp_ep, n_local, k)
     output = combine_slots(mine, probs).to(dtype).reshape(shape)
     shared = getattr(layer, "shared_experts", None)

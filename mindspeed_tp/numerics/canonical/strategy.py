@@ -12,6 +12,7 @@ from ...kernels import moe_dispatch
 from ...kernels import (apply_rope, consistent_attention, dispatch, folded_leaf_partials, invariant_linear,
                        packed_attention, vocab_parallel_logprob)
 from ...kernels.collectives import fold_across_ranks, group_size
+from ...kernels.linear import invariant_linear_values, with_plain_backward
 from ...kernels.context_parallel import cp_attention, packed_cp_attention
 from ...kernels.norm import affine_norm
 from ...kernels.sampling import mask_dropped_vocab, reference_mask
@@ -104,11 +105,26 @@ class CanonicalTree(Numerics):
         """Per local expert, what the strategy's expert GEMMs need to know of their rows (none here)."""
         return [None] * len(experts)
 
-    def expert_up_proj(self, x, weight, bias, etp_group, gated, rows):
-        """An expert's fc1 shard on its rows by the invariant GEMM, then its bias slice (gpt-oss) added
-        in the model dtype, as megatron's expert MLP adds it."""
-        out = invariant_linear(x, weight, row_multiple=self.row_multiple)
+    def expert_up_projs(self, xs, weights, biases, etp_group, gated, rows):
+        """Every local expert's ``expert_up_proj``, their forward GEMMs computed together
+        (``invariant_linear_values``: shared tiles, each product's bits unchanged)."""
+        products = invariant_linear_values(xs, weights, row_multiple=self.row_multiple)
+        return [self.expert_up_proj(x, w, b, etp_group, gated, r, product)
+                for x, w, b, r, product in zip(xs, weights, biases, rows, products)]
+
+    def expert_up_proj(self, x, weight, bias, etp_group, gated, rows, product=None):
+        """An expert's fc1 shard on its rows by the invariant GEMM (``product``: its value, computed
+        already), then its bias slice (gpt-oss) added in the model dtype, as megatron's expert MLP adds it."""
+        if product is None:
+            out = invariant_linear(x, weight, row_multiple=self.row_multiple)
+        else:
+            out = with_plain_backward(x, weight, lambda a, w: product)
         return out if bias is None else out + bias
+
+    def expert_down_projs(self, acts, weights, biases, etp_group, dtypes, rows):
+        """Every local expert's ``expert_down_proj`` (a strategy may compute them together)."""
+        return [self.expert_down_proj(a, w, b, etp_group, d, r)
+                for a, w, b, d, r in zip(acts, weights, biases, dtypes, rows)]
 
     def expert_down_proj(self, a, weight, bias, etp_group, dtype, rows):
         """An expert's fc2 on its rows: leaves folded across expert TP, then its bias added in the model
