@@ -97,8 +97,8 @@ class VllmEngine(RolloutLayout):
         mla.record_latent(module.core_attention, tensors[4], module.linear_kv_up_proj.weight)
 
     def mla_rope(self, t, freqs, mscale, config):
-        """vLLM's DeepSeek YaRN RoPE (its own cos / sin cache; megatron's ``mscale`` is folded in it)."""
-        mla.check(config, self.profile.name)
+        """vLLM's DeepSeek YaRN RoPE (its own cos / sin cache; megatron's ``mscale`` is folded in it). The
+        model was checked at construction (``model_init``), the host at each MLA attention call."""
         return mla.rope(t, config)
 
     def attention(self, module, query, key, value, attention_mask, mask_name, causal):
